@@ -1,0 +1,70 @@
+"""The config schema every family shares, so that overrides read the same everywhere.
+
+A family's config file calls `base_config(family)` and fills in `model.*` and its presets.
+Overrides: `--config.train.lr=1e-3`, `--config.mesh.fsdp=2`, `--config.data.source=text:/path/*.txt`.
+"""
+import ml_collections
+
+
+def base_config(family: str) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.family = family
+  c.preset = ''
+  c.seed = 0
+  c.init_from = ''  # workdir of a run whose parameters initialise this one (fine-tuning)
+
+  c.model = ml_collections.ConfigDict()
+  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
+  c.model.attention = 'auto'  # 'auto' | 'xla' | 'jax_nn'
+  c.model.dropout = 0.1
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = ''  # 'tfds:<name>[:<split>]', 'text:<glob>', 'tsv:<path>' or a built-in name
+  c.data.eval_source = ''  # '' = a deterministic held-out split of `source`
+  c.data.seq_len = 128
+  c.data.tokenizer = 'bpe'  # 'char' | 'bpe' | 'wordpiece'
+  c.data.vocab_size = 8192
+  c.data.lowercase = True
+  c.data.max_examples = 0  # 0 = all; a cap for quick runs
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 1000
+  c.train.batch_size = 32  # global, across all devices and hosts
+  c.train.grad_accum = 1  # micro-batches per step
+  c.train.lr = 3e-4
+  c.train.schedule = 'cosine'  # 'constant' | 'cosine' | 'linear' | 'rsqrt'
+  c.train.warmup_steps = 100
+  c.train.end_lr_fraction = 0.1  # final lr / peak lr for 'cosine' and 'linear'
+  c.train.optimizer = 'adamw'  # 'adamw' | 'adam'
+  c.train.b1 = 0.9
+  c.train.b2 = 0.95
+  c.train.eps = 1e-8
+  c.train.weight_decay = 0.1
+  c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
+  c.train.label_smoothing = 0.0
+  c.train.eval_every = 200
+  c.train.eval_steps = 20  # eval batches per evaluation; 0 = the whole eval split
+  c.train.eval_batch_size = 0  # 0 = train.batch_size
+  c.train.checkpoint_every = 200
+  c.train.keep_checkpoints = 3  # the latest K, plus the best by `best_metric`
+  c.train.best_metric = 'eval/loss'
+  c.train.best_mode = 'min'
+  c.train.log_every = 10
+  c.train.async_checkpoints = True
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1 = all devices not used by the other axes
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  c.decode = ml_collections.ConfigDict()
+  c.decode.max_new_tokens = 64
+  c.decode.temperature = 1.0  # 0 = greedy
+  c.decode.top_k = 0  # 0 = off
+  c.decode.top_p = 1.0  # 1 = off
+  c.decode.beam_size = 4
+  c.decode.length_penalty = 0.6  # GNMT alpha
+  c.decode.max_len_ratio = 1.5  # beam search: max target length = ratio * source length + 10
+  c.decode.num_samples = 3
+  c.decode.prompts = ''  # '|'-separated prompts printed after training
+  return c

@@ -1,0 +1,69 @@
+"""GPT-2 language model on the Python standard library's source code (offline, built in).
+
+Command (the CPU main job; about 6 minutes on 2 cores):
+  python launch.py --config=configs/gpt.py:default
+Expected result: eval loss about 1.9 nats/token (perplexity about 7) on held-out stdlib files with
+a 2,048-token byte-level BPE, and code-like samples. (Measured: see README, "GPT".)
+
+Presets:
+  tiny         tests: seconds, character-level
+  default      the CPU main job above
+  gpt2         GPT-2 small, exactly 124,439,808 parameters (vocab 50,257, 1,024 positions)
+  gpt2-medium  GPT-2 medium, 354,823,168 parameters
+  bench        the reference benchmark shapes (6 layers, 384 wide, 6 heads, vocab 8,192, batch 8 x 256)
+
+Other data: --config.data.source=text:'/path/*.txt' or tfds:<name>[:<split>] (a 'text' feature).
+"""
+from configs.base import base_config
+
+PRESETS = {
+    'tiny': dict(model=dict(num_layers=2, num_heads=2, width=32, max_len=64, dropout=0.0),
+                 data=dict(tokenizer='char', seq_len=32, max_examples=2000),
+                 train=dict(steps=20, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=10, eval_steps=2,
+                            checkpoint_every=10, log_every=5),
+                 decode=dict(max_new_tokens=16)),
+    'default': dict(model=dict(num_layers=4, num_heads=4, width=256, max_len=256, dropout=0.0),
+                    data=dict(tokenizer='bpe', vocab_size=2048, seq_len=128),
+                    train=dict(steps=600, batch_size=32, lr=2e-3, warmup_steps=50, eval_every=200, eval_steps=20,
+                               checkpoint_every=200, log_every=20),
+                    decode=dict(max_new_tokens=96, temperature=0.7, top_k=40,
+                                prompts='def fibonacci(n):|import os\n\n\nclass |    for key, value in ')),
+    'gpt2': dict(model=dict(num_layers=12, num_heads=12, width=768, max_len=1024, dropout=0.1),
+                 data=dict(tokenizer='bpe', vocab_size=50257, seq_len=1024),
+                 train=dict(steps=600000, batch_size=512, lr=6e-4, warmup_steps=2000, eval_every=2000,
+                            checkpoint_every=2000)),
+    'gpt2-medium': dict(model=dict(num_layers=24, num_heads=16, width=1024, max_len=1024, dropout=0.1),
+                        data=dict(tokenizer='bpe', vocab_size=50257, seq_len=1024),
+                        train=dict(steps=600000, batch_size=512, lr=3e-4, warmup_steps=2000, eval_every=2000,
+                                   checkpoint_every=2000)),
+    'bench': dict(model=dict(num_layers=6, num_heads=6, width=384, max_len=256, dropout=0.0),
+                  data=dict(tokenizer='bpe', vocab_size=8192, seq_len=256),
+                  train=dict(batch_size=8, weight_decay=0.0, grad_clip=0.0),
+                  decode=dict(max_new_tokens=128, temperature=0.0)),
+}
+
+
+def get_config(preset: str = 'default'):
+  if preset not in PRESETS:
+    raise ValueError(f'Unknown gpt preset {preset!r}; choose one of {sorted(PRESETS)}.')
+  c = base_config('gpt')
+  c.preset = preset
+  c.data.source = 'pystdlib'
+  c.model.num_layers = 4
+  c.model.num_heads = 4
+  c.model.width = 256
+  c.model.mlp_ratio = 4
+  c.model.max_len = 256
+  c.model.layer_norm_epsilon = 1e-5
+  c.decode.temperature = 0.8
+  c.decode.top_k = 40
+  for section, values in PRESETS[preset].items():
+    c[section].update(values)
+  return c
+
+
+def validate(config):
+  from configs.validation import ConfigError
+  if config.data.seq_len > config.model.max_len:
+    raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
+                      f'{config.model.max_len}; raise model.max_len or lower data.seq_len.')

@@ -1,0 +1,116 @@
+"""Config validation, run before anything is built or written.
+
+Each problem is reported in one message naming the key and the fix: unknown keys (checked
+against the family's own `get_config`), wrong types, impossible values (heads not dividing the
+width, a mesh larger than the devices, a batch the data axes cannot split).
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+
+import jax
+import ml_collections
+
+
+class ConfigError(ValueError):
+  pass
+
+
+def _flatten(config, prefix=''):
+  out = {}
+  for key, value in config.items():
+    name = f'{prefix}{key}'
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      out.update(_flatten(value, name + '.'))
+    else:
+      out[name] = value
+  return out
+
+
+def reference_config(config) -> ml_collections.ConfigDict:
+  """The family's schema: `configs/<family>.py`'s get_config for the same preset."""
+  family = config.get('family')
+  if not family:
+    raise ConfigError('config.family is missing: configs must start from configs.base.base_config(family).')
+  try:
+    module = importlib.import_module(f'configs.{family}')
+  except ModuleNotFoundError as e:
+    raise ConfigError(f'Unknown family {family!r}: there is no configs/{family}.py.') from e
+  preset = config.get('preset') or 'default'
+  return module.get_config(preset)
+
+
+def check_keys_and_types(config, reference) -> None:
+  given, expected = _flatten(config), _flatten(reference)
+  for key, value in given.items():
+    if key not in expected:
+      close = difflib.get_close_matches(key, list(expected), n=1)
+      hint = f" Did you mean '{close[0]}'?" if close else ''
+      raise ConfigError(f"Unknown config key '{key}'.{hint} Valid keys are listed in configs/{config.family}.py "
+                        f'and configs/base.py.')
+    want = type(expected[key])
+    if expected[key] is None or value is None:
+      continue
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+      continue
+    if not isinstance(value, want):
+      raise ConfigError(f"config.{key} must be {want.__name__}, got {value!r} ({type(value).__name__}); "
+                        f'e.g. --config.{key}={expected[key]!r}.')
+
+
+def check_values(config) -> None:
+  t, m, mesh = config.train, config.model, config.mesh
+  positive = {'train.steps': t.steps, 'train.batch_size': t.batch_size, 'train.grad_accum': t.grad_accum,
+              'train.eval_every': t.eval_every, 'train.checkpoint_every': t.checkpoint_every,
+              'train.log_every': t.log_every, 'train.keep_checkpoints': t.keep_checkpoints,
+              'data.seq_len': config.data.seq_len}
+  for key, value in positive.items():
+    if value <= 0:
+      raise ConfigError(f'config.{key}={value} must be positive.')
+  if t.lr <= 0:
+    raise ConfigError(f'config.train.lr={t.lr} must be positive.')
+  from train.optim import SCHEDULES
+  if t.schedule not in SCHEDULES:
+    raise ConfigError(f'config.train.schedule={t.schedule!r} is not one of {SCHEDULES}.')
+  if m.get('dtype') not in (None, 'float32', 'bfloat16', 'float16'):
+    raise ConfigError(f"config.model.dtype={m.dtype!r}: use 'float32', 'bfloat16' or 'float16'.")
+  from models.attention import ATTENTION_IMPLEMENTATIONS
+  if m.get('attention') is not None and m.attention not in ATTENTION_IMPLEMENTATIONS:
+    raise ConfigError(f'config.model.attention={m.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}.')
+  width, heads = m.get('width'), m.get('num_heads')
+  if width is not None and heads is not None and (heads <= 0 or width % heads):
+    raise ConfigError(f'config.model.num_heads={heads} does not divide config.model.width={width}; '
+                      f'choose num_heads among the divisors of width.')
+  if not 0 <= m.get('dropout', 0.0) < 1:
+    raise ConfigError(f'config.model.dropout={m.dropout} must be in [0, 1).')
+  from train import sharding
+  devices = jax.device_count()
+  try:
+    sizes = sharding.mesh_shape(mesh, devices)
+  except ValueError as e:
+    raise ConfigError(f'config.mesh: {e}') from e
+  if any(s <= 0 for s in sizes.values()):
+    raise ConfigError(f'config.mesh sizes must be positive or -1, got {dict(mesh)}.')
+  data_parallel = sizes['data'] * sizes['fsdp']
+  per_step = data_parallel * t.grad_accum
+  if t.batch_size % per_step:
+    raise ConfigError(f'config.train.batch_size={t.batch_size} is not divisible by mesh data x fsdp x '
+                      f'train.grad_accum = {sizes["data"]} x {sizes["fsdp"]} x {t.grad_accum}; '
+                      f'use a multiple of {per_step}.')
+  eval_batch = t.eval_batch_size or t.batch_size
+  if eval_batch % data_parallel:
+    raise ConfigError(f'config.train.eval_batch_size={eval_batch} is not divisible by mesh data x fsdp = '
+                      f'{data_parallel}.')
+  if t.batch_size % jax.process_count():
+    raise ConfigError(f'config.train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} '
+                      f'processes.')
+
+
+def validate_config(config) -> None:
+  """Raise ConfigError describing the first problem found."""
+  check_keys_and_types(config, reference_config(config))
+  check_values(config)
+  family_check = getattr(importlib.import_module(f'configs.{config.family}'), 'validate', None)
+  if family_check is not None:
+    family_check(config)

@@ -1,0 +1,222 @@
+"""Tokenizers: character-level, byte-level BPE and WordPiece, all saved with the run and reloaded by it.
+
+BPE and WordPiece are trained and run by Hugging Face `tokenizers`; this module only picks their
+settings and gives every tokenizer the same small interface:
+
+  encode(text) -> list[int]     decode(ids) -> str     vocab_size     special ids (pad_id, ...)
+  save(directory)               load_tokenizer(directory)
+
+The file written is `<directory>/tokenizer.json` (plus `tokenizer_meta.json` naming the kind).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Iterator
+
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+META_FILE = 'tokenizer_meta.json'
+TOKENIZER_FILE = 'tokenizer.json'
+# Special tokens every tokenizer reserves, in this order: ids 0..3.
+PAD, BOS, EOS, UNK = '<pad>', '<bos>', '<eos>', '<unk>'
+BERT_SPECIALS = ('[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]')
+
+
+class Tokenizer:
+  """Common interface; subclasses define `encode`, `decode`, `vocab_size` and `_save`."""
+  kind: str = ''
+
+  def token_id(self, token: str) -> int | None:
+    raise NotImplementedError
+
+  def id_to_token(self, index: int) -> str:
+    raise NotImplementedError
+
+  @property
+  def pad_id(self) -> int:
+    return self._special(PAD, '[PAD]')
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._special(BOS, '[CLS]')
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._special(EOS, '[SEP]')
+
+  @property
+  def unk_id(self) -> int | None:
+    return self._special(UNK, '[UNK]')
+
+  def _special(self, *names):
+    for name in names:
+      index = self.token_id(name)
+      if index is not None:
+        return index
+    return None
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    return [self.encode(t) for t in texts]
+
+  def save(self, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    self._save(os.path.join(directory, TOKENIZER_FILE))
+    with open(os.path.join(directory, META_FILE), 'w') as f:
+      json.dump({'kind': self.kind}, f)
+
+
+class CharTokenizer(Tokenizer):
+  """One id per character seen in training; unseen characters map to <unk>."""
+  kind = 'char'
+
+  def __init__(self, chars: Iterable[str]):
+    self.vocab = [PAD, BOS, EOS, UNK] + sorted(set(chars) - {PAD, BOS, EOS, UNK})
+    self._ids = {c: i for i, c in enumerate(self.vocab)}
+
+  @classmethod
+  def train(cls, texts: Iterable[str]) -> 'CharTokenizer':
+    chars = set()
+    for text in texts:
+      chars.update(text)
+    return cls(chars)
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.vocab)
+
+  def token_id(self, token):
+    return self._ids.get(token)
+
+  def id_to_token(self, index):
+    return self.vocab[index]
+
+  def encode(self, text: str) -> list[int]:
+    unk = self._ids[UNK]
+    return [self._ids.get(c, unk) for c in text]
+
+  def decode(self, ids) -> str:
+    return ''.join(self.vocab[i] for i in ids if i > 3 and i < len(self.vocab))
+
+  def _save(self, path):
+    with open(path, 'w') as f:
+      json.dump({'vocab': self.vocab}, f)
+
+  @classmethod
+  def _load(cls, path):
+    with open(path) as f:
+      tok = cls([])
+      tok.vocab = json.load(f)['vocab']
+      tok._ids = {c: i for i, c in enumerate(tok.vocab)}
+      return tok
+
+
+class HFTokenizer(Tokenizer):
+  """A Hugging Face `tokenizers.Tokenizer` (BPE or WordPiece) behind the common interface."""
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, kind: str):
+    self.tokenizer = tokenizer
+    self.kind = kind
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tokenizer.get_vocab_size()
+
+  def token_id(self, token):
+    return self.tokenizer.token_to_id(token)
+
+  def id_to_token(self, index):
+    return self.tokenizer.id_to_token(index)
+
+  def encode(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts):
+    return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+  def encode_pair(self, text_a: str, text_b: str | None = None):
+    """BERT input: ([CLS] a [SEP] (b [SEP])) ids and segment ids (WordPiece only)."""
+    encoding = self.tokenizer.encode(text_a, text_b, add_special_tokens=True)
+    return encoding.ids, encoding.type_ids
+
+  def decode(self, ids) -> str:
+    return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+  def _save(self, path):
+    self.tokenizer.save(path)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:
+  """Byte-level BPE (GPT-2 style): no unknown tokens, whitespace kept in the tokens."""
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[PAD, BOS, EOS, UNK],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  tokenizer.train_from_iterator(_batched(texts), trainer=trainer)
+  return HFTokenizer(tokenizer, 'bpe')
+
+
+def bert_normalizer(lowercase: bool):
+  return normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                    lowercase=lowercase)
+
+
+def configure_wordpiece(tokenizer: tokenizers.Tokenizer, lowercase: bool) -> tokenizers.Tokenizer:
+  """BERT's pipeline around a WordPiece model: normalizer, pre-tokenizer, [CLS]/[SEP] template."""
+  tokenizer.normalizer = bert_normalizer(lowercase)
+  tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  tokenizer.decoder = decoders.WordPiece(prefix='##')
+  cls_id, sep_id = tokenizer.token_to_id('[CLS]'), tokenizer.token_to_id('[SEP]')
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single='[CLS] $A [SEP]', pair='[CLS] $A [SEP] $B:1 [SEP]:1',
+      special_tokens=[('[CLS]', cls_id), ('[SEP]', sep_id)])
+  return tokenizer
+
+
+def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = True,
+                    min_frequency: int = 2) -> HFTokenizer:
+  """BERT-style WordPiece with [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0..4."""
+  tokenizer = tokenizers.Tokenizer(models.WordPiece(unk_token='[UNK]'))
+  tokenizer.normalizer = bert_normalizer(lowercase)
+  tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                      special_tokens=list(BERT_SPECIALS), show_progress=False)
+  tokenizer.train_from_iterator(_batched(texts), trainer=trainer)
+  return HFTokenizer(configure_wordpiece(tokenizer, lowercase), 'wordpiece')
+
+
+def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int, lowercase: bool = True) -> Tokenizer:
+  """Train the tokenizer named by `data.tokenizer`: 'char', 'bpe' or 'wordpiece'."""
+  if kind == 'char':
+    return CharTokenizer.train(texts)
+  if kind == 'bpe':
+    return train_bpe(texts, vocab_size)
+  if kind == 'wordpiece':
+    return train_wordpiece(texts, vocab_size, lowercase=lowercase)
+  raise ValueError(f"Unknown tokenizer kind {kind!r}: use 'char', 'bpe' or 'wordpiece'.")
+
+
+def load_tokenizer(directory: str) -> Tokenizer:
+  meta_path = os.path.join(directory, META_FILE)
+  path = os.path.join(directory, TOKENIZER_FILE)
+  if not os.path.exists(meta_path) or not os.path.exists(path):
+    raise FileNotFoundError(f'No tokenizer in {directory} ({TOKENIZER_FILE} and {META_FILE} expected).')
+  with open(meta_path) as f:
+    kind = json.load(f)['kind']
+  if kind == 'char':
+    return CharTokenizer._load(path)
+  return HFTokenizer(tokenizers.Tokenizer.from_file(path), kind)
+
+
+def _batched(texts: Iterable[str], size: int = 1000) -> Iterator[list[str]]:
+  batch = []
+  for text in texts:
+    batch.append(text)
+    if len(batch) == size:
+      yield batch
+      batch = []
+  if batch:
+    yield batch

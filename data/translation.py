@@ -1,0 +1,227 @@
+"""Translation data: sentence pairs -> joint subword vocabulary -> fixed-length id arrays.
+
+Sources (`data.source`):
+  numbers_en_fr            built-in and offline: English number words -> French number words
+                           (num2words), generated deterministically from the seed
+  tsv:<path>               one `source<TAB>target` pair per line; split 90/5/5 by a hash of the line
+  tfds:<name>[:<split>]    a TFDS translation set, e.g. tfds:wmt14_translate/de-en; the language
+                           pair is read from the name ('de-en': German -> English) unless
+                           data.source_lang / data.target_lang say otherwise
+`data.eval_source` (same syntax) replaces the validation and test pairs.
+
+Every example is a dict of int32 arrays, padded with the tokenizer's pad id:
+  source      [S]  source ids + EOS
+  target_in   [T]  BOS + target ids (the decoder input, shifted right)
+  target_out  [T]  target ids + EOS (what the decoder predicts)
+One BPE or WordPiece vocabulary is trained on both sides of the training pairs (a joint
+vocabulary, so embeddings can be shared) and saved in the run's workdir.
+
+Shared by the Transformer (train/tasks/transformer.py) and the RNN seq2seq families.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import grain
+import numpy as np
+
+from data import sources
+from data.tokenizers import Tokenizer, load_tokenizer, train_tokenizer
+
+Pair = tuple[str, str]
+TSV_FRACTIONS = (0.9, 0.05, 0.05)
+# numbers_en_fr: pairs per split, and how many of each kind of number are drawn.
+NUMBERS_SIZES = (50_000, 1_000, 1_000)
+NUMBERS_KINDS = (('cardinal', 0.55), ('ordinal', 0.3), ('year', 0.15))
+NUMBERS_MAX_DIGITS = 6
+NUMBERS_YEARS = (1100, 2100)
+# Numbers up to this one (both as cardinals and ordinals) are the lexicon and always in training.
+NUMBERS_LEXICON = 100
+
+
+@dataclasses.dataclass
+class Splits:
+  """Raw (source, target) text pairs of each split."""
+  train: list[Pair]
+  validation: list[Pair]
+  test: list[Pair]
+
+
+# ----------------------------------------------------------------------------- numbers_en_fr
+def number_pair(kind: str, n: int) -> Pair:
+  """('one hundred and twenty-first', 'cent vingt et unième') for ('ordinal', 121)."""
+  from num2words import num2words
+  return num2words(n, to=kind, lang='en'), num2words(n, to=kind, lang='fr')
+
+
+def _draw_number(rng: np.random.Generator) -> tuple[str, int]:
+  kinds, weights = zip(*NUMBERS_KINDS)
+  kind = kinds[rng.choice(len(kinds), p=weights)]
+  if kind == 'year':
+    return kind, int(rng.integers(*NUMBERS_YEARS))
+  digits = int(rng.integers(1, NUMBERS_MAX_DIGITS + 1))  # uniform over magnitudes, not values
+  return kind, int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits))
+
+
+def numbers_en_fr(seed: int = 0, sizes: tuple[int, int, int] = NUMBERS_SIZES) -> Splits:
+  """English -> French number words: cardinals, ordinals and years below a million.
+
+  Numbers are drawn from `seed` (uniform number of digits, then uniform value) and deduplicated
+  by their English text; each goes to train, validation or test by a hash of that text, so the
+  held-out numbers never occur in training. The lexicon (every cardinal and ordinal up to
+  NUMBERS_LEXICON) is always in training: held-out numbers are new compositions of known words.
+  """
+  lexicon = {}
+  for n in range(NUMBERS_LEXICON + 1):
+    for kind in ('cardinal', 'ordinal'):
+      en, fr = number_pair(kind, n)
+      lexicon[en] = fr
+  rng = np.random.default_rng(seed)
+  pool: dict[str, str] = {}
+  wanted = int(sum(sizes) * 1.1)  # hash splits are uneven: draw a margin, then cut to size
+  while len(pool) < wanted:
+    en, fr = number_pair(*_draw_number(rng))
+    if en not in lexicon:
+      pool.setdefault(en, fr)
+  keys = list(pool)
+  parts = sources.deterministic_split(keys, [s / sum(sizes) for s in sizes], seed)
+  train, validation, test = ([(keys[i], pool[keys[i]]) for i in part[:size]] for part, size in zip(parts, sizes))
+  return Splits(list(lexicon.items()) + train, validation, test)
+
+
+# ----------------------------------------------------------------------------- files and TFDS
+def read_tsv(path: str) -> list[Pair]:
+  """`source<TAB>target` lines -> pairs; blank lines are skipped, anything else malformed is an error."""
+  path = os.path.expanduser(path)
+  if not os.path.isfile(path):
+    raise sources.DataError(f'tsv:{path} does not exist; give the path of a file with one '
+                            f'source<TAB>target pair per line.')
+  pairs = []
+  with open(path, encoding='utf-8', errors='strict') as f:
+    try:
+      lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+      raise sources.DataError(f'tsv:{path} is not UTF-8 ({e}); convert it first.') from e
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    fields = line.split('\t')
+    if len(fields) != 2 or not fields[0].strip() or not fields[1].strip():
+      raise sources.DataError(f'tsv:{path} line {number} is not "source<TAB>target" '
+                              f'({len(fields)} tab-separated fields): {line[:80]!r}.')
+    pairs.append((fields[0].strip(), fields[1].strip()))
+  if not pairs:
+    raise sources.DataError(f'tsv:{path} holds no pairs.')
+  return pairs
+
+
+def language_pair(name: str, data_config) -> tuple[str, str]:
+  """(source, target) language keys: data.source_lang/target_lang, else from 'wmt14_translate/de-en'."""
+  source_lang = data_config.get('source_lang', '')
+  target_lang = data_config.get('target_lang', '')
+  if source_lang and target_lang:
+    return source_lang, target_lang
+  languages = name.rpartition('/')[2].split('-')
+  if len(languages) != 2:
+    raise sources.DataError(f'Cannot read a language pair from tfds:{name}; set '
+                            f'--config.data.source_lang and --config.data.target_lang.')
+  return languages[0], languages[1]
+
+
+def tfds_pairs(name: str, split: str, source_lang: str, target_lang: str) -> list[Pair]:
+  records = sources.tfds_records(name, split)
+  pairs = []
+  for i in range(len(records)):
+    record = records[i]
+    if source_lang not in record or target_lang not in record:
+      raise sources.DataError(f'tfds:{name}:{split} has features {sorted(record)}, not {source_lang!r} and '
+                              f'{target_lang!r}; set data.source_lang and data.target_lang.')
+    text = lambda value: (value.decode('utf-8') if isinstance(value, bytes) else str(value)).strip()
+    pairs.append((text(record[source_lang]), text(record[target_lang])))
+  if not pairs:
+    raise sources.DataError(f'tfds:{name}:{split} is empty.')
+  return pairs
+
+
+def _read(source: str, data_config, seed: int) -> Splits:
+  kind, argument = sources.parse_source(source)
+  if kind == 'numbers_en_fr':
+    return numbers_en_fr(seed)
+  if kind == 'tsv':
+    pairs = read_tsv(argument)
+    parts = sources.deterministic_split([f'{s}\t{t}' for s, t in pairs], TSV_FRACTIONS, seed)
+    train, validation, test = ([pairs[i] for i in part] for part in parts)
+    if not validation or not test:
+      raise sources.DataError(f'tsv:{argument} has {len(pairs)} pairs, too few to hold out validation and '
+                              f'test pairs; add more or set data.eval_source.')
+    return Splits(train, validation, test)
+  if kind == 'tfds':
+    name, split = sources.split_tfds_source(argument, 'train')
+    languages = language_pair(name, data_config)
+    if split != 'train':  # an explicit split is what the caller wants for every role
+      pairs = tfds_pairs(name, split, *languages)
+      return Splits(pairs, pairs, pairs)
+    return Splits(*(tfds_pairs(name, s, *languages) for s in ('train', 'validation', 'test')))
+  raise sources.DataError(f'Unknown translation source {source!r}: use numbers_en_fr, tsv:<path> or '
+                          f'tfds:<name>[:<split>] (e.g. tfds:wmt14_translate/de-en).')
+
+
+def load_pairs(data_config, seed: int) -> Splits:
+  """The raw pairs named by data.source (and data.eval_source); data.max_examples caps training."""
+  splits = _read(data_config.source, data_config, seed)
+  if data_config.eval_source:
+    held_out = _read(data_config.eval_source, data_config, seed)
+    splits = Splits(splits.train, held_out.test, held_out.test)
+  if data_config.max_examples:
+    splits.train = splits.train[: data_config.max_examples]
+  return splits
+
+
+# ----------------------------------------------------------------------------- tokens
+def get_tokenizer(data_config, workdir: str, train_pairs: list[Pair]) -> Tokenizer:
+  """The joint vocabulary of both languages: reloaded from `workdir` if saved there, else trained
+  on the training pairs (data.tokenizer, data.vocab_size) and saved."""
+  if os.path.exists(os.path.join(workdir, 'tokenizer.json')):
+    return load_tokenizer(workdir)
+  texts = [text for pair in train_pairs for text in pair]
+  tokenizer = train_tokenizer(data_config.tokenizer, texts, data_config.vocab_size, data_config.lowercase)
+  for name in ('bos_id', 'eos_id', 'pad_id'):
+    if getattr(tokenizer, name) is None:
+      raise ValueError(f'Tokenizer {data_config.tokenizer!r} has no {name[:-3]} token; use bpe or wordpiece.')
+  tokenizer.save(workdir)
+  return tokenizer
+
+
+def encode_pairs(tokenizer: Tokenizer, pairs: list[Pair], source_len: int, target_len: int, *,
+                 drop_long: bool) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """Tokenize and pad pairs into the example arrays described in the module docstring.
+
+  Args:
+    source_len / target_len: S and T; EOS (and BOS) take one position each.
+    drop_long: drop pairs that do not fit (training); otherwise truncate them, keeping EOS,
+      so every pair keeps its row (evaluation against references).
+  Returns:
+    ({'source': [N, S], 'target_in': [N, T], 'target_out': [N, T]} int32, [N] indices of the kept
+    pairs in `pairs`).
+  """
+  pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+  source_ids = tokenizer.encode_batch([s for s, _ in pairs])
+  target_ids = tokenizer.encode_batch([t for _, t in pairs])
+  kept = [i for i in range(len(pairs))
+          if not drop_long or (len(source_ids[i]) < source_len and len(target_ids[i]) < target_len)]
+  arrays = {name: np.full((len(kept), length), pad, np.int32)
+            for name, length in (('source', source_len), ('target_in', target_len), ('target_out', target_len))}
+  for row, i in enumerate(kept):
+    source = source_ids[i][: source_len - 1] + [eos]
+    target = target_ids[i][: target_len - 1]
+    arrays['source'][row, : len(source)] = source
+    arrays['target_in'][row, : len(target) + 1] = [bos] + target
+    arrays['target_out'][row, : len(target) + 1] = target + [eos]
+  return arrays, np.asarray(kept, np.int64)
+
+
+def as_dataset(arrays: dict[str, np.ndarray]) -> grain.MapDataset:
+  """Row i of every array -> one example dict."""
+  count = len(next(iter(arrays.values())))
+  return grain.MapDataset.source(np.arange(count)).map(lambda i: {k: v[i] for k, v in arrays.items()})

@@ -1,0 +1,183 @@
+"""The one launcher: train, evaluate, predict with, or import any model family.
+
+  python launch.py                                            # the default main job (configs/default.py)
+  python launch.py --config=configs/gpt.py:tiny --config.train.steps=50 --workdir=runs/try
+  python launch.py --mode=eval --workdir=runs/try             # metrics of the latest checkpoint
+  echo 'def main():' | python launch.py --mode=predict --workdir=runs/try --input=-
+  python launch.py --config=configs/gpt.py:gpt2 --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2
+
+`train` resumes when `--workdir` holds a checkpoint. `eval` and `predict` read the run's own
+config.json unless `--config` is given. Each mode but `train` ends with one JSON line on stdout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].', lock_config=True)
+flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config>-<preset>-<timestamp>).')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf'], 'What to do.')
+flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - for stdin.')
+flags.DEFINE_string('output', None, 'predict: also write the outputs here, one JSON value per line.')
+flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory.')
+flags.DEFINE_bool('distributed', None, 'Call jax.distributed.initialize() (default: auto-detect a '
+                  'multi-process launch on TPU pods, SLURM, or when --coordinator_address is set).')
+flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for manual multi-process launches.')
+flags.DEFINE_integer('num_processes', None, 'Number of processes, for manual multi-process launches.')
+flags.DEFINE_integer('process_id', None, 'This process index, for manual multi-process launches.')
+FLAGS = flags.FLAGS
+
+USER_ERRORS = ('ConfigError', 'DataError', 'CheckpointError', 'TrainingDiverged', 'FileNotFoundError',
+               'NotImplementedError')
+
+
+def default_workdir(config_arg: str) -> str:
+  path, _, preset = config_arg.partition(':')
+  name = os.path.splitext(os.path.basename(path))[0]
+  return os.path.join('runs', f'{name}-{preset or "default"}-{time.strftime("%Y%m%d-%H%M%S")}')
+
+
+def maybe_initialize_distributed() -> None:
+  import jax
+  auto = any(os.environ.get(v) for v in ('TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDINATOR_ADDRESS')) or \
+      int(os.environ.get('SLURM_NTASKS', '1')) > 1 or FLAGS.coordinator_address is not None
+  if FLAGS.distributed or (FLAGS.distributed is None and auto):
+    jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
+                               process_id=FLAGS.process_id)
+
+
+def read_lines(path: str) -> list[str]:
+  if path == '-':
+    return [line.rstrip('\n') for line in sys.stdin]
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'--input={path} does not exist; pass a file with one input per line, or - for stdin.')
+  with open(path) as f:
+    return [line.rstrip('\n') for line in f]
+
+
+def run_config(workdir: str):
+  """The config for eval/predict: --config when given, else the run's own config.json."""
+  if FLAGS['config'].present:
+    return FLAGS.config
+  from train.checkpoint import read_config
+  return read_config(workdir)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
+  maybe_initialize_distributed()
+  import jax
+  from configs.validation import validate_config
+  from train import trainer
+  from train.checkpoint import load_run
+  config_arg = FLAGS['config'].config_filename if hasattr(FLAGS['config'], 'config_filename') else 'default'
+  workdir = FLAGS.workdir or default_workdir(config_arg)
+  mode = FLAGS.mode
+  if mode != 'train' and not FLAGS.workdir:
+    raise app.UsageError(f'--mode={mode} needs --workdir.')
+  if mode == 'train':
+    validate_config(FLAGS.config)
+    if jax.process_index() == 0:
+      print(f'workdir: {workdir}', flush=True)
+    results = trainer.train_and_evaluate(FLAGS.config, workdir)
+    if jax.process_index() == 0:
+      if not results.get('preempted'):
+        print('\nReload this run (Python or Colab):\n'
+              '  from train.checkpoint import load_run\n'
+              f'  run = load_run({workdir!r})\n'
+              "  run.predict(['...'])   # or call run.model(...) directly\n", flush=True)
+      print(json.dumps({'mode': 'train', 'workdir': workdir, **_jsonable(results)}), flush=True)
+  elif mode == 'eval':
+    results = trainer.evaluate_run(run_config(workdir), workdir)
+    print(json.dumps({'mode': 'eval', 'workdir': workdir, **_jsonable(results)}), flush=True)
+  elif mode == 'predict':
+    lines = read_lines(FLAGS.input)
+    if not lines:
+      raise FileNotFoundError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
+    run = load_run(workdir)
+    outputs = _jsonable(run.predict(lines))
+    if FLAGS.output:
+      with open(FLAGS.output, 'w') as f:
+        f.writelines(json.dumps(o) + '\n' for o in outputs)
+    for line, output in zip(lines, outputs):
+      print(f'>>> {line}\n{output}', flush=True)
+    print(json.dumps({'mode': 'predict', 'workdir': workdir, 'step': run.step, 'outputs': outputs}), flush=True)
+  elif mode == 'import_hf':
+    if not FLAGS.hf_dir:
+      raise app.UsageError('--mode=import_hf needs --hf_dir=DIR (config.json + weights).')
+    results = trainer.import_hf_run(FLAGS.config, FLAGS.hf_dir, workdir)
+    print(json.dumps({'mode': 'import_hf', 'workdir': workdir, **_jsonable(results)}), flush=True)
+
+
+def _jsonable(value):
+  import numpy as np
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, np.ndarray):
+    return value.tolist()
+  if isinstance(value, (np.floating, np.integer)):
+    return value.item()
+  return value
+
+
+def _unknown_override(argv) -> str | None:
+  """The message for the first `--config.<key>=` override whose key the config file lacks."""
+  import difflib
+  import importlib.util
+  spec_arg = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), 'configs/default.py')
+  path, _, preset = spec_arg.partition(':')
+  spec = importlib.util.spec_from_file_location('_launch_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(preset) if preset else module.get_config()
+  from configs.validation import _flatten
+  known = _flatten(config)
+  for arg in argv:
+    if arg.startswith('--config.'):
+      key = arg[len('--config.'):].split('=', 1)[0]
+      if key not in known and not any(k.startswith(key + '.') for k in known):
+        close = difflib.get_close_matches(key, list(known), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ''
+        return f"Unknown config key '{key}'.{hint} Valid keys are listed in {path} and configs/base.py."
+  return None
+
+
+def parse_flags(argv):
+  """absl flag parsing, with config override mistakes (unknown key, bad value) as one clear line."""
+  try:
+    return FLAGS(argv)
+  except Exception as e:  # noqa: BLE001 - config_flags raises AttributeError/KeyError/ValueError
+    try:
+      message = _unknown_override(argv)
+    except Exception:  # noqa: BLE001 - the config file itself is broken: show the original error
+      message = None
+    if message is None:
+      message = 'bad flag or config override: ' + str(e).strip().replace('\\n', ' ').replace("\\'", "'")
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(1)
+
+
+def run_main(argv):
+  """Known user errors end with one message and exit status 1, not a traceback."""
+  try:
+    main(argv)
+  except Exception as e:  # noqa: BLE001 - filtered by name right below
+    if type(e).__name__ in USER_ERRORS or isinstance(e, OSError) or (
+        isinstance(e, ValueError) and 'config' in str(e).lower()):
+      print(f'error: {e}', file=sys.stderr, flush=True)
+      sys.exit(1)
+    raise
+
+
+if __name__ == '__main__':
+  app.run(run_main, flags_parser=parse_flags)

@@ -1,0 +1,103 @@
+"""Transformer building blocks shared by GPT, BERT, the translation Transformer and the classifier.
+
+Shape legend: B batch, L length, E model width, F feed-forward width.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import MultiHeadAttention
+
+ACTIVATIONS = {
+    'relu': jax.nn.relu,
+    'gelu': functools.partial(jax.nn.gelu, approximate=False),
+    'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True),  # GPT-2's "gelu_new"
+}
+
+
+def sinusoidal_positions(max_len: int, features: int) -> np.ndarray:
+  """[max_len, features] table PE(pos, 2i) = sin(pos / 10000^(2i/E)), PE(pos, 2i+1) = cos(...)."""
+  position = np.arange(max_len, dtype=np.float64)[:, None]
+  inv_freq = np.power(10000.0, -np.arange(0, features, 2, dtype=np.float64) / features)
+  table = np.zeros((max_len, features), dtype=np.float64)
+  table[:, 0::2] = np.sin(position * inv_freq)
+  table[:, 1::2] = np.cos(position * inv_freq[: features // 2])
+  return table.astype(np.float32)
+
+
+class FeedForward(nnx.Module):
+  """Position-wise FFN: Linear(E -> F), activation, dropout, Linear(F -> E). [B, L, E] -> [B, L, E]."""
+
+  def __init__(self, features: int, hidden: int, *, rngs: nnx.Rngs, activation: str = 'relu',
+               dropout: float = 0.0, dtype: Any = None):
+    self.up = nnx.Linear(features, hidden, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(hidden, features, dtype=dtype, rngs=rngs)
+    self.activation = ACTIVATIONS[activation]
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+  def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    return self.down(self.dropout(self.activation(self.up(x)), deterministic=deterministic))
+
+
+class TransformerBlock(nnx.Module):
+  """Self-attention (+ optional cross-attention) + FFN, each in dropout + residual + LayerNorm.
+
+  `pre_norm=False` is the post-LN block of "Attention Is All You Need" and BERT
+  (x = LN(x + Dropout(sublayer(x)))); `pre_norm=True` is GPT-2's (x = x + Dropout(sublayer(LN(x)))).
+
+  Call:
+    x: [B, L, E]; mask: self-attention mask, bool broadcastable to [B, H, L, L_keys].
+    context: [B, Lc, E] encoder output for cross-attention; context_mask: [B|1, 1, L, Lc].
+    cache: None or {'self': kv cache, 'cross': static kv} for decoding; cache_index: write offset.
+  Returns: ([B, L, E], updated cache or None).
+  """
+
+  def __init__(self, features: int, num_heads: int, hidden: int, *, rngs: nnx.Rngs,
+               dropout: float = 0.0, attention_dropout: float = 0.0, activation: str = 'relu',
+               pre_norm: bool = False, cross_attention: bool = False, layer_norm_epsilon: float = 1e-5,
+               dtype: Any = None, attention_implementation: str = 'xla'):
+    attention = functools.partial(MultiHeadAttention, features, num_heads, dropout=attention_dropout,
+                                  dtype=dtype, implementation=attention_implementation, rngs=rngs)
+    norm = functools.partial(nnx.LayerNorm, features, epsilon=layer_norm_epsilon, dtype=dtype, rngs=rngs)
+    self.pre_norm = pre_norm
+    self.self_attention = attention()
+    self.self_attention_norm = norm()
+    self.cross_attention = attention() if cross_attention else None
+    self.cross_attention_norm = norm() if cross_attention else None
+    self.mlp = FeedForward(features, hidden, activation=activation, dropout=dropout, dtype=dtype, rngs=rngs)
+    self.mlp_norm = norm()
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+  def _residual(self, x, norm, sublayer, deterministic):
+    if self.pre_norm:
+      y, aux = sublayer(norm(x))
+      return x + self.dropout(y, deterministic=deterministic), aux
+    y, aux = sublayer(x)
+    return norm(x + self.dropout(y, deterministic=deterministic)), aux
+
+  def __call__(self, x, mask=None, *, context=None, context_mask=None, cache=None, cache_index=None,
+               deterministic: bool = True):
+    cache = cache or {}
+    x, self_cache = self._residual(
+        x, self.self_attention_norm,
+        lambda h: self.self_attention(h, mask=mask, cache=cache.get('self'), cache_index=cache_index,
+                                      deterministic=deterministic),
+        deterministic)
+    new_cache = {'self': self_cache} if self_cache is not None else {}
+    if self.cross_attention is not None:
+      x, cross_cache = self._residual(
+          x, self.cross_attention_norm,
+          lambda h: self.cross_attention(h, context, mask=context_mask, cache=cache.get('cross'),
+                                         deterministic=deterministic),
+          deterministic)
+      if cross_cache is not None:
+        new_cache['cross'] = cross_cache
+    x, _ = self._residual(x, self.mlp_norm, lambda h: (self.mlp(h, deterministic=deterministic), None),
+                          deterministic)
+    return x, (new_cache or None)

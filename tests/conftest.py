@@ -1,0 +1,7 @@
+"""Tests run on 8 fake CPU devices so that sharding is exercised everywhere."""
+import os
+import sys
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

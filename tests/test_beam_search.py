@@ -1,0 +1,151 @@
+"""Greedy and beam search (models/beam_search.py) on a synthetic model with a reference in NumPy.
+
+The toy model's next-token logits depend on the previous token, the position and a running
+count kept in the cache, so a beam search that reordered its cache wrongly would report
+log-probabilities that a replay of its own outputs does not reproduce.
+"""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import beam_search
+
+VOCAB, BOS, EOS, PAD, COUNTED = 7, 2, 1, 0, 3
+MAX_LEN = 8
+
+
+def toy_model(seed=0, vocab=VOCAB, max_len=MAX_LEN):
+  rng = np.random.default_rng(seed)
+  table = rng.normal(size=(vocab, vocab)).astype(np.float32) * 2.0
+  drift = rng.normal(size=(max_len, vocab)).astype(np.float32)
+  bonus = rng.normal(size=(vocab,)).astype(np.float32)
+
+  def logits_np(last, index, count):
+    return table[last] + drift[index] + count * bonus
+
+  def step_fn(tokens, cache, index):
+    last = tokens[:, 0]
+    count = cache['count'] + (last == COUNTED)
+    logits = jnp.asarray(table)[last] + jnp.asarray(drift)[index] + count[:, None] * jnp.asarray(bonus)
+    return logits[:, None, :], {'count': count}  # [N, 1, V] logits are accepted too
+
+  return step_fn, logits_np
+
+
+def log_softmax(x):
+  x = x - x.max()
+  return x - np.log(np.exp(x).sum())
+
+
+def replay_logprob(logits_np, sequence, limit):
+  """Log-probability of `sequence` (ending with EOS) under the toy model, EOS forced at `limit`."""
+  total, last, count = 0.0, BOS, 0
+  for index, token in enumerate(sequence):
+    count += last == COUNTED
+    logprobs = log_softmax(logits_np(last, index, count))
+    if index + 1 >= limit:
+      logprobs = np.where(np.arange(len(logprobs)) == EOS, logprobs, -np.inf)
+    total += logprobs[token]
+    last = token
+  return total
+
+
+def hypothesis(row):
+  row = list(np.asarray(row))
+  assert EOS in row, row
+  end = row.index(EOS) + 1
+  assert all(t == PAD for t in row[end:]), row
+  return row[:end]
+
+
+def gnmt(logprob, length, alpha):
+  return logprob / ((5.0 + length) / 6.0) ** alpha
+
+
+def run_both(step_fn, batch, beam_size, alpha, max_lengths=None):
+  cache = {'count': jnp.zeros((batch,), jnp.int32)}
+  bos = jnp.full((batch,), BOS, jnp.int32)
+  greedy = jax.jit(lambda c, b: beam_search.greedy_search(step_fn, c, b, max_len=MAX_LEN, eos_id=EOS,
+                                                          max_lengths=max_lengths))(cache, bos)
+  beam = jax.jit(lambda c, b: beam_search.beam_search(step_fn, c, b, beam_size=beam_size, max_len=MAX_LEN,
+                                                      eos_id=EOS, alpha=alpha, max_lengths=max_lengths))(cache, bos)
+  return greedy, beam
+
+
+def test_greedy_matches_numpy_argmax():
+  # Rows differ through their per-row limits.
+  limits = np.array([1, 3, 5, 8])
+  step_fn, logits_np = toy_model(1)
+  greedy, _ = run_both(step_fn, 4, 2, 0.0, jnp.asarray(limits))
+  for row, limit in zip(np.asarray(greedy.tokens), limits):
+    expected, last, count = [], BOS, 0
+    while not expected or expected[-1] != EOS:
+      count += last == COUNTED
+      logprobs = log_softmax(logits_np(last, len(expected), count))
+      if len(expected) + 1 >= limit:
+        logprobs[np.arange(VOCAB) != EOS] = -np.inf
+      last = int(np.argmax(logprobs))
+      expected.append(last)
+    assert hypothesis(row) == expected
+    assert len(expected) <= limit
+
+
+@pytest.mark.parametrize('alpha', [0.0, 0.6])
+def test_beam_size_one_is_greedy(alpha):
+  for seed in range(4):
+    step_fn, _ = toy_model(seed)
+    greedy, beam = run_both(step_fn, 3, 1, alpha)
+    np.testing.assert_array_equal(beam.tokens[:, 0], greedy.tokens)
+    np.testing.assert_allclose(beam.logprobs[:, 0], greedy.logprobs, rtol=1e-6)
+
+
+@pytest.mark.parametrize('alpha', [0.0, 0.6, 1.0])
+def test_beam_scores_are_replayable_and_beat_greedy(alpha):
+  step_fn, logits_np = toy_model(2)
+  limits = np.array([2, 4, 6, 8, 8, 8])
+  greedy, beam = run_both(step_fn, len(limits), 4, alpha, jnp.asarray(limits))
+  for b, limit in enumerate(limits):
+    greedy_tokens = hypothesis(greedy.tokens[b])
+    greedy_score = gnmt(replay_logprob(logits_np, greedy_tokens, limit), len(greedy_tokens), alpha)
+    scores = np.asarray(beam.scores[b])
+    assert np.all(np.diff(scores[np.isfinite(scores)]) <= 1e-6), 'hypotheses must be sorted best first'
+    assert scores[0] >= greedy_score - 1e-5
+    for k in range(4):
+      if not np.isfinite(scores[k]):
+        continue
+      tokens = hypothesis(beam.tokens[b, k])
+      assert len(tokens) <= limit
+      logprob = replay_logprob(logits_np, tokens, limit)
+      np.testing.assert_allclose(beam.logprobs[b, k], logprob, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(scores[k], gnmt(logprob, len(tokens), alpha), rtol=1e-5, atol=1e-5)
+
+
+def test_wide_beam_finds_the_exhaustive_optimum():
+  # 4 tokens, at most 4 steps: 64 beams never prune, so the best hypothesis is the true optimum.
+  vocab, limit, alpha = 4, 4, 0.6
+  step_fn, logits_np = toy_model(3, vocab=vocab, max_len=MAX_LEN)
+  _, beam = run_both(step_fn, 1, 64, alpha, jnp.asarray([limit]))
+  best = -np.inf
+  for length in range(1, limit + 1):
+    for prefix in itertools.product([t for t in range(vocab) if t != EOS], repeat=length - 1):
+      sequence = list(prefix) + [EOS]
+      best = max(best, gnmt(replay_logprob(logits_np, sequence, limit), length, alpha))
+  np.testing.assert_allclose(beam.scores[0, 0], best, rtol=1e-5)
+
+
+def test_max_lengths_for_source_lengths():
+  limits = beam_search.max_lengths_for(jnp.array([0, 4, 100]), 1.5, 2, 20)
+  np.testing.assert_array_equal(limits, [2, 8, 20])
+
+
+def test_gather_beams_reorders_rows():
+  tree = {'x': jnp.arange(6)[:, None] * jnp.ones((6, 2))}  # B=2, K=3
+  reordered = beam_search.gather_beams(tree, jnp.array([[2, 2, 0], [1, 0, 0]]), 3)
+  np.testing.assert_array_equal(reordered['x'][:, 0], [2, 2, 0, 4, 3, 3])
+
+
+def test_strip_cuts_at_eos():
+  assert beam_search.strip(np.array([[5, 6, EOS, 0], [4, 4, 4, 4]]), EOS) == [[5, 6], [4, 4, 4, 4]]

@@ -1,0 +1,116 @@
+"""Device mesh and the partitioning rules of every parameter, in one place.
+
+Mesh axes: 'data' (pure data parallel), 'fsdp' (data parallel whose parameters and optimizer
+state are sharded too) and 'tensor' (Megatron-style model parallel over heads and MLP width).
+The batch is split over ('data', 'fsdp').
+
+Models carry no sharding annotations. A parameter's sharding follows from its path, by the first
+matching rule in `PARTITION_RULES`, the names being the ones the shared modules use
+(MultiHeadAttention: query/key/value/out; FeedForward: up/down; Embed: embedding). Any other
+array is FSDP-sharded over its largest dimension. An axis that does not divide a dimension is
+dropped for that dimension (that dimension is replicated), so every model shards on any mesh.
+Optimizer moments live at the same paths (below `mu/`, `nu/`), so they shard like their parameters.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')
+
+# (regex searched in the 'a/b/c' path of an array, axis name per dimension); first match wins.
+PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r'(query|key|value)/kernel$', ('fsdp', 'tensor')),  # [E, H*D]: split by heads
+    (r'(query|key|value)/bias$', ('tensor',)),
+    (r'attention/out/kernel$', ('tensor', 'fsdp')),  # [H*D, E]
+    (r'mlp/up/kernel$', ('fsdp', 'tensor')),  # [E, F]: split the hidden width
+    (r'mlp/up/bias$', ('tensor',)),
+    (r'mlp/down/kernel$', ('tensor', 'fsdp')),  # [F, E]
+    (r'embedding$', ('tensor', 'fsdp')),  # [V, E]: vocabulary split for the tied output layer
+)
+# Arrays smaller than this stay replicated: sharding them costs more communication than memory.
+MIN_SHARDED_SIZE = 2**14
+
+
+def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
+  """Resolve -1 entries of `config.mesh` ({'data','fsdp','tensor'}) to use all devices."""
+  sizes = {axis: int(mesh_config[axis]) for axis in MESH_AXES}
+  fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+  free = [axis for axis, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise ValueError(f'mesh: only one axis may be -1, got {free}; set the others explicitly.')
+  if free:
+    if num_devices % fixed:
+      raise ValueError(f'mesh: {num_devices} devices are not divisible by the fixed axes '
+                       f'(product {fixed}); change mesh.* so they divide the device count.')
+    sizes[free[0]] = num_devices // fixed
+  if int(np.prod(list(sizes.values()))) != num_devices:
+    raise ValueError(f'mesh {sizes} uses {int(np.prod(list(sizes.values())))} devices but '
+                     f'{num_devices} are available; make the product of mesh.* equal the device count '
+                     f'or set one axis to -1.')
+  return sizes
+
+
+def make_mesh(mesh_config, devices=None) -> Mesh:
+  devices = jax.devices() if devices is None else devices
+  sizes = mesh_shape(mesh_config, len(devices))
+  # Auto axes: XLA's partitioner propagates the parameter and batch shardings through the model.
+  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def path_to_string(path) -> str:
+  parts = []
+  for key in path:
+    for attribute in ('key', 'name', 'idx'):
+      if hasattr(key, attribute):
+        parts.append(str(getattr(key, attribute)))
+        break
+    else:
+      parts.append(str(key))
+  return '/'.join(p for p in parts if p != 'value')
+
+
+def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+  """The PartitionSpec of one array from the rules, dropping axes that do not divide."""
+  if int(np.prod(shape, dtype=np.int64)) < MIN_SHARDED_SIZE or not shape:
+    return P()
+  axes = None
+  for pattern, rule in PARTITION_RULES:
+    if re.search(pattern, path) and len(rule) == len(shape):
+      axes = list(rule)
+      break
+  if axes is None:  # FSDP over the largest dimension
+    axes = [None] * len(shape)
+    axes[int(np.argmax(shape))] = 'fsdp'
+  for i, axis in enumerate(axes):
+    if axis is not None and (mesh.shape[axis] == 1 or shape[i] % mesh.shape[axis]):
+      axes[i] = None
+  return P(*axes)
+
+
+def state_shardings(abstract_state, mesh: Mesh):
+  """NamedShardings for a pytree of arrays (model and optimizer state), by the rules above."""
+  def sharding(path, leaf):
+    shape = getattr(leaf, 'shape', ())
+    return NamedSharding(mesh, partition_spec(path_to_string(path), tuple(shape), mesh))
+  return jax.tree_util.tree_map_with_path(sharding, abstract_state)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  return mesh.shape['data'] * mesh.shape['fsdp']
+
+
+def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Assemble the global batch from each process's slice (multi-host ready; one process = whole)."""
+  sharding = batch_sharding(mesh)
+  return {name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
+          for name, value in local_batch.items()}
