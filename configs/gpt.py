@@ -49,6 +49,7 @@ def get_config(preset: str = 'default'):
   c = base_config('gpt')
   c.preset = preset
   c.data.source = 'pystdlib'
+  c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   c.model.num_layers = 4
   c.model.num_heads = 4
   c.model.width = 256

@@ -80,7 +80,8 @@ def tfds_records(name: str, split: str, data_dir: str | None = None) -> Sequence
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir, try_gcs=False)
   except Exception as e:  # TFDS raises several types for unknown names, splits and missing files.
-    raise DataError(f'tfds:{name}:{split} could not be opened ({type(e).__name__}: {e}). Check the '
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    raise DataError(f'tfds:{name}:{split} could not be opened ({type(e).__name__}: {first_line}). Check the '
                     f'dataset name and split, and that it is prepared under data_dir '
                     f'(tfds build {name} on a machine with internet).') from e
 

@@ -22,6 +22,7 @@ TOKENIZER_FILE = 'tokenizer.json'
 # Special tokens every tokenizer reserves, in this order: ids 0..3.
 PAD, BOS, EOS, UNK = '<pad>', '<bos>', '<eos>', '<unk>'
 BERT_SPECIALS = ('[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]')
+GPT2_END = '<|endoftext|>'  # GPT-2's one special token: document end, also used as BOS and padding
 
 
 class Tokenizer:
@@ -36,15 +37,15 @@ class Tokenizer:
 
   @property
   def pad_id(self) -> int:
-    return self._special(PAD, '[PAD]')
+    return self._special(PAD, '[PAD]', GPT2_END)
 
   @property
   def bos_id(self) -> int | None:
-    return self._special(BOS, '[CLS]')
+    return self._special(BOS, '[CLS]', GPT2_END)
 
   @property
   def eos_id(self) -> int | None:
-    return self._special(EOS, '[SEP]')
+    return self._special(EOS, '[SEP]', GPT2_END)
 
   @property
   def unk_id(self) -> int | None:

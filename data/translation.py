@@ -31,7 +31,7 @@ from data.tokenizers import Tokenizer, load_tokenizer, train_tokenizer
 
 Pair = tuple[str, str]
 TSV_FRACTIONS = (0.9, 0.05, 0.05)
-# numbers_en_fr: pairs per split, and how many of each kind of number are drawn.
+# numbers_en_fr: pairs per split, and the share of each kind of number among the draws.
 NUMBERS_SIZES = (50_000, 1_000, 1_000)
 NUMBERS_KINDS = (('cardinal', 0.55), ('ordinal', 0.3), ('year', 0.15))
 NUMBERS_MAX_DIGITS = 6
@@ -51,8 +51,12 @@ class Splits:
 # ----------------------------------------------------------------------------- numbers_en_fr
 def number_pair(kind: str, n: int) -> Pair:
   """('one hundred and twenty-first', 'cent vingt et unième') for ('ordinal', 121)."""
+  return _number_words(kind, n, 'en'), _number_words(kind, n, 'fr')
+
+
+def _number_words(kind: str, n: int, lang: str) -> str:
   from num2words import num2words
-  return num2words(n, to=kind, lang='en'), num2words(n, to=kind, lang='fr')
+  return num2words(n, to=kind, lang=lang)
 
 
 def _draw_number(rng: np.random.Generator) -> tuple[str, int]:
@@ -68,9 +72,10 @@ def numbers_en_fr(seed: int = 0, sizes: tuple[int, int, int] = NUMBERS_SIZES) ->
   """English -> French number words: cardinals, ordinals and years below a million.
 
   Numbers are drawn from `seed` (uniform number of digits, then uniform value) and deduplicated
-  by their English text; each goes to train, validation or test by a hash of that text, so the
-  held-out numbers never occur in training. The lexicon (every cardinal and ordinal up to
-  NUMBERS_LEXICON) is always in training: held-out numbers are new compositions of known words.
+  by their English text; each goes to train, validation or test by a hash of that text (until
+  that split is full), so the held-out numbers never occur in training. The lexicon (every
+  cardinal and ordinal up to NUMBERS_LEXICON) is always in training: held-out numbers are new
+  compositions of known words.
   """
   lexicon = {}
   for n in range(NUMBERS_LEXICON + 1):
@@ -78,15 +83,17 @@ def numbers_en_fr(seed: int = 0, sizes: tuple[int, int, int] = NUMBERS_SIZES) ->
       en, fr = number_pair(kind, n)
       lexicon[en] = fr
   rng = np.random.default_rng(seed)
-  pool: dict[str, str] = {}
-  wanted = int(sum(sizes) * 1.1)  # hash splits are uneven: draw a margin, then cut to size
-  while len(pool) < wanted:
-    en, fr = number_pair(*_draw_number(rng))
-    if en not in lexicon:
-      pool.setdefault(en, fr)
-  keys = list(pool)
-  parts = sources.deterministic_split(keys, [s / sum(sizes) for s in sizes], seed)
-  train, validation, test = ([(keys[i], pool[keys[i]]) for i in part[:size]] for part, size in zip(parts, sizes))
+  fractions = [size / sum(sizes) for size in sizes]
+  parts: tuple[dict[str, str], ...] = ({}, {}, {})
+  while any(len(part) < size for part, size in zip(parts, sizes)):
+    kind, n = _draw_number(rng)
+    en = _number_words(kind, n, 'en')
+    if en in lexicon:
+      continue
+    index = next(i for i, hit in enumerate(sources.deterministic_split([en], fractions, seed)) if hit)
+    if len(parts[index]) < sizes[index] and en not in parts[index]:
+      parts[index][en] = _number_words(kind, n, 'fr')  # French is the slow half: only when kept
+  train, validation, test = (list(part.items()) for part in parts)
   return Splits(list(lexicon.items()) + train, validation, test)
 
 

@@ -233,18 +233,18 @@ class MultiHeadAttention(nnx.Module):
 def record_attention_weights(model: nnx.Module, fn, *args, **kwargs):
   """Run `fn(*args, **kwargs)` with every MultiHeadAttention of `model` recording its weights.
 
-  Returns (fn's result, {module path: [B, H, Lq, Lk] weights}).
+  Returns (fn's result, {module path 'a/b/c': [B, H, Lq, Lk] weights}).
   """
-  attentions = [(path, m) for path, m in model.iter_modules() if isinstance(m, MultiHeadAttention)]
-  for _, m in attentions:
+  attentions = [m for _, m in nnx.iter_modules(model) if isinstance(m, MultiHeadAttention)]
+  for m in attentions:
     m.record_weights = True
   try:
-    result = fn(*args, **kwargs)
+    result, recorded = nnx.capture(lambda _, *a, **k: fn(*a, **k), AttentionWeights)(model, *args, **kwargs)
   finally:
-    for _, m in attentions:
+    for m in attentions:
       m.record_weights = False
-  recorded = nnx.pop(model, AttentionWeights)
   weights = {}
-  for path, value in nnx.to_flat_state(recorded):
-    weights['/'.join(str(p) for p in path[:-1])] = value.value[0] if hasattr(value, 'value') else value[0]
+  for path, variable in nnx.to_flat_state(recorded):
+    value = variable.get_value() if hasattr(variable, 'get_value') else variable
+    weights['/'.join(str(p) for p in path[:-1])] = value[0] if isinstance(value, tuple) else value
   return result, weights

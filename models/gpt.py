@@ -61,9 +61,9 @@ class GPT(nnx.Module):
           attention_implementation=config.attention, rngs=rngs)
       for linear in (block.self_attention.query, block.self_attention.key, block.self_attention.value,
                      block.mlp.up):
-        linear.kernel.value = init(rngs.params(), linear.kernel.value.shape)
+        linear.kernel[...] = init(rngs.params(), linear.kernel.shape)
       for linear in (block.self_attention.out, block.mlp.down):
-        linear.kernel.value = residual_init(rngs.params(), linear.kernel.value.shape)
+        linear.kernel[...] = residual_init(rngs.params(), linear.kernel.shape)
       blocks.append(block)
     self.blocks = nnx.List(blocks)
     self.final_norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)

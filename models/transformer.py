@@ -95,9 +95,14 @@ class Transformer(nnx.Module):
     x = embedding(tokens) * self.config.width ** 0.5
     return self.dropout(x + positions.astype(x.dtype), deterministic=deterministic)
 
-  def encode(self, source: jax.Array, *, deterministic: bool = True) -> jax.Array:
-    """[B, S] source ids (pad_id on padding) -> [B, S, E] encoder states."""
-    source_valid = source != self.config.pad_id
+  def encode(self, source: jax.Array, source_valid: jax.Array | None = None, *,
+             deterministic: bool = True) -> jax.Array:
+    """[B, S] source ids -> [B, S, E] encoder states.
+
+    source_valid: [B, S] bool, False on padding (default: source != pad_id).
+    """
+    if source_valid is None:
+      source_valid = source != self.config.pad_id
     mask = make_attention_mask(None, source_valid)
     x = self._embed(self.source_embedding, source, 0, deterministic)
     for block in self.encoder_blocks:
@@ -137,10 +142,13 @@ class Transformer(nnx.Module):
     new_cache = None if cache is None else {'layers': new_layers, 'source_valid': cache['source_valid']}
     return logits.astype(jnp.float32), new_cache
 
-  def __call__(self, source: jax.Array, target_in: jax.Array, *, deterministic: bool = True) -> jax.Array:
+  def __call__(self, source: jax.Array, target_in: jax.Array, *, source_valid: jax.Array | None = None,
+               deterministic: bool = True) -> jax.Array:
     """Teacher-forced logits: [B, S] source, [B, T] BOS + target -> [B, T, V]."""
-    memory = self.encode(source, deterministic=deterministic)
-    logits, _ = self.decode(target_in, memory, source != self.config.pad_id, deterministic=deterministic)
+    if source_valid is None:
+      source_valid = source != self.config.pad_id
+    memory = self.encode(source, source_valid, deterministic=deterministic)
+    logits, _ = self.decode(target_in, memory, source_valid, deterministic=deterministic)
     return logits
 
   def init_cache(self, source: jax.Array, memory: jax.Array, max_len: int) -> dict[str, Any]:

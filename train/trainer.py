@@ -77,7 +77,8 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
   """(state, batch) -> (state, metrics). Batch leaves are [grad_accum * micro, ...]."""
 
   def micro_step(params, extra, batch):
-    model = nnx.merge(graphdef, params, extra)
+    # copy=True: fresh Variables at this trace level, so the loss may update them (RNG counts, carried RNN state).
+    model = nnx.merge(graphdef, params, extra, copy=True)
     loss, metrics = task.loss(model, batch, deterministic=False)
     return loss, (metrics, nnx.state(model, nnx.Not(nnx.Param)))
 

@@ -39,7 +39,7 @@ class Task(task_lib.Task):
 
   def model_config(self) -> GPT2Config:
     from models.attention import default_attention_implementation
-    config = GPT2Config.from_config(self.config.model, self.tokenizer.vocab_size)
+    config = GPT2Config.from_config(self.config.model, self.config.model.vocab_size or self.tokenizer.vocab_size)
     if config.attention == 'auto':
       config = GPT2Config(**{**config.__dict__, 'attention': default_attention_implementation()})
     return config

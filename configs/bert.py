@@ -1,0 +1,130 @@
+"""BERT: masked-LM + next-sentence pretraining, sequence classification, features, HF import.
+
+`config.task` picks what a run does:
+  pretrain   MLM + NSP on documents (sentence pairs, 15% of tokens chosen: 80% [MASK], 10% random,
+             10% unchanged); eval reports MLM and NSP accuracy
+  classify   fine-tune on labelled texts (single sentences, or pairs from 3-column TSV) from the
+             pooled [CLS] vector; initialise from a pretraining run with --config.init_from=<workdir>
+             (or from an imported checkpoint); eval: accuracy, macro-F1, confusion matrix (+ PNG)
+  features   --mode=predict writes one .npy of vectors per input line (a chosen layer, the mean of
+             the last K layers, or [CLS]); load_run(workdir).model(...) returns all hidden states
+
+Commands (CPU, bbc_news: 2,225 BBC articles, 5 topics, 80/10/10 split by article):
+  python launch.py --config=configs/bert.py:default --workdir=runs/bert-pretrain
+  python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-pretrain \\
+      --workdir=runs/bert-bbc
+  python launch.py --config=configs/bert.py:finetune --workdir=runs/bert-bbc-scratch   # no pretraining
+Expected result: RESULTS_PLACEHOLDER
+
+Hugging Face checkpoints (with or without pretraining heads):
+  python launch.py --config=configs/bert.py:base --config.task=features --mode=import_hf \\
+      --hf_dir=/path/bert-base-uncased --workdir=runs/bert-base
+  python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-base --workdir=runs/ft
+
+Presets:
+  tiny      tests: seconds
+  default   CPU pretraining on bbc_news (4 layers, 256 wide)
+  finetune  the default model fine-tuned for classification (task=classify)
+  base      BERT-base 12/768/12/3072: encoder 109,482,240 parameters (vocab 30,522, 512 positions)
+  large     BERT-large 24/1024/16/4096: encoder 335,141,888 parameters
+
+Other data: --config.data.source=text:'/path/*.txt' (one document per file, or documents
+separated by blank lines in a single file), tfds:<name>[:<split>] (a `data.text_field`
+feature; classification also `data.label_field`), tsv:<path> (classification: text<TAB>label or
+text_a<TAB>text_b<TAB>label per line).
+"""
+import ml_collections
+
+from configs.base import base_config
+
+TASKS = ('pretrain', 'classify', 'features')
+SIZES = {
+    'tiny': dict(num_layers=2, num_heads=2, width=32, mlp_dim=64, max_len=64),
+    'default': dict(num_layers=4, num_heads=4, width=256, mlp_dim=1024, max_len=128),
+    'base': dict(num_layers=12, num_heads=12, width=768, mlp_dim=3072, max_len=512),
+    'large': dict(num_layers=24, num_heads=16, width=1024, mlp_dim=4096, max_len=512),
+}
+PRESETS = {
+    'tiny': dict(model=SIZES['tiny'],
+                 data=dict(vocab_size=400, seq_len=32, max_predictions=6, dupe_factor=2),
+                 train=dict(steps=20, batch_size=8, lr=1e-3, warmup_steps=5, eval_every=10, eval_steps=2,
+                            checkpoint_every=10, log_every=5)),
+    'default': dict(model=SIZES['default'],
+                    data=dict(vocab_size=8000, seq_len=128, max_predictions=20, dupe_factor=5),
+                    train=dict(steps=1000, batch_size=32, lr=1e-3, warmup_steps=100, eval_every=250,
+                               eval_steps=20, checkpoint_every=250, log_every=25)),
+    'finetune': dict(task='classify', model=SIZES['default'],
+                     data=dict(vocab_size=8000, seq_len=128),
+                     train=dict(steps=300, batch_size=32, lr=1e-4, schedule='linear', warmup_steps=30,
+                                end_lr_fraction=0.0, eval_every=100, eval_steps=0, checkpoint_every=100,
+                                log_every=20, best_metric='eval/accuracy', best_mode='max')),
+    'base': dict(model=SIZES['base'],
+                 data=dict(vocab_size=30522, seq_len=128, max_predictions=20),
+                 train=dict(steps=1_000_000, batch_size=256, lr=1e-4, schedule='linear', warmup_steps=10_000,
+                            end_lr_fraction=0.0, eval_every=10_000, checkpoint_every=10_000)),
+    'large': dict(model=SIZES['large'],
+                  data=dict(vocab_size=30522, seq_len=128, max_predictions=20),
+                  train=dict(steps=1_000_000, batch_size=256, lr=1e-4, schedule='linear', warmup_steps=10_000,
+                             end_lr_fraction=0.0, eval_every=10_000, checkpoint_every=10_000)),
+}
+
+
+def get_config(preset: str = 'default'):
+  if preset not in PRESETS:
+    raise ValueError(f'Unknown bert preset {preset!r}; choose one of {sorted(PRESETS)}.')
+  c = base_config('bert')
+  c.preset = preset
+  c.task = 'pretrain'
+
+  c.data.source = 'bbc_news'
+  c.data.tokenizer = 'wordpiece'
+  c.data.vocab_size = 8000
+  c.data.text_field = 'text'  # tfds: the feature holding the text
+  c.data.label_field = 'label'  # tfds classification: the feature holding the label
+  c.data.documents = 'auto'  # text:<glob> pretraining: 'file' | 'blank_line' | 'auto' (one file: blank lines)
+  c.data.dupe_factor = 5  # pretraining: sentence pairs are cut this many times, differently
+  c.data.short_seq_prob = 0.1  # pretraining: fraction of pairs shorter than seq_len, as in BERT
+  c.data.mask_prob = 0.15
+  c.data.max_predictions = 20  # MLM positions per sequence (>= mask_prob * seq_len)
+  c.data.labels = ''  # classify: comma-separated label names, filled from the data and saved with the run
+
+  c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
+  c.model.type_vocab_size = 2
+  c.model.attention_dropout = 0.1
+  c.model.layer_norm_epsilon = 1e-12
+  c.model.activation = 'gelu'
+  c.model.init_std = 0.02
+  c.model.heads = ''  # '' = by task: 'pretraining' (pretrain), 'classifier' (classify), 'none' (features)
+  c.model.num_classes = 0  # classify: filled from the data
+
+  c.train.b2 = 0.999  # BERT's Adam
+  c.train.weight_decay = 0.01
+  c.train.best_metric = 'eval/loss'
+
+  c.features = ml_collections.ConfigDict()
+  c.features.layer = -1  # hidden state index: 0 = embeddings, i = block i, -1 = last
+  c.features.mean_last = 0  # K > 0: average the last K layers instead of `layer`
+  c.features.pooling = 'none'  # 'none' (one vector per token) | 'cls' | 'mean' (over real tokens)
+  c.features.output_dir = ''  # '' = <workdir>/features
+  for section, values in PRESETS[preset].items():
+    if isinstance(values, dict):
+      c[section].update(values)
+    else:
+      c[section] = values
+  return c
+
+
+def validate(config):
+  from configs.validation import ConfigError
+  if config.task not in TASKS:
+    raise ConfigError(f'config.task={config.task!r} is not one of {TASKS}.')
+  if config.data.seq_len > config.model.max_len:
+    raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
+                      f'{config.model.max_len} learned positions; raise model.max_len or lower data.seq_len.')
+  if config.task == 'pretrain' and config.data.max_predictions < round(config.data.mask_prob * config.data.seq_len):
+    raise ConfigError(f'config.data.max_predictions={config.data.max_predictions} is below mask_prob x seq_len = '
+                      f'{round(config.data.mask_prob * config.data.seq_len)}; raise it.')
+  if config.features.pooling not in ('none', 'cls', 'mean'):
+    raise ConfigError(f"config.features.pooling={config.features.pooling!r}: use 'none', 'cls' or 'mean'.")
+  if config.model.heads not in ('', 'pretraining', 'classifier', 'none'):
+    raise ConfigError(f"config.model.heads={config.model.heads!r}: use '', 'pretraining', 'classifier' or 'none'.")

@@ -1,0 +1,187 @@
+"""BERT: a bidirectional Transformer encoder with masked-LM, next-sentence and classification heads.
+
+Input is WordPiece ids `[CLS] A [SEP] (B [SEP])`; the embedding is token + learned position +
+segment (A = 0, B = 1), then LayerNorm and dropout. The encoder is a stack of post-LN GELU blocks
+(`models.layers.TransformerBlock`) and a pooler (dense + tanh on the [CLS] vector). Heads:
+masked LM (dense + GELU + LayerNorm + output projection tied to the token embedding, with its own
+bias), next-sentence prediction (2-way on the pooled vector) and sequence classification.
+
+`BertConfig` defaults are BERT-base; with vocabulary 30,522 and 512 positions `BertEncoder` has
+109,482,240 parameters, exactly `transformers.BertModel`'s (large: 335,141,888). Parameter names
+follow the structure of Hugging Face's BERT closely enough for `models.hf_bert` to map them one
+to one.
+
+Shape legend: B batch, L length, E width, V vocabulary, P masked positions, C classes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import make_attention_mask
+from models.layers import ACTIVATIONS, TransformerBlock
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  vocab_size: int = 30522
+  max_len: int = 512
+  type_vocab_size: int = 2
+  num_layers: int = 12
+  num_heads: int = 12
+  width: int = 768
+  mlp_dim: int = 3072
+  dropout: float = 0.1
+  attention_dropout: float = 0.1
+  layer_norm_epsilon: float = 1e-12
+  activation: str = 'gelu'  # a key of models.layers.ACTIVATIONS
+  init_std: float = 0.02
+  dtype: str = 'float32'
+  attention: str = 'xla'
+
+  @classmethod
+  def from_config(cls, model_config, vocab_size: int) -> 'BertConfig':
+    """From the `config.model` ConfigDict (unknown keys ignored) and the tokenizer's vocabulary size."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in model_config.items() if k in fields}
+    values['vocab_size'] = vocab_size
+    return cls(**values)
+
+
+class BertOutput(NamedTuple):
+  """sequence: [B, L, E] last layer; pooled: [B, E]; hidden_states: num_layers + 1 arrays [B, L, E]
+  (the embedding output, then each block's output)."""
+  sequence: jax.Array
+  pooled: jax.Array
+  hidden_states: tuple[jax.Array, ...]
+
+
+class BertPretrainingOutput(NamedTuple):
+  """mlm_logits: [B, P, V] (or [B, L, V] without masked positions); nsp_logits: [B, 2]."""
+  mlm_logits: jax.Array
+  nsp_logits: jax.Array
+  encoder: BertOutput
+
+
+def _reinit_linears(module: nnx.Module, init, rngs: nnx.Rngs) -> None:
+  """BERT initialises every dense kernel from N(0, init_std) (truncated); biases stay zero."""
+  for _, m in module.iter_modules():
+    if isinstance(m, nnx.Linear):
+      m.kernel[...] = init(rngs.params(), m.kernel.shape, m.kernel.dtype)
+
+
+class BertEmbeddings(nnx.Module):
+  """tokens, segments, positions: [B, L] ints -> [B, L, E]."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(config.dtype)
+    init = nnx.initializers.truncated_normal(config.init_std)
+    embed = lambda n: nnx.Embed(n, config.width, embedding_init=init, dtype=dtype, rngs=rngs)
+    self.token = embed(config.vocab_size)
+    self.position = embed(config.max_len)
+    self.segment = embed(config.type_vocab_size)
+    self.norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
+    self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
+
+  def __call__(self, tokens, segments, positions, *, deterministic: bool = True):
+    x = self.token(tokens) + self.position(positions) + self.segment(segments)
+    return self.dropout(self.norm(x), deterministic=deterministic)
+
+
+class BertEncoder(nnx.Module):
+  """Embeddings, post-LN blocks and the pooler: the part shared by every BERT head."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    dtype = jnp.dtype(config.dtype)
+    self.embeddings = BertEmbeddings(config, rngs=rngs)
+    self.blocks = nnx.List([
+        TransformerBlock(config.width, config.num_heads, config.mlp_dim, dropout=config.dropout,
+                         attention_dropout=config.attention_dropout, activation=config.activation, pre_norm=False,
+                         layer_norm_epsilon=config.layer_norm_epsilon, dtype=dtype,
+                         attention_implementation=config.attention, rngs=rngs)
+        for _ in range(config.num_layers)])
+    self.pooler = nnx.Linear(config.width, config.width, dtype=dtype, rngs=rngs)
+    _reinit_linears(self, nnx.initializers.truncated_normal(config.init_std), rngs)
+
+  def __call__(self, tokens: jax.Array, segments: jax.Array | None = None, valid: jax.Array | None = None,
+               *, deterministic: bool = True) -> BertOutput:
+    """Encode a batch.
+
+    Args:
+      tokens: [B, L] ids. segments: [B, L] 0/1 sentence ids (None: all 0).
+      valid: [B, L] bool, False on padding (None: no padding). Padded positions are never
+        attended to; their own outputs are computed but meaningless.
+    """
+    batch, length = tokens.shape
+    if length > self.config.max_len:
+      raise ValueError(f'Sequence length {length} exceeds the {self.config.max_len} learned positions '
+                       f'(model.max_len); shorten data.seq_len.')
+    segments = jnp.zeros_like(tokens) if segments is None else segments
+    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    x = self.embeddings(tokens, segments, positions, deterministic=deterministic)
+    mask = make_attention_mask(None, valid, q_len=length, k_len=length) if valid is not None else None
+    hidden_states = [x]
+    for block in self.blocks:
+      x, _ = block(x, mask, deterministic=deterministic)
+      hidden_states.append(x)
+    pooled = jnp.tanh(self.pooler(x[:, 0]))
+    return BertOutput(x, pooled, tuple(hidden_states))
+
+
+class BertMLMHead(nnx.Module):
+  """[..., E] hidden -> [..., V] logits through the (tied) token embedding plus a per-token bias."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(config.dtype)
+    self.dense = nnx.Linear(config.width, config.width, dtype=dtype, rngs=rngs,
+                            kernel_init=nnx.initializers.truncated_normal(config.init_std))
+    self.activation = ACTIVATIONS[config.activation]
+    self.norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
+    self.bias = nnx.Param(jnp.zeros((config.vocab_size,), jnp.float32))
+
+  def __call__(self, x: jax.Array, token_embedding: nnx.Embed) -> jax.Array:
+    h = self.norm(self.activation(self.dense(x)))
+    return token_embedding.attend(h).astype(jnp.float32) + self.bias[...]
+
+
+class BertForPretraining(nnx.Module):
+  """Encoder + masked-LM head + next-sentence head."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.encoder = BertEncoder(config, rngs=rngs)
+    self.mlm = BertMLMHead(config, rngs=rngs)
+    self.nsp = nnx.Linear(config.width, 2, dtype=jnp.dtype(config.dtype), rngs=rngs,
+                          kernel_init=nnx.initializers.truncated_normal(config.init_std))
+
+  def __call__(self, tokens, segments=None, valid=None, *, masked_positions: jax.Array | None = None,
+               deterministic: bool = True) -> BertPretrainingOutput:
+    """masked_positions: [B, P] indices into L where MLM logits are wanted (None: all positions).
+    Projecting only the ~15% chosen positions onto the vocabulary saves most of the head's cost."""
+    out = self.encoder(tokens, segments, valid, deterministic=deterministic)
+    hidden = out.sequence
+    if masked_positions is not None:
+      hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)
+    mlm_logits = self.mlm(hidden, self.encoder.embeddings.token)
+    nsp_logits = self.nsp(out.pooled).astype(jnp.float32)
+    return BertPretrainingOutput(mlm_logits, nsp_logits, out)
+
+
+class BertClassifier(nnx.Module):
+  """Encoder + dropout + linear layer on the pooled [CLS] vector: [B, L] -> [B, C] logits."""
+
+  def __init__(self, config: BertConfig, num_classes: int, *, rngs: nnx.Rngs):
+    self.config = config
+    self.encoder = BertEncoder(config, rngs=rngs)
+    self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
+    self.classifier = nnx.Linear(config.width, num_classes, dtype=jnp.dtype(config.dtype), rngs=rngs,
+                                 kernel_init=nnx.initializers.truncated_normal(config.init_std))
+
+  def __call__(self, tokens, segments=None, valid=None, *, deterministic: bool = True) -> jax.Array:
+    pooled = self.encoder(tokens, segments, valid, deterministic=deterministic).pooled
+    return self.classifier(self.dropout(pooled, deterministic=deterministic)).astype(jnp.float32)

@@ -1,0 +1,54 @@
+"""Shared test fixtures: a tiny deterministic corpus and a subprocess runner for launch.py."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ('alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau '
+         'upsilon phi chi psi omega').split()
+
+
+def write_corpus(directory, files: int = 6, lines: int = 60, seed: int = 0) -> str:
+  """Small text files of pseudo-sentences; returns a `text:` source for them."""
+  rng = np.random.default_rng(seed)
+  os.makedirs(directory, exist_ok=True)
+  for f in range(files):
+    with open(os.path.join(directory, f'doc{f}.txt'), 'w') as out:
+      for _ in range(lines):
+        start = rng.integers(len(WORDS))
+        out.write(' '.join(WORDS[(start + k) % len(WORDS)] for k in range(rng.integers(3, 9))) + '.\n')
+  return f'text:{directory}/*.txt'
+
+
+def tiny_gpt_config(source: str, **overrides):
+  from configs import gpt
+  config = gpt.get_config('tiny')
+  config.data.source = source
+  for key, value in overrides.items():
+    target = config
+    *parents, leaf = key.split('.')
+    for parent in parents:
+      target = target[parent]
+    target[leaf] = value
+  return config
+
+
+def launch(args, devices: int = 1, timeout: int = 300, **popen):
+  """Run launch.py in a fresh process with `devices` fake CPU devices."""
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}', JAX_PLATFORMS='cpu')
+  command = [sys.executable, os.path.join(REPO, 'launch.py'), *args]
+  if popen:
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def last_json(stdout: str) -> dict:
+  return json.loads(stdout.strip().splitlines()[-1])
+
+
+def override_args(config_overrides: dict) -> list[str]:
+  return [f'--config.{k}={v}' for k, v in config_overrides.items()]

@@ -1,0 +1,121 @@
+"""GPT-2: parameter counts, cached decoding, sampling filters, Hugging Face import parity."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import gpt as gpt_configs
+from models import decoding
+from models.gpt import GPT, GPT2Config, count_parameters
+from train.tasks.gpt import generate_tokens
+
+
+def abstract_params(preset):
+  config = gpt_configs.get_config(preset)
+  gpt_config = GPT2Config.from_config(config.model, config.data.vocab_size)
+  return count_parameters(nnx.eval_shape(lambda: GPT(gpt_config, rngs=nnx.Rngs(0))))
+
+
+def test_gpt2_presets_have_the_published_parameter_counts():
+  assert abstract_params('gpt2') == 124_439_808
+  assert abstract_params('gpt2-medium') == 354_823_168
+
+
+def small_gpt(seed=0, vocab=37):
+  return GPT(GPT2Config(vocab_size=vocab, max_len=48, num_layers=2, num_heads=2, width=16, dropout=0.0),
+             rngs=nnx.Rngs(seed))
+
+
+@nnx.jit
+def full_forward(model, tokens):
+  return model(tokens)[0]
+
+
+def greedy_without_cache(model, prompt, new_tokens, length=24):
+  """Recompute the whole prefix for every token (right padding cannot affect causal positions)."""
+  tokens = list(prompt)
+  for _ in range(new_tokens):
+    logits = full_forward(model, jnp.asarray([tokens + [0] * (length - len(tokens))]))
+    tokens.append(int(jnp.argmax(logits[0, len(tokens) - 1])))
+  return tokens[len(prompt):]
+
+
+def test_cached_batched_decoding_equals_recomputing_the_prefix():
+  model = small_gpt()
+  prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [12, 13, 14]]
+  tokens, valid = decoding.left_pad(prompts, pad_id=0)
+  out, lengths = generate_tokens(model, tokens, valid, jax.random.key(0), max_new_tokens=10, temperature=0.0,
+                                 top_k=0, top_p=1.0, eos_id=None, pad_id=0)
+  for row, prompt in zip(np.asarray(out), prompts):
+    assert list(row) == greedy_without_cache(model, prompt, 10)
+  assert list(np.asarray(lengths)) == [10, 10, 10]
+
+
+def test_eos_stops_a_row_and_pads_after_it():
+  model = small_gpt()
+  prompt = [[5, 6, 7]]
+  free = greedy_without_cache(model, prompt[0], 6)
+  eos = free[2]
+  tokens, valid = decoding.left_pad(prompt, pad_id=0)
+  out, lengths = generate_tokens(model, tokens, valid, jax.random.key(0), max_new_tokens=6, temperature=0.0,
+                                 top_k=0, top_p=1.0, eos_id=eos, pad_id=0)
+  first_eos = free.index(eos)
+  assert list(np.asarray(out)[0][:first_eos + 1]) == free[:first_eos + 1]
+  assert np.all(np.asarray(out)[0][first_eos + 1:] == 0)
+  assert int(lengths[0]) == first_eos + 1
+
+
+def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
+  logits = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+  keys = jax.random.split(jax.random.key(0), 2000)
+  draw = lambda **kw: np.asarray(jax.vmap(lambda k: decoding.sample_logits(logits, k, **kw)[0])(keys[:400]))
+  assert set(draw(top_k=2)) == {1, 3}
+  # Nucleus 0.8: 0.4 + 0.3 = 0.7 < 0.8, so the next token (0.15) completes it.
+  assert set(draw(top_p=0.8)) == {1, 3, 4}
+  assert set(draw(temperature=0.0)) == {1}
+  samples = np.asarray(jax.vmap(lambda k: decoding.sample_logits(logits, k)[0])(keys))
+  np.testing.assert_allclose(np.bincount(samples, minlength=5) / len(keys), [0.05, 0.4, 0.1, 0.3, 0.15], atol=0.04)
+
+
+@pytest.fixture(scope='module')
+def hf_gpt2_dir(tmp_path_factory):
+  transformers = pytest.importorskip('transformers')
+  import tokenizers
+  torch = pytest.importorskip('torch')
+  from data.tokenizers import train_bpe
+  directory = str(tmp_path_factory.mktemp('hf_gpt2'))
+  bpe = train_bpe(['def foo(x):\n    return x + 1\n' * 20, 'hello world, hello there'], vocab_size=300)
+  bpe.tokenizer.add_special_tokens(['<|endoftext|>'])
+  bpe.tokenizer.save(os.path.join(directory, 'tokenizer.json'))
+  torch.manual_seed(0)
+  config = transformers.GPT2Config(vocab_size=bpe.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+  model = transformers.GPT2LMHeadModel(config).eval()
+  model.save_pretrained(directory, safe_serialization=True)
+  return directory, model
+
+
+def test_hf_gpt2_import_matches_transformers_logits(hf_gpt2_dir, tmp_path):
+  import torch
+  from configs import gpt as gpt_configs
+  from train.checkpoint import load_run
+  from train.trainer import import_hf_run
+  directory, hf_model = hf_gpt2_dir
+  config = gpt_configs.get_config('tiny')
+  workdir = str(tmp_path / 'imported')
+  import_hf_run(config, directory, workdir)
+  run = load_run(workdir)
+  tokens = np.random.default_rng(0).integers(0, hf_model.config.vocab_size, (2, 20))
+  with torch.no_grad():
+    expected = hf_model(torch.tensor(tokens)).logits.numpy()
+  logits, _ = run.model(jnp.asarray(tokens))
+  np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)
+  from transformers import PreTrainedTokenizerFast
+  hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(directory, 'tokenizer.json'))
+  text = 'def foo(x):\n    return hello'
+  assert run.tokenizer.encode(text) == hf_tokenizer(text)['input_ids']
+  with open(os.path.join(workdir, 'config.json')) as f:
+    assert json.load(f)['model']['width'] == 32

@@ -1,0 +1,206 @@
+"""Recurrent language model with the two minibatch samplers of D2L ch. 9.3.
+
+The training documents become one token stream (documents joined by EOS). `data.sampler`:
+
+  'random'      the stream is cut into windows of seq_len + 1 tokens (inputs and shifted
+                targets), shuffled into batches; each batch starts from a zero state.
+  'sequential'  the stream is cut into batch_size rows; batch k holds window k of every row, so
+                row b of batch k+1 continues row b of batch k. The final state of a batch is
+                carried into the next one (model.carried) with its gradient stopped there
+                (truncated backpropagation through time). Every pass over the stream starts at
+                a new random offset with a fresh state (the batch's 'reset' flag).
+
+Both samplers read the same tokens, so the same `train.steps` is the same budget. Evaluation:
+the trainer's eval/loss and eval/perplexity are on held-out windows, each from a zero state;
+`evaluate` adds 'stream_perplexity', the held-out stream read sequentially with the state carried
+throughout, and samples continuations of `decode.prompts`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from data import sources
+from data.lm import get_tokenizer, split_documents
+from models import decoding
+from models.rnn_lm import RNNLM, RNNLMConfig
+from train import task as task_lib
+from train.tasks.gpt import lm_loss
+
+SAMPLERS = ('random', 'sequential')
+
+
+def token_stream(documents: list[tuple[str, str]], tokenizer, max_tokens: int = 0) -> np.ndarray:
+  """The documents' tokens joined by EOS, int32 [N]; tokenizes only as far as `max_tokens` (0: all)."""
+  pieces, total = [], 0
+  for _, text in documents:
+    pieces.append(np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], np.int32))
+    total += len(pieces[-1])
+    if max_tokens and total >= max_tokens:
+      break
+  stream = np.concatenate(pieces) if pieces else np.zeros((0,), np.int32)
+  return stream[:max_tokens] if max_tokens else stream
+
+
+def windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
+  """[N] -> [W, seq_len + 1] windows at stride seq_len: every token but the first is a target once."""
+  count = (len(stream) - 1) // seq_len
+  if count == 0:
+    raise sources.DataError(f'The data has {len(stream)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; '
+                            f'use more text or a smaller data.seq_len.')
+  index = np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+  return stream[index]
+
+
+def rows(stream: np.ndarray, num_rows: int, seq_len: int) -> np.ndarray:
+  """[N] -> [num_rows, N // num_rows] consecutive pieces, each at least two windows long."""
+  length = len(stream) // num_rows
+  if length < 3 * seq_len:
+    raise sources.DataError(f'Sequential partitioning needs at least {3 * seq_len * num_rows} tokens for '
+                            f'{num_rows} rows of data.seq_len={seq_len}; the data has {len(stream)}. Use more '
+                            f'text or a smaller train.batch_size.')
+  return stream[: num_rows * length].reshape(num_rows, length)
+
+
+def sequential_batches(row_array: np.ndarray, seq_len: int, seed: int) -> grain.MapDataset:
+  """Endless batches {'tokens' [R, seq_len + 1], 'reset' [R]} walking along every row together.
+
+  Pass e over the rows starts at a random offset in [0, seq_len) drawn from (seed, e), so window
+  borders move between passes; its first batch has reset=True.
+  """
+  num_rows, length = row_array.shape
+  per_pass = (length - seq_len) // seq_len
+
+  def batch(index, window):
+    offset = np.random.default_rng([seed, index // per_pass]).integers(seq_len)
+    start = offset + window * seq_len
+    return {'tokens': row_array[:, start:start + seq_len + 1],
+            'reset': np.full((num_rows,), window == 0)}
+
+  return grain.MapDataset.range(per_pass).repeat().map_with_index(batch)
+
+
+@nnx.jit
+def _nll_and_state(model, tokens, state):
+  logits, state = model(tokens[:, :-1], state)
+  _, metrics = lm_loss(logits, tokens[:, 1:])
+  return metrics['loss'], state
+
+
+def stream_perplexity(model: RNNLM, stream: np.ndarray, num_rows: int, seq_len: int) -> float:
+  """exp(mean NLL) of a stream read as `num_rows` consecutive rows with the state carried throughout
+  (fewer rows when the stream is short, so that each row holds at least one window)."""
+  num_rows = max(1, min(num_rows, (len(stream) - 1) // seq_len))
+  length = len(stream) // num_rows
+  data = stream[: num_rows * length].reshape(num_rows, length)
+  state = model.initial_state(num_rows)
+  total, count = 0.0, 0.0
+  for start in range(0, data.shape[1] - 1, seq_len):
+    (nll, tokens), state = _nll_and_state(model, jnp.asarray(data[:, start:start + seq_len + 1]), state)
+    total, count = total + float(nll), count + float(tokens)
+  return float(np.exp(total / count))
+
+
+@nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))
+def generate_tokens(model: RNNLM, tokens, valid, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id):
+  """Continue left-padded prompts [B, P] with the shared sampler; the RNN state is its cache."""
+  def step_fn(step_tokens, positions, key_valid, state, index):
+    mask = jax.lax.dynamic_slice_in_dim(key_valid, index, step_tokens.shape[1], axis=1)
+    return model(step_tokens, state, mask)
+  return decoding.generate(step_fn, model.initial_state(tokens.shape[0]), tokens, valid, rng,
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           eos_id=eos_id, pad_id=pad_id)
+
+
+class Task(task_lib.Task):
+
+  def __init__(self, config):
+    super().__init__(config)
+    if config.data.sampler not in SAMPLERS:
+      raise ValueError(f'Unknown data.sampler {config.data.sampler!r}; choose one of {SAMPLERS}.')
+    self.sequential = config.data.sampler == 'sequential'
+
+  def prepare(self, workdir):
+    data, train = self.config.data, self.config.train
+    train_docs, eval_docs = split_documents(data, self.config.seed)
+    self.tokenizer = get_tokenizer(data, workdir, (text for _, text in train_docs))
+    train_stream = token_stream(train_docs, self.tokenizer, data.max_examples * data.seq_len + 1)
+    eval_batch = train.eval_batch_size or train.batch_size
+    eval_tokens = train.eval_steps * eval_batch * data.seq_len + 1 if train.eval_steps else 0
+    self.eval_stream = token_stream(eval_docs, self.tokenizer, eval_tokens)
+    train_examples = rows(train_stream, train.batch_size, data.seq_len) if self.sequential else \
+        windows(train_stream, data.seq_len)
+    as_dataset = lambda array: grain.MapDataset.source(array).map(lambda w: {'tokens': w})
+    return task_lib.Datasets(train=as_dataset(train_examples), eval=as_dataset(windows(self.eval_stream, data.seq_len)))
+
+  def train_batches(self, examples, batch_size, seed):
+    if not self.sequential:
+      return super().train_batches(examples, batch_size, seed)
+    row_array = np.stack([examples[i]['tokens'] for i in range(len(examples))])
+    return sequential_batches(row_array, self.config.data.seq_len, seed)
+
+  def model_config(self) -> RNNLMConfig:
+    return RNNLMConfig.from_config(self.config.model, self.tokenizer.vocab_size)
+
+  def build_model(self, rngs):
+    carried = self.config.train.batch_size if self.sequential else 0
+    return RNNLM(self.model_config(), carried_batch=carried, rngs=rngs)
+
+  def loss(self, model, batch, *, deterministic):
+    tokens = batch['tokens']
+    carry = self.sequential and not deterministic
+    state = None
+    if carry:
+      keep = ~batch['reset']
+      state = jax.tree.map(lambda s: s * keep[:, None, None].astype(s.dtype), jax.lax.stop_gradient(model.carried[...]))
+    logits, final = model(tokens[:, :-1], state, deterministic=deterministic)
+    if carry:
+      model.carried[...] = jax.lax.stop_gradient(final)
+    return lm_loss(logits, tokens[:, 1:])
+
+  def summarize(self, metrics):
+    return {**metrics, 'eval/perplexity': float(np.exp(min(metrics['eval/loss'], 50.0)))}
+
+  def example_batch(self, batch_size):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, self.tokenizer.vocab_size, (batch_size, self.config.data.seq_len + 1), dtype=np.int32)
+    batch = {'tokens': tokens}
+    if self.sequential:
+      batch['reset'] = np.zeros((batch_size,), bool)
+    return batch
+
+  # ------------------------------------------------------------------ after training
+  def generate(self, model, prompts: list[str], *, seed: int = 0) -> list[str]:
+    settings = self.config.decode
+    encoded = [self.tokenizer.encode(p) or [self.tokenizer.eos_id] for p in prompts]
+    tokens, valid = decoding.left_pad(encoded, self.tokenizer.pad_id)
+    out, lengths = generate_tokens(model, tokens, valid, jax.random.key(seed),
+                                   max_new_tokens=settings.max_new_tokens, temperature=float(settings.temperature),
+                                   top_k=int(settings.top_k), top_p=float(settings.top_p),
+                                   eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+    out, lengths = np.asarray(out), np.asarray(lengths)
+    return [self.tokenizer.decode(row[:n]) for row, n in zip(out, lengths)]
+
+  def evaluate(self, model, datasets, workdir):
+    eval_batch = self.config.train.eval_batch_size or self.config.train.batch_size
+    perplexity = stream_perplexity(model, self.eval_stream, eval_batch, self.config.data.seq_len)
+    print(f'Held-out stream perplexity (state carried across windows): {perplexity:.3f}', flush=True)
+    results = {'stream_perplexity': perplexity}
+    prompts = [p for p in self.config.decode.prompts.split('|') if p]
+    if prompts:
+      samples = self.generate(model, prompts, seed=self.config.seed)
+      with open(os.path.join(workdir, 'samples.json'), 'w') as f:
+        json.dump([{'prompt': p, 'continuation': s} for p, s in zip(prompts, samples)], f, indent=1)
+      for prompt, sample in zip(prompts, samples):
+        print(f'--- prompt: {prompt!r}\n{prompt}{sample}\n', flush=True)
+      results['samples'] = samples
+    return results
+
+  def predict(self, model, lines):
+    return self.generate(model, lines, seed=self.config.seed)
