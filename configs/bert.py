@@ -46,7 +46,7 @@ SIZES = {
 }
 PRESETS = {
     'tiny': dict(model=SIZES['tiny'],
-                 data=dict(vocab_size=400, seq_len=32, max_predictions=6, dupe_factor=2),
+                 data=dict(vocab_size=400, seq_len=32, max_predictions=6, dupe_factor=1, max_examples=1000),
                  train=dict(steps=20, batch_size=8, lr=1e-3, warmup_steps=5, eval_every=10, eval_steps=2,
                             checkpoint_every=10, log_every=5)),
     'default': dict(model=SIZES['default'],

@@ -154,7 +154,10 @@ def tfds_pairs(name: str, split: str, source_lang: str, target_lang: str) -> lis
 def _read(source: str, data_config, seed: int) -> Splits:
   kind, argument = sources.parse_source(source)
   if kind == 'numbers_en_fr':
-    return numbers_en_fr(seed)
+    # Generating is the slow part (num2words), so data.max_examples also shrinks what is generated.
+    train = data_config.max_examples or NUMBERS_SIZES[0]
+    held_out = min(NUMBERS_SIZES[1], max(100, train // 10))
+    return numbers_en_fr(seed, (train, held_out, held_out))
   if kind == 'tsv':
     pairs = read_tsv(argument)
     parts = sources.deterministic_split([f'{s}\t{t}' for s, t in pairs], TSV_FRACTIONS, seed)

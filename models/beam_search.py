@@ -21,9 +21,13 @@ model's log-softmax over its tokens, EOS included; beam search ranks finished hy
 GNMT score log p / lp with lp = ((5 + n) / 6) ** alpha and n the generated length with EOS.
 
 Beam search keeps `beam_size` live hypotheses; of the 2 * beam_size best expansions, those
-ending in EOS among the top beam_size are finished, the best beam_size others stay live. A row
-is done once beam_size hypotheses have finished (or at its maximum length), as in fairseq. With
-beam_size 1 this is exactly greedy search.
+ending in EOS among the top beam_size are finished, the best beam_size others stay live, and the
+best beam_size finished ones are kept. A row is done at its maximum length, or once it holds
+beam_size finished hypotheses and even the worst of them scores at least as well as the best
+live one would if it ended now (Hugging Face's default stopping rule). Stopping as soon as
+beam_size hypotheses have finished (fairseq) is not enough: with peaked models, poor
+hypotheses end early and fill the finished set before the good one ends. With beam_size 1 this
+is exactly greedy search.
 
 Shape legend: B batch rows, K beams, V vocabulary, L = max_len.
 """
@@ -147,7 +151,7 @@ def beam_search(step_fn: StepFn, cache: Any, bos: jax.Array, *, beam_size: int, 
     return (best, *[gather(a) for a in arrays])
 
   def body(state):
-    i, last, live_tokens, live_logprob, cache, fin_tokens, fin_scores, fin_logprob, num_finished, done = state
+    i, last, live_tokens, live_logprob, cache, fin_tokens, fin_scores, fin_logprob, done = state
     force = jnp.repeat(i + 1 >= limits, k)
     logprobs, cache = _next_logprobs(step_fn, last.reshape(-1), cache, i, eos_id, force)
     vocab = logprobs.shape[-1]
@@ -164,14 +168,14 @@ def beam_search(step_fn: StepFn, cache: Any, bos: jax.Array, *, beam_size: int, 
     fin_scores, fin_tokens, fin_logprob = top(
         jnp.concatenate([fin_scores, cand_scores], axis=1), k,
         jnp.concatenate([fin_tokens, cand_tokens], axis=1), jnp.concatenate([fin_logprob, cand_logprob], axis=1))
-    num_finished = num_finished + jnp.sum(finishing, axis=1)
 
     # The best K expansions that did not end stay live; the cache follows their parent beams.
     live_logprob, live_tokens, last, parent = top(
         jnp.where(is_eos, -jnp.inf, cand_logprob), k, cand_tokens, cand_token, cand_beam)
     cache = gather_beams(cache, parent, k)
-    done = done | (num_finished >= k) | (i + 1 >= limits)
-    return i + 1, last, live_tokens, live_logprob, cache, fin_tokens, fin_scores, fin_logprob, num_finished, done
+    cannot_improve = fin_scores[:, -1] >= live_logprob[:, 0] / length_penalty(i + 1.0, alpha)
+    done = done | cannot_improve | (i + 1 >= limits)
+    return i + 1, last, live_tokens, live_logprob, cache, fin_tokens, fin_scores, fin_logprob, done
 
   def cond(state):
     i, done = state[0], state[-1]
@@ -182,8 +186,7 @@ def beam_search(step_fn: StepFn, cache: Any, bos: jax.Array, *, beam_size: int, 
   empty = jnp.full((batch, k, max_len), pad_id, jnp.int32)
   last = jnp.repeat(jnp.asarray(bos, jnp.int32)[:, None], k, axis=1)
   state = (jnp.int32(0), last, empty, live_logprob, tile_beams(cache, k), empty,
-           jnp.full((batch, k), -jnp.inf), jnp.full((batch, k), -jnp.inf),
-           jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool))
+           jnp.full((batch, k), -jnp.inf), jnp.full((batch, k), -jnp.inf), jnp.zeros((batch,), bool))
   state = jax.lax.while_loop(cond, body, state)
   fin_tokens, fin_scores, fin_logprob = state[5:8]
   return BeamResult(fin_tokens, fin_scores, fin_logprob)

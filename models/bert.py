@@ -69,7 +69,7 @@ class BertPretrainingOutput(NamedTuple):
 
 def _reinit_linears(module: nnx.Module, init, rngs: nnx.Rngs) -> None:
   """BERT initialises every dense kernel from N(0, init_std) (truncated); biases stay zero."""
-  for _, m in module.iter_modules():
+  for _, m in nnx.iter_modules(module):
     if isinstance(m, nnx.Linear):
       m.kernel[...] = init(rngs.params(), m.kernel.shape, m.kernel.dtype)
 

@@ -26,7 +26,7 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits.astype(jnp.float32) / temperature
-  if top_k:
+  if top_k and top_k < logits.shape[-1]:
     kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
     logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
   if top_p < 1.0:

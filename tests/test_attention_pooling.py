@@ -89,3 +89,18 @@ def test_learned_width_beats_fixed_kernel():
 def test_parametric_without_init_needs_rngs():
   with pytest.raises(ValueError, match='rngs'):
     NadarayaWatson(parametric=True)
+
+
+def test_config_trains_through_the_trainer_and_draws_the_picture(tmp_path):
+  from configs.attention_pooling import get_config
+  from train.trainer import train_and_evaluate
+  config = get_config()
+  config.train.batch_size = 40  # divisible by the 8 test devices
+  config.train.eval_batch_size = 40
+  config.train.steps = 150
+  config.train.eval_every = 150
+  config.train.checkpoint_every = 150
+  results = train_and_evaluate(config, str(tmp_path))
+  assert 4.0 < results['width'] < 6.0  # the leave-one-out optimum of seed 0 is w = 4.93
+  assert results['test_mse_parametric'] < 0.3 * results['test_mse_nonparametric']
+  assert (tmp_path / 'attention_pooling.png').stat().st_size > 10_000

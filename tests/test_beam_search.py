@@ -123,6 +123,25 @@ def test_beam_scores_are_replayable_and_beat_greedy(alpha):
       np.testing.assert_allclose(scores[k], gnmt(logprob, len(tokens), alpha), rtol=1e-5, atol=1e-5)
 
 
+def test_short_poor_hypotheses_do_not_end_the_search():
+  # A peaked model: the good path is 6 tokens long; any deviation makes EOS almost certain next.
+  # Poor hypotheses then finish early and fill all beam slots long before the good one ends.
+  good = jnp.array([4, 5, 3, 6, 4, EOS])
+
+  def step_fn(tokens, cache, index):
+    deviated = cache['deviated'] | ((index > 0) & (tokens[:, 0] != good[jnp.maximum(index - 1, 0)]))
+    target = jnp.where(deviated, EOS, good[jnp.minimum(index, 5)])
+    return 10.0 * jax.nn.one_hot(target, VOCAB), {'deviated': deviated}
+
+  cache = {'deviated': jnp.zeros((2,), bool)}
+  bos = jnp.full((2,), BOS, jnp.int32)
+  greedy = beam_search.greedy_search(step_fn, cache, bos, max_len=MAX_LEN, eos_id=EOS)
+  assert hypothesis(greedy.tokens[0]) == good.tolist()
+  for alpha in (0.0, 0.6):
+    beam = beam_search.beam_search(step_fn, cache, bos, beam_size=3, max_len=MAX_LEN, eos_id=EOS, alpha=alpha)
+    np.testing.assert_array_equal(beam.tokens[:, 0], greedy.tokens)
+
+
 def test_wide_beam_finds_the_exhaustive_optimum():
   # 4 tokens, at most 4 steps: 64 beams never prune, so the best hypothesis is the true optimum.
   vocab, limit, alpha = 4, 4, 0.6

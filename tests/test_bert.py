@@ -11,6 +11,9 @@ from models.gpt import count_parameters
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
+# Models run compiled: op-by-op eager execution of even tiny BERTs costs seconds per call.
+forward = nnx.jit(lambda model, *args, **kwargs: model(*args, **kwargs))
+
 SENTENCES = [
     'Héllo, wörld! The naïve café-owner said: "¿Qué tal?"',
     "Don't panic -- it's 3.14159 (approximately).",
@@ -80,7 +83,7 @@ def test_import_pretraining_checkpoint_matches_transformers(tmp_path, weights_fi
   assert heads
   tokens, segments, valid = inputs()
   expected = hf_outputs(hf, tokens, segments, valid)
-  ours = model(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
+  ours = forward(model, jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
   assert len(ours.encoder.hidden_states) == SMALL['num_hidden_layers'] + 1
   for mine, theirs in zip(ours.encoder.hidden_states, expected.hidden_states):
     np.testing.assert_allclose(np.asarray(mine), theirs.numpy(), atol=1e-4, rtol=1e-4)
@@ -89,7 +92,8 @@ def test_import_pretraining_checkpoint_matches_transformers(tmp_path, weights_fi
                              rtol=1e-4)
   # The MLM head on gathered positions equals the full logits at those positions.
   positions = jnp.asarray([[1, 3, 8], [0, 2, 5]])
-  gathered = model(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid), masked_positions=positions)
+  gathered = forward(model, jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid),
+                     masked_positions=positions)
   np.testing.assert_allclose(np.asarray(gathered.mlm_logits),
                              np.take_along_axis(np.asarray(ours.mlm_logits), np.asarray(positions)[..., None], 1),
                              atol=1e-5)
@@ -103,7 +107,7 @@ def test_import_encoder_only_checkpoint(tmp_path):
   assert not heads
   tokens, segments, valid = inputs(1)
   expected = hf_outputs(hf, tokens, segments, valid)
-  ours = model.encoder(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
+  ours = forward(model.encoder, jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
   np.testing.assert_allclose(np.asarray(ours.sequence), expected.last_hidden_state.numpy(), atol=1e-4, rtol=1e-4)
   np.testing.assert_allclose(np.asarray(ours.pooled), expected.pooler_output.numpy(), atol=1e-4, rtol=1e-4)
 
@@ -156,16 +160,16 @@ def test_classifier_head_and_padding_mask():
   tokens = jnp.asarray([[2, 7, 8, 9, 3, 0, 0, 0]])
   valid = tokens != 0
   noisy = tokens.at[0, 5:].set(jnp.asarray([11, 12, 13]))
-  logits = model(tokens, None, valid)
+  logits = forward(model, tokens, None, valid)
   assert logits.shape == (1, 3)
-  np.testing.assert_allclose(model(noisy, None, valid), logits, atol=1e-6)
-  np.testing.assert_allclose(model(tokens[:, :5], None, valid[:, :5]), logits, atol=1e-5)
+  np.testing.assert_allclose(forward(model, noisy, None, valid), logits, atol=1e-6)
+  np.testing.assert_allclose(forward(model, tokens[:, :5], None, valid[:, :5]), logits, atol=1e-5)
 
 
 def test_init_statistics():
   """BERT's init: dense and embedding matrices ~ N(0, 0.02) truncated at 2 std, biases zero, LayerNorm one."""
-  model = BertForPretraining(BertConfig(vocab_size=3000, num_layers=1, width=128, num_heads=2, mlp_dim=256,
-                                        max_len=64), rngs=nnx.Rngs(0))
+  model = BertForPretraining(BertConfig(vocab_size=2000, num_layers=1, width=64, num_heads=2, mlp_dim=128,
+                                        max_len=16), rngs=nnx.Rngs(0))
   block = model.encoder.blocks[0]
   for matrix in (model.encoder.embeddings.token.embedding, block.self_attention.query.kernel, block.mlp.up.kernel):
     values = np.asarray(matrix[...])

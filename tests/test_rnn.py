@@ -169,3 +169,112 @@ def test_bad_arguments_fail_clearly():
   rnn = StackedRNN('gru', I, H, bidirectional=True, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='bidirectional'):
     rnn.step(jnp.ones((B, I)), rnn.initial_state(B))
+
+
+# ----------------------------------------------------------------------------- the language-model task
+def lm_task(sampler, batch_size=4, seq_len=5):
+  from configs import rnn_lm
+  from data.tokenizers import CharTokenizer
+  from train.tasks.rnn_lm import Task
+  config = rnn_lm.get_config('tiny')
+  config.data.sampler = sampler
+  config.data.seq_len = seq_len
+  config.train.batch_size = batch_size
+  task = Task(config)
+  task.tokenizer = CharTokenizer('abcdefghij')
+  return task
+
+
+def test_sequential_batches_continue_each_row():
+  from train.tasks.rnn_lm import rows, sequential_batches
+  stream = np.arange(1000, dtype=np.int32)
+  row_array = rows(stream, 4, 5)
+  assert row_array.shape == (4, 250)
+  batches = sequential_batches(row_array, 5, seed=0)
+  per_pass = (250 - 5) // 5
+  for k in range(per_pass - 1):
+    now, after = batches[k]['tokens'], batches[k + 1]['tokens']
+    assert now.shape == (4, 6)
+    # Window k+1 of a row starts where window k's targets end: the carried state is its history.
+    np.testing.assert_array_equal(after[:, 0], now[:, -1])
+    np.testing.assert_array_equal(np.diff(now, axis=1), 1)
+    assert batches[k + 1]['reset'].tolist() == [False] * 4
+  assert batches[0]['reset'].all() and batches[per_pass]['reset'].all()
+  # Rows are consecutive pieces of the stream, and each pass starts at a fresh offset below seq_len.
+  np.testing.assert_array_equal(batches[0]['tokens'][:, 0] % 250, batches[0]['tokens'][0, 0])
+  offsets = {int(batches[e * per_pass]['tokens'][0, 0]) for e in range(8)}
+  assert offsets <= set(range(5)) and len(offsets) > 1
+
+
+def test_random_sampler_windows_cover_the_stream_once():
+  from train.tasks.rnn_lm import windows
+  stream = np.arange(23, dtype=np.int32)
+  w = windows(stream, 5)
+  assert w.shape == (4, 6)
+  np.testing.assert_array_equal(w[:, 1:].ravel(), np.arange(1, 21))  # every target exactly once
+
+
+def test_trainer_step_carries_and_detaches_the_state():
+  """Through the trainer's jitted step: the state after batch k is the model's final state on
+  batch k, it starts batch k+1, it is reset by the 'reset' flag, and no gradient crosses it."""
+  import optax
+  from train.trainer import make_train_step, TrainState
+  task = lm_task('sequential')
+  model = task.build_model(nnx.Rngs(params=0, dropout=1))
+  graphdef, params, extra = nnx.split(model, nnx.Param, ...)
+  tx = optax.sgd(0.0)  # parameters stay fixed, so states can be recomputed outside
+  state = TrainState(params, extra, tx.init(params), jnp.zeros((), jnp.int32))
+  step = jax.jit(make_train_step(task, graphdef, tx, grad_accum=1))
+  rng = np.random.default_rng(0)
+  tokens = [rng.integers(4, task.tokenizer.vocab_size, (4, 6)).astype(np.int32) for _ in range(3)]
+  resets = [np.ones(4, bool), np.zeros(4, bool), np.array([True, False, False, True])]
+  reference = nnx.merge(graphdef, params, extra)
+  expected = None
+  for batch_tokens, reset in zip(tokens, resets):
+    state, (scalars, _) = step(state, {'tokens': batch_tokens, 'reset': reset})
+    start = None if expected is None else expected * (~reset)[:, None, None]
+    logits, expected = reference(jnp.asarray(batch_tokens[:, :-1]), start)
+    carried = nnx.merge(graphdef, state.params, state.extra).carried[...]
+    np.testing.assert_allclose(carried, expected, atol=1e-5)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch_tokens[:, 1:]).mean()
+    np.testing.assert_allclose(scalars['loss'], loss, rtol=1e-5)
+
+  # Gradients stop at the batch border: they equal those of a fresh forward from the given state.
+  batch = {'tokens': tokens[1], 'reset': np.zeros(4, bool)}
+  def loss_from(params, start):
+    model = nnx.merge(graphdef, params, extra, copy=True)
+    model.carried[...] = start
+    return task.loss(model, batch, deterministic=False)[0]
+  start = jnp.ones_like(carried)
+  state_grad = jax.grad(loss_from, argnums=1)(params, start)
+  np.testing.assert_array_equal(state_grad, 0.0)
+
+
+def test_sequential_sampler_rejects_gradient_accumulation():
+  from configs import rnn_lm
+  from configs.validation import ConfigError
+  config = rnn_lm.get_config('tiny')
+  config.train.grad_accum = 2
+  with pytest.raises(ConfigError, match='grad_accum'):
+    rnn_lm.validate(config)
+
+
+def test_sampling_a_left_padded_prompt_ignores_the_padding():
+  """The shared sampler pads prompts on the left; padded steps must not change the RNN state."""
+  from train.tasks.rnn_lm import generate_tokens
+  task = lm_task('random')
+  model = task.build_model(nnx.Rngs(0))
+  prompts = [[5, 6, 7, 8], [9, 10]]
+  from models.decoding import left_pad
+  tokens, valid = left_pad(prompts, 0)
+  out, _ = generate_tokens(model, tokens, valid, jax.random.key(0), max_new_tokens=4, temperature=0.0, top_k=0,
+                           top_p=1.0, eos_id=None, pad_id=0)
+  alone, _ = generate_tokens(model, jnp.asarray([prompts[1]]), jnp.ones((1, 2), bool), jax.random.key(0),
+                             max_new_tokens=4, temperature=0.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0)
+  np.testing.assert_array_equal(out[1], alone[0])
+  # Greedy continuation equals the argmax of the model run on the growing sequence.
+  sequence = list(prompts[1])
+  for _ in range(4):
+    logits, _ = model(jnp.asarray([sequence]))
+    sequence.append(int(jnp.argmax(logits[0, -1])))
+  np.testing.assert_array_equal(alone[0], sequence[2:])

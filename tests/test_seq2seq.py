@@ -109,3 +109,80 @@ def test_beam_search_reorders_the_state_correctly():
 def test_unknown_attention_type_fails_clearly():
   with pytest.raises(ValueError, match='attention_type'):
     make('luong')
+
+
+# ----------------------------------------------------------------------------- the translation task
+def test_english_number_reads_num2words_output():
+  from num2words import num2words
+  from train.tasks.seq2seq import english_number
+  rng = np.random.default_rng(0)
+  numbers = [0, 1, 12, 20, 21, 100, 101, 999, 1000, 100000, 100001, 999999] + rng.integers(0, 10**6, 300).tolist()
+  for n in numbers:
+    for kind in ('cardinal', 'ordinal'):
+      assert english_number(num2words(n, to=kind, lang='en')) == n, (n, kind)
+  assert english_number('bonjour') is None
+  # Years are below 100,000 whatever their reading, so a threshold above 2,100 drops them all.
+  assert english_number(num2words(1999, to='year', lang='en')) < 2100
+
+
+def seq2seq_task(tmp_path, attention_type='bahdanau', pairs=200):
+  from configs import seq2seq
+  config = seq2seq.get_config('tiny')
+  rng = np.random.default_rng(0)
+  words = 'un deux trois quatre cinq six sept huit neuf dix'.split()
+  english = 'one two three four five six seven eight nine ten'.split()
+  with open(tmp_path / 'pairs.tsv', 'w') as f:
+    for _ in range(pairs):
+      index = rng.integers(0, 10, rng.integers(1, 5))
+      f.write(' '.join(english[i] for i in index) + '\t' + ' '.join(words[i] for i in index) + '\n')
+  config.data.source = f'tsv:{tmp_path}/pairs.tsv'
+  config.data.seq_len = 12
+  config.model.attention_type = attention_type
+  return config
+
+
+def test_loss_ignores_padded_target_positions(tmp_path):
+  from train.tasks.seq2seq import Task
+  task = Task(seq2seq_task(tmp_path))
+  datasets = task.prepare(str(tmp_path))
+  model = task.build_model(nnx.Rngs(0))
+  batch = {k: np.stack([datasets.train[i][k] for i in range(8)]) for k in ('source', 'target_in', 'target_out')}
+  loss, metrics = task.loss(model, batch, deterministic=True)
+  valid = batch['target_out'] != task.tokenizer.pad_id
+  assert 0 < valid.sum() < valid.size
+  assert float(metrics['loss'][1]) == valid.sum()
+  # Other decoder inputs after the end of the target change nothing.
+  noisy = dict(batch, target_in=np.where(valid, batch['target_in'], 5))
+  np.testing.assert_allclose(task.loss(model, noisy, deterministic=True)[0], loss, rtol=1e-6)
+  logits, _ = model(batch['source'], batch['source'] != task.tokenizer.pad_id, batch['target_in'])
+  per_token = -jax.nn.log_softmax(logits)[np.arange(8)[:, None], np.arange(12)[None], batch['target_out']]
+  np.testing.assert_allclose(loss, per_token[valid].mean(), rtol=1e-5)
+
+
+def test_numbers_filter_keeps_only_large_numbers(tmp_path, monkeypatch):
+  from data import translation
+  from train.tasks.seq2seq import Task
+  pairs = [('one hundred and two thousand', 'cent deux mille'), ('twelve', 'douze'),
+           ('two hundred thousandth', 'deux cent millième'), ('ninety-nine thousand', 'quatre-vingt-dix-neuf mille')]
+  monkeypatch.setattr(translation, 'numbers_en_fr', lambda seed, sizes=None: translation.Splits(pairs * 20, pairs, pairs))
+  config = seq2seq_task(tmp_path)
+  config.data.source = 'numbers_en_fr'
+  config.data.min_number = 100_000
+  task = Task(config)
+  task.prepare(str(tmp_path))
+  assert [s for s, _ in task.test_pairs] == ['one hundred and two thousand', 'two hundred thousandth']
+
+
+def test_training_end_to_end_writes_bleu_and_attention_picture(tmp_path):
+  from train.trainer import train_and_evaluate
+  config = seq2seq_task(tmp_path, pairs=200)
+  config.train.eval_batch_size = 8
+  config.train.steps = 4
+  config.train.eval_every = 4
+  config.train.checkpoint_every = 4
+  results = train_and_evaluate(config, str(tmp_path / 'run'))
+  assert results['step'] == 4
+  for key in ('test_bleu_greedy', 'test_bleu_beam', 'eval/perplexity'):
+    assert np.isfinite(results[key])
+  assert (tmp_path / 'run' / 'attention.png').exists()
+  assert (tmp_path / 'run' / 'translations.json').exists()

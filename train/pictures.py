@@ -28,8 +28,13 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
   'Ġ' escapes), or the raw token for specials and pieces that do not decode alone."""
   labels = []
   for i in ids:
-    text = tokenizer.decode([int(i)]).strip()
-    labels.append(text if text and '\ufffd' not in text else tokenizer.id_to_token(int(i)))
+    text = tokenizer.decode([int(i)])
+    if text and not text.strip():
+      labels.append('\u2423')  # a visible space
+    elif text and '\ufffd' not in text:
+      labels.append(text.strip())
+    else:
+      labels.append(tokenizer.id_to_token(int(i)))
   return labels
 
 

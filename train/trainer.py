@@ -106,7 +106,7 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(params=params, extra=extra, opt_state=opt_state, step=state.step + 1)
-    scalars = {'loss': loss, 'grad_norm': optax.global_norm(grads)}
+    scalars = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
     return new_state, (scalars, metrics)
 
   return train_step
@@ -226,7 +226,18 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
 
 def evaluate_run(config, workdir: str) -> dict[str, Any]:
-  """`--mode=eval`: the latest checkpoint's eval-split metrics plus the family's evaluation."""
+  """`--mode=eval`: the latest checkpoint's eval-split metrics plus the family's evaluation.
+
+  A run trained on another number of devices evaluates here with a data-parallel mesh over the
+  devices present (checkpoints restore onto any mesh).
+  """
+  try:
+    sharding.mesh_shape(config.mesh, jax.device_count())
+  except ValueError:
+    print(f'Note: the run\'s mesh {dict(config.mesh)} does not fit the {jax.device_count()} devices here; '
+          f'evaluating data-parallel over all of them.', flush=True)
+    config = config.copy_and_resolve_references()
+    config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
   validate_config(config)
   checkpointer = ckpt.Checkpointer(workdir, read_only=True)
   step = checkpointer.latest_step()

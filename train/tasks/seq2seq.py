@@ -132,29 +132,33 @@ class Task(task_lib.Task):
             for name in ('source', 'target_in', 'target_out')}
 
   # ------------------------------------------------------------------ after training
-  def translate(self, model, sources_ids: np.ndarray, beam_size: int) -> list[str]:
-    """[N, S] padded source ids -> N detokenized translations."""
+  def translate_ids(self, model, source: np.ndarray, beam_size: int) -> list[list[int]]:
+    """[N, S] padded source ids -> N output id lists (without EOS)."""
     tok, decode = self.tokenizer, self.config.decode
     batch = self.config.train.eval_batch_size or self.config.train.batch_size
     outputs = []
-    for start in range(0, len(sources_ids), batch):
-      chunk = sources_ids[start:start + batch]
+    for start in range(0, len(source), batch):
+      chunk = source[start:start + batch]
       padded = np.full((batch, chunk.shape[1]), tok.pad_id, np.int32)  # one compiled shape
       padded[:len(chunk)] = chunk
       tokens = _translate(model, jnp.asarray(padded), bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
                           max_len=self.config.data.seq_len, beam_size=beam_size,
                           alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio))
       outputs.extend(beam_search.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
-    return [tok.decode(ids) for ids in outputs]
+    return outputs
+
+  def translate(self, model, source: np.ndarray, beam_size: int) -> list[str]:
+    return [self.tokenizer.decode(ids) for ids in self.translate_ids(model, source, beam_size)]
 
   def evaluate(self, model, datasets, workdir):
     import sacrebleu
     test = datasets.test
     source = np.stack([test[i]['source'] for i in range(len(test))])
     references = [t for _, t in self.test_pairs]
-    results, translations = {}, {}
+    results, translations, ids = {}, {}, {}
     for name, beam in (('greedy', 1), ('beam', int(self.config.decode.beam_size))):
-      translations[name] = self.translate(model, source, beam)
+      ids[name] = self.translate_ids(model, source, beam)
+      translations[name] = [self.tokenizer.decode(row) for row in ids[name]]
       results[f'test_bleu_{name}'] = sacrebleu.corpus_bleu(translations[name], [references]).score
       results[f'test_exact_match_{name}'] = float(np.mean([h == r for h, r in zip(translations[name], references)]))
     with open(os.path.join(workdir, 'translations.json'), 'w') as f:
@@ -168,32 +172,32 @@ class Task(task_lib.Task):
     if model.attention is not None and len(source):
       path = os.path.join(workdir, 'attention.png')
       longest = np.argsort(-(source != self.tokenizer.pad_id).sum(-1), kind='stable')[:HEATMAPS]
-      self.plot_attention(model, source[longest], path)
+      self.plot_attention(model, source[longest], [ids['greedy'][i] for i in longest], path)
       results['images'] = {'attention': path}
     return results
 
-  def attention_maps(self, model, source: np.ndarray):
-    """Per sentence: (source tokens, greedy output tokens, weights [output, source]) from re-running
-    the decoder over its own greedy output with teacher forcing."""
-    tok = self.tokenizer
+  def attention_maps(self, model, source: np.ndarray, outputs: list[list[int]]):
+    """Per sentence of source [N, S] and its output ids (without EOS): (source tokens, output tokens
+    with EOS, weights [output, source]) from re-running the decoder over the output with teacher forcing."""
+    tok, length = self.tokenizer, self.config.data.seq_len
+    outputs = [list(ids[:length - 1]) + [tok.eos_id] for ids in outputs]
+    target_in = np.full((len(source), length), tok.pad_id, np.int32)
+    for row, output in enumerate(outputs):
+      target_in[row, :len(output)] = [tok.bos_id] + output[:-1]
+    _, weights = model(jnp.asarray(source), jnp.asarray(source != tok.pad_id), jnp.asarray(target_in))
+    label = lambda i: tok.id_to_token(int(i)).replace('\u0120', '\u2581')  # byte-level BPE's space mark
     maps = []
-    for row in source:
-      source_ids = row[row != tok.pad_id]
-      greedy = _translate(model, jnp.asarray(source_ids[None]), bos_id=tok.bos_id, eos_id=tok.eos_id,
-                          pad_id=tok.pad_id, max_len=self.config.data.seq_len, beam_size=1, alpha=0.0,
-                          max_len_ratio=float(self.config.decode.max_len_ratio))
-      output = beam_search.strip(np.asarray(greedy), tok.eos_id)[0] + [tok.eos_id]
-      target_in = jnp.asarray([[tok.bos_id] + output[:-1]])
-      _, weights = model(jnp.asarray(source_ids[None]), jnp.ones((1, len(source_ids)), bool), target_in)
-      maps.append(([tok.id_to_token(i) for i in source_ids], [tok.id_to_token(i) for i in output],
-                   np.asarray(weights[0])))
+    for row, output in enumerate(outputs):
+      source_ids = source[row][source[row] != tok.pad_id]
+      maps.append(([label(i) for i in source_ids], [label(i) for i in output],
+                   np.asarray(weights[row, :len(output), :len(source_ids)])))
     return maps
 
-  def plot_attention(self, model, source: np.ndarray, path: str) -> None:
+  def plot_attention(self, model, source: np.ndarray, outputs: list[list[int]], path: str) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    maps = self.attention_maps(model, source)
+    maps = self.attention_maps(model, source, outputs)
     figure, axes = plt.subplots(1, len(maps), figsize=(6 * len(maps), 5.5), squeeze=False)
     for ax, (source_tokens, output_tokens, weights) in zip(axes[0], maps):
       ax.imshow(weights, cmap='Reds', vmin=0.0, vmax=1.0)

@@ -1,0 +1,115 @@
+"""The Transformer encoder-decoder of "Attention Is All You Need" for translation.
+
+Command (the CPU main job; built-in offline data, English number words -> French):
+  python launch.py --config=configs/transformer.py:default
+Expected result: test BLEU about 9x (sacreBLEU, detokenized, beam 4) on 1,000 held-out numbers
+that never occur in training, a few printed translations and attention heatmaps (PNG) in the
+workdir. (Measured: see the report in README, "Transformer".)
+
+Your own parallel corpus (one `source<TAB>target` pair per line; 5% each held out for
+validation and test):
+  python launch.py --config=configs/transformer.py:default --config.data.source=tsv:/path/pairs.tsv
+WMT 2014 English -> German as in the paper (TFDS must have prepared it):
+  python launch.py --config=configs/transformer.py:base
+
+Presets:
+  tiny     tests: seconds
+  default  the CPU main job above
+  base     the paper's base model: 6 + 6 layers, width 512, 8 heads, FFN 2048, dropout 0.1, shared
+           source/target/output embeddings, Adam(0.9, 0.98, 1e-9), rsqrt schedule with 4,000 warmup
+           steps, label smoothing 0.1, on WMT14 en->de with a 37,000-token joint BPE vocabulary
+  big      the paper's big model: width 1024, 16 heads, FFN 4096, dropout 0.3
+
+Parameter counts (`python -m configs.transformer` prints them; they depend on the vocabulary):
+  base, vocab 37,000:  63,082,496 (the paper's Table 3: 65M)
+  big,  vocab 37,000: 213,901,312 (the paper: 213M)
+The difference for base is the vocabulary: the paper's shared BPE vocabulary was not exactly
+37,000 tokens, and each 1,000 tokens add 0.5M (base) or 1.0M (big) parameters. Layer sizes
+match the paper exactly (see tests/test_transformer.py for the hand count).
+"""
+import ml_collections
+
+from configs.base import base_config
+
+PRESETS = {
+    'tiny': dict(model=dict(width=32, num_heads=2, encoder_layers=1, decoder_layers=1, mlp_dim=64, dropout=0.0),
+                 data=dict(vocab_size=300, seq_len=24, max_examples=600),
+                 train=dict(steps=20, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=10, eval_steps=2,
+                            checkpoint_every=10, log_every=5),
+                 decode=dict(beam_size=2), pictures=dict(count=1)),
+    'default': dict(model=dict(width=128, num_heads=4, encoder_layers=2, decoder_layers=2, mlp_dim=512,
+                               dropout=0.1),
+                    data=dict(vocab_size=1000, seq_len=24),
+                    train=dict(steps=2000, batch_size=64, lr=2e-3, warmup_steps=200, eval_every=500,
+                               eval_steps=8, checkpoint_every=500, log_every=50)),
+    'base': dict(model=dict(width=512, num_heads=8, encoder_layers=6, decoder_layers=6, mlp_dim=2048, dropout=0.1),
+                 data=dict(source='tfds:wmt14_translate/de-en', source_lang='en', target_lang='de',
+                           vocab_size=37000, seq_len=128, lowercase=False),
+                 # 512^-0.5 * 4000^-0.5: the paper's lrate formula at the end of warmup.
+                 train=dict(steps=100_000, batch_size=256, lr=7.0e-4, warmup_steps=4000, eval_every=2000,
+                            eval_steps=50, checkpoint_every=2000, log_every=100)),
+    'big': dict(model=dict(width=1024, num_heads=16, encoder_layers=6, decoder_layers=6, mlp_dim=4096, dropout=0.3),
+                data=dict(source='tfds:wmt14_translate/de-en', source_lang='en', target_lang='de',
+                          vocab_size=37000, seq_len=128, lowercase=False),
+                train=dict(steps=300_000, batch_size=256, lr=4.9e-4, warmup_steps=4000, eval_every=2000,
+                           eval_steps=50, checkpoint_every=2000, log_every=100)),
+}
+
+
+def get_config(preset: str = 'default'):
+  if preset not in PRESETS:
+    raise ValueError(f'Unknown transformer preset {preset!r}; choose one of {sorted(PRESETS)}.')
+  c = base_config('transformer')
+  c.preset = preset
+  c.data.source = 'numbers_en_fr'
+  c.data.source_lang = ''  # TFDS language keys; '' = from the dataset name ('de-en': de -> en)
+  c.data.target_lang = ''
+  c.data.tokenizer = 'bpe'  # one joint vocabulary for both languages
+  c.data.bucket_width = 8  # training batches of similar lengths, cut to a multiple of this; 0 = off
+  c.model.width = 512
+  c.model.num_heads = 8
+  c.model.encoder_layers = 6
+  c.model.decoder_layers = 6
+  c.model.mlp_dim = 2048
+  c.model.attention_dropout = 0.0
+  c.model.pre_norm = False  # the paper's post-LayerNorm blocks
+  c.model.share_embeddings = True  # source, target and output embeddings are one matrix
+  c.model.layer_norm_epsilon = 1e-6
+  c.train.optimizer = 'adam'
+  c.train.b1 = 0.9
+  c.train.b2 = 0.98
+  c.train.eps = 1e-9
+  c.train.weight_decay = 0.0
+  c.train.grad_clip = 0.0
+  c.train.schedule = 'rsqrt'
+  c.train.label_smoothing = 0.1
+  c.train.best_metric = 'eval/accuracy'
+  c.train.best_mode = 'max'
+  c.decode.beam_size = 4
+  c.decode.length_penalty = 0.6
+  c.decode.max_len_ratio = 1.5
+  c.pictures = ml_collections.ConfigDict()
+  c.pictures.count = 3  # test sentences drawn as attention heatmaps after evaluation
+  c.pictures.layer = -1  # decoder layer whose heads are drawn
+  for section, values in PRESETS[preset].items():
+    c[section].update(values)
+  return c
+
+
+def validate(config):
+  from configs.validation import ConfigError
+  if config.decode.beam_size < 0:
+    raise ConfigError(f'config.decode.beam_size={config.decode.beam_size} must be >= 0 (0 or 1: greedy).')
+  if not -config.model.decoder_layers <= config.pictures.layer < config.model.decoder_layers:
+    raise ConfigError(f'config.pictures.layer={config.pictures.layer} is not a decoder layer '
+                      f'(model.decoder_layers={config.model.decoder_layers}).')
+
+
+if __name__ == '__main__':
+  from models.transformer import TransformerConfig, parameter_count
+  for name in ('base', 'big'):
+    model = get_config(name).model
+    config = TransformerConfig(vocab_size=37000, width=model.width, num_heads=model.num_heads,
+                               encoder_layers=model.encoder_layers, decoder_layers=model.decoder_layers,
+                               mlp_dim=model.mlp_dim)
+    print(f'{name}: {parameter_count(config):,} parameters with a 37,000-token shared vocabulary')

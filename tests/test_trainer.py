@@ -1,0 +1,219 @@
+"""The shared trainer: sharding equivalence, resume after SIGTERM, reload on other device counts,
+divergence, grad accumulation, checkpoint retention, and the errors users meet first."""
+import json
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import support
+from configs.validation import ConfigError
+from data.sources import DataError
+from train import checkpoint as ckpt
+from train.trainer import TrainingDiverged, train_and_evaluate
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  return support.write_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def train_loss_at(workdir, step):
+  return next(m['train/loss'] for m in read_metrics(workdir) if m['step'] == step and 'train/loss' in m)
+
+
+@pytest.fixture(scope='module')
+def single_device_run(corpus, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('single') / 'run')
+  overrides = {'data.source': corpus, 'mesh.data': 1, 'train.log_every': 1}
+  result = support.launch(['--config=configs/gpt.py:tiny', f'--workdir={workdir}', *support.override_args(overrides)],
+                          devices=1)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir, support.last_json(result.stdout)
+
+
+@pytest.fixture(scope='module')
+def fsdp_run(corpus, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('fsdp') / 'run')
+  config = support.tiny_gpt_config(corpus, **{'mesh.data': 4, 'mesh.fsdp': 2, 'train.log_every': 1})
+  return workdir, train_and_evaluate(config, workdir)
+
+
+def test_loss_decreases_and_metrics_are_written(fsdp_run):
+  workdir, results = fsdp_run
+  metrics = read_metrics(workdir)
+  losses = [m['train/loss'] for m in metrics if 'train/loss' in m]
+  assert losses[-1] < losses[0] - 0.5
+  assert {'train/lr', 'train/grad_norm', 'train/tokens_per_s'} <= set(metrics[-2]) | set(metrics[-1])
+  assert results['eval/loss'] < 4.0 and np.isclose(results['eval/perplexity'], np.exp(results['eval/loss']))
+  assert any(name.startswith('events.out.tfevents') for name in os.listdir(os.path.join(workdir, 'tensorboard')))
+  assert json.load(open(os.path.join(workdir, 'config.json')))['mesh']['fsdp'] == 2
+
+
+def test_eight_device_fsdp_matches_one_device(single_device_run, fsdp_run):
+  (single_dir, single), (fsdp_dir, fsdp) = single_device_run, fsdp_run
+  for step in (1, 10, 20):
+    np.testing.assert_allclose(train_loss_at(fsdp_dir, step), train_loss_at(single_dir, step), rtol=1e-4)
+  np.testing.assert_allclose(fsdp['eval/loss'], single['eval/loss'], rtol=1e-4)
+
+
+def test_tensor_parallel_matches_one_device(single_device_run, corpus, tmp_path):
+  single_dir, _ = single_device_run
+  config = support.tiny_gpt_config(corpus, **{'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2,
+                                              'train.log_every': 1})
+  train_and_evaluate(config, str(tmp_path / 'tp'))
+  for step in (10, 20):
+    np.testing.assert_allclose(train_loss_at(str(tmp_path / 'tp'), step), train_loss_at(single_dir, step), rtol=1e-4)
+
+
+def test_run_trained_on_eight_devices_reloads_on_one(fsdp_run):
+  workdir, results = fsdp_run
+  evaluation = support.launch(['--mode=eval', f'--workdir={workdir}'], devices=1)
+  assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+  np.testing.assert_allclose(support.last_json(evaluation.stdout)['eval/loss'], results['eval/loss'], rtol=1e-5)
+  code = ('from train.checkpoint import load_run; import jax, json; run = load_run(%r); '
+          'print(json.dumps([jax.device_count(), run.step, run.predict(["alpha beta"])]))' % workdir)
+  import subprocess, sys
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  out = subprocess.run([sys.executable, '-c', code], cwd=support.REPO, env=env, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-3000:]
+  devices, step, (continuation,) = json.loads(out.stdout.strip().splitlines()[-1])
+  assert devices == 1 and step == 20 and len(continuation) > 0
+
+
+def test_sigterm_saves_exits_zero_and_resumes_to_identical_results(corpus, tmp_path):
+  overrides = {'data.source': corpus, 'mesh.data': 1, 'train.steps': 150, 'train.eval_every': 75,
+               'train.checkpoint_every': 75, 'train.log_every': 1, 'model.dropout': 0.1}
+  args = ['--config=configs/gpt.py:tiny', *support.override_args(overrides)]
+  straight = support.launch(args + [f'--workdir={tmp_path}/straight'], devices=1)
+  assert straight.returncode == 0, straight.stderr[-3000:]
+
+  workdir = f'{tmp_path}/interrupted'
+  process = support.launch(args + [f'--workdir={workdir}'], devices=1, start_new_session=True)
+  metrics_file = os.path.join(workdir, 'metrics.jsonl')
+  deadline = time.time() + 240
+  while time.time() < deadline:
+    if os.path.exists(metrics_file) and any(json.loads(l)['step'] >= 20 for l in open(metrics_file)):
+      break
+    time.sleep(0.05)
+  process.send_signal(signal.SIGTERM)
+  stdout, stderr = process.communicate(timeout=240)
+  assert process.returncode == 0, stderr[-3000:]
+  stopped_at = ckpt.Checkpointer(workdir, read_only=True).latest_step()
+  assert 20 <= stopped_at < 150, stopped_at
+  assert 'SIGTERM' in stdout + stderr
+
+  resumed = support.launch(args + [f'--workdir={workdir}'], devices=1)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f'Resumed from the checkpoint at step {stopped_at}' in resumed.stdout + resumed.stderr
+  assert support.last_json(resumed.stdout)['eval/loss'] == support.last_json(straight.stdout)['eval/loss']
+  a, b = ckpt.load_run(f'{tmp_path}/straight'), ckpt.load_run(workdir)
+  from flax import nnx
+  for x, y in zip(jax.tree.leaves(nnx.state(a.model)), jax.tree.leaves(nnx.state(b.model))):
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
+                                  np.asarray(jax.random.key_data(y) if jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key) else y))
+
+
+def test_gradient_accumulation_matches_the_full_batch(corpus, tmp_path):
+  losses = []
+  for accum in (1, 2):
+    config = support.tiny_gpt_config(corpus, **{'train.grad_accum': accum, 'train.batch_size': 16, 'train.steps': 5,
+                                                'train.log_every': 1, 'train.eval_every': 5,
+                                                'train.checkpoint_every': 5})
+    train_and_evaluate(config, str(tmp_path / f'accum{accum}'))
+    losses.append(train_loss_at(str(tmp_path / f'accum{accum}'), 5))
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+def test_divergence_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
+  config = support.tiny_gpt_config(corpus, **{'train.lr': 1e30, 'train.schedule': 'constant', 'train.warmup_steps': 2,
+                                              'train.checkpoint_every': 1, 'train.grad_clip': 0.0,
+                                              'train.async_checkpoints': False})
+  with pytest.raises(TrainingDiverged, match='last good checkpoint'):
+    train_and_evaluate(config, str(tmp_path / 'nan'))
+  run = ckpt.load_run(str(tmp_path / 'nan'))
+  assert run.step >= 1
+  from flax import nnx
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
+
+
+def test_checkpoints_keep_the_latest_and_the_best(tmp_path):
+  from configs import gpt
+  train_config = gpt.get_config('tiny').train
+  train_config.keep_checkpoints = 2
+  train_config.async_checkpoints = False
+  checkpointer = ckpt.Checkpointer(str(tmp_path), train_config)
+  state = {'params': {'w': np.ones(3)}, 'extra': {}}
+  for step, loss in zip(range(1, 6), [5.0, 1.0, 4.0, 3.0, 2.0]):
+    checkpointer.save(step, state, {'mu': np.zeros(3)}, {'next_index': step}, {'eval/loss': loss})
+  checkpointer.wait()
+  assert sorted(checkpointer.manager.all_steps()) == [2, 4, 5]
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'model.num_heads': 3}, 'num_heads=3 does not divide'),
+    ({'mesh.fsdp': 16}, 'config.mesh'),
+    ({'train.batch_size': 12, 'mesh.data': 8}, 'not divisible by mesh data'),
+    ({'train.schedule': 'warmup'}, 'train.schedule'),
+    ({'train.steps': 0}, 'train.steps=0 must be positive'),
+    ({'data.seq_len': 1000}, 'exceeds config.model.max_len'),
+])
+def test_bad_config_values_fail_before_any_workdir(corpus, tmp_path, overrides, message):
+  config = support.tiny_gpt_config(corpus, **overrides)
+  with pytest.raises(ConfigError, match=message):
+    train_and_evaluate(config, str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run')
+
+
+def test_unknown_key_and_wrong_type_are_rejected(corpus, tmp_path):
+  config = support.tiny_gpt_config(corpus)
+  with config.unlocked():
+    config.train.lrr = 0.1
+  with pytest.raises(ConfigError, match="Unknown config key 'train.lrr'. Did you mean 'train.lr'"):
+    train_and_evaluate(config, str(tmp_path / 'run'))
+  result = support.launch(['--config=configs/gpt.py:tiny', '--config.train.lrr=3', f'--workdir={tmp_path}/cli'])
+  assert result.returncode == 1
+  assert "Unknown config key 'train.lrr'. Did you mean 'train.lr'?" in result.stderr
+  assert 'Traceback' not in result.stderr and not os.path.exists(tmp_path / 'cli')
+  result = support.launch(['--config=configs/gpt.py:tiny', '--config.train.steps=many'])
+  assert result.returncode == 1 and 'train.steps' in result.stderr and 'Traceback' not in result.stderr
+
+
+def test_bad_data_fails_clearly_and_leaves_no_workdir(tmp_path):
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  (empty / 'a.txt').write_text('  \n')
+  latin = tmp_path / 'latin'
+  latin.mkdir()
+  (latin / 'b.txt').write_bytes('caf\xe9'.encode('latin-1'))
+  cases = [(f'text:{tmp_path}/missing/*.txt', 'matched no files'), (f'text:{empty}/*.txt', 'only empty files'),
+           (f'text:{latin}/*.txt', 'not UTF-8'), ('tfds:no_such_dataset_xyz', 'could not be opened'),
+           ('nonsense', 'Unknown LM data source')]
+  for source, message in cases:
+    with pytest.raises(DataError, match=message):
+      train_and_evaluate(support.tiny_gpt_config(source), str(tmp_path / 'run'))
+    assert not os.path.exists(tmp_path / 'run')
+
+
+def test_corrupt_or_mismatched_checkpoint_gets_a_clear_error(fsdp_run, tmp_path):
+  import shutil
+  workdir, _ = fsdp_run
+  copy = str(tmp_path / 'copy')
+  shutil.copytree(workdir, copy)
+  mismatched = support.launch(['--config=configs/gpt.py:tiny', '--config.model.width=64', '--mode=eval',
+                               f'--workdir={copy}', f'--config.data.source={json.load(open(f"{copy}/config.json"))["data"]["source"]}'])
+  assert mismatched.returncode == 1 and 'different model config' in mismatched.stderr, mismatched.stderr[-2000:]
+  for root, _, files in os.walk(os.path.join(copy, 'checkpoints', '20', 'model')):
+    for name in files:
+      with open(os.path.join(root, name), 'wb') as f:
+        f.write(b'garbage')
+  corrupt = support.launch(['--mode=eval', f'--workdir={copy}'])
+  assert corrupt.returncode == 1 and 'corrupt' in corrupt.stderr and 'Traceback' not in corrupt.stderr
