@@ -204,3 +204,90 @@ def load_into_marian(model, hf, torch):
 
 def test_count_parameters_of_a_built_model_matches_the_abstract_count():
   assert count_parameters(tiny()) == parameter_count(TINY) == expected_parameters(19, 32, 48, 2)
+
+
+# ----------------------------------------------------------------------------- the task
+def write_tsv(path, count=240):
+  """A toy corpus: English number words -> digits, enough for the tiny preset's splits."""
+  from num2words import num2words
+  path.write_text('\n'.join(f'{num2words(n)}\t{n}' for n in range(count)), encoding='utf-8')
+  return str(path)
+
+
+def tiny_task(tmp_path):
+  from configs.transformer import get_config
+  from train.tasks.transformer import Task
+  config = get_config('tiny')
+  config.data.source = 'tsv:' + write_tsv(tmp_path / 'pairs.tsv')
+  return config, Task(config)
+
+
+def test_loss_is_label_smoothed_cross_entropy_over_real_target_tokens(tmp_path):
+  config, task = tiny_task(tmp_path)
+  task.prepare(str(tmp_path / 'run'))
+  model = task.build_model(nnx.Rngs(0))
+  batch = {k: jnp.asarray(v) for k, v in task.example_batch(3).items()}
+  target_out = np.array(batch['target_out'])
+  target_out[0, 5:] = task.tokenizer.pad_id  # ragged real lengths
+  target_out[2, 1:] = task.tokenizer.pad_id
+  batch['target_out'] = jnp.asarray(target_out)
+  loss, metrics = task.loss(model, batch, deterministic=True)
+  logits = np.asarray(model(batch['source'], batch['target_in']), np.float64)
+  logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+      logits.max(-1, keepdims=True)
+  eps, vocab = config.train.label_smoothing, logits.shape[-1]
+  real = target_out != task.tokenizer.pad_id
+  picked = np.take_along_axis(logprobs, target_out[..., None], -1)[..., 0]
+  per_token = -(1 - eps) * picked - eps / vocab * logprobs.sum(-1)
+  np.testing.assert_allclose(loss, per_token[real].mean(), rtol=1e-5)
+  assert float(metrics['loss'][1]) == real.sum()
+  accuracy = (logits.argmax(-1) == target_out)[real].mean()
+  np.testing.assert_allclose(float(metrics['accuracy'][0] / metrics['accuracy'][1]), accuracy, rtol=1e-6)
+
+
+def test_bucketed_batches_group_lengths_and_cover_each_window(tmp_path):
+  from train.tasks import transformer as task_module
+  _, task = tiny_task(tmp_path)
+  datasets = task.prepare(str(tmp_path / 'run'))
+  batch_size, window = 4, task_module.BUCKET_WINDOW
+  batches = task.train_batches(datasets.train, batch_size, seed=3)
+  pad = task.tokenizer.pad_id
+  seen = []
+  for i in range(window):
+    b = batches[i]
+    for name in ('source', 'target_in', 'target_out'):
+      assert b[name].shape[0] == batch_size and b[name].shape[1] % task.config.data.bucket_width == 0
+    # Nothing real is cut off: every row still ends in padding or EOS within the kept width.
+    assert (b['source'] != pad).sum(1).max() <= b['source'].shape[1]
+    seen.extend(map(tuple, b['source'].tolist()))
+  # The window's batches hold each of its examples once, in a seeded order.
+  assert len(set(seen)) == len(seen) == batch_size * window
+  np.testing.assert_array_equal(task.train_batches(datasets.train, batch_size, seed=3)[5]['source'],
+                                batches[5]['source'])
+  # Sorting by length inside a window makes batches much more uniform than random ones.
+  lengths = lambda b: (b['source'] != pad).sum(1)
+  spread = np.mean([np.ptp(lengths(batches[i])) for i in range(window)])
+  random_batches = datasets.train.shuffle(seed=3).batch(batch_size)
+  random_spread = np.mean([np.ptp(lengths(random_batches[i])) for i in range(window)])
+  assert spread < random_spread
+
+
+def test_train_evaluate_predict_on_a_tsv_corpus(tmp_path):
+  import json
+  import os
+  from train import trainer
+  from train.checkpoint import load_run
+  config, _ = tiny_task(tmp_path)
+  workdir = str(tmp_path / 'run')
+  results = trainer.train_and_evaluate(config, workdir)
+  assert results['step'] == config.train.steps
+  for key in ('test/bleu', 'test/bleu_greedy', 'test/accuracy', 'eval/loss'):
+    assert np.isfinite(results[key]), key
+  (name, path), = results['images'].items()
+  with open(path, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+  with open(os.path.join(workdir, 'translations.json')) as f:
+    assert {'source', 'reference', 'greedy', 'beam'} <= set(json.load(f)[0])
+  run = load_run(workdir)
+  outputs = run.predict(['seven', 'one hundred and twelve'])
+  assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)

@@ -50,21 +50,25 @@ jax.tree_util.register_dataclass(TrainState, data_fields=['params', 'extra', 'op
 
 
 class PreemptionWatcher:
-  """Turns SIGTERM (preemption, `kill`) into a flag the loop checks between steps."""
+  """Turns SIGTERM (preemption, `kill`) into a stop at a step boundary.
+
+  With several processes, JAX's preemption sync point makes every host stop at the same step
+  (the coordination service forwards the notice); on one process a SIGTERM handler sets a flag.
+  """
 
   def __init__(self):
     self.requested = False
     self._previous = None
-    if threading.current_thread() is threading.main_thread():
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._handler)
 
   def _handler(self, signum, frame):
     self.requested = True
 
   def should_stop(self, step: int) -> bool:
-    if jax.process_count() > 1:  # every host must agree to stop at the same step
+    if jax.process_count() > 1:
       from jax.experimental import multihost_utils
-      return bool(multihost_utils.process_allgather(np.array(self.requested)).any())
+      return multihost_utils.reached_preemption_sync_point(step)
     return self.requested
 
   def restore(self):

@@ -17,6 +17,7 @@ one panel per head of `pictures.layer`) as PNG files returned under 'images'.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -59,19 +60,26 @@ class BucketedBatches(grain.MapDataset):
   def __init__(self, windows: grain.MapDataset, batch_size: int, pad_id: int, width: int, seed: int):
     super().__init__(windows)
     self._windows, self._batch_size, self._pad_id, self._width, self._seed = windows, batch_size, pad_id, width, seed
+    # Batches are read in order, so one loaded window serves BUCKET_WINDOW consecutive batches.
+    self._sorted_window = functools.lru_cache(maxsize=2)(self._load_sorted_window)
 
   def __len__(self):
     return len(self._windows) * BUCKET_WINDOW
+
+  def _load_sorted_window(self, window_index: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(window examples sorted by length, seeded order in which its batches are served)."""
+    window = self._windows[window_index]
+    lengths = np.maximum((window['source'] != self._pad_id).sum(1), (window['target_out'] != self._pad_id).sum(1))
+    order = np.argsort(lengths, kind='stable')
+    return {k: v[order] for k, v in window.items()}, np.random.default_rng((self._seed, window_index)).permutation(
+        BUCKET_WINDOW)
 
   def __getitem__(self, index):
     if isinstance(index, slice):
       return self.slice(index)
     window_index, position = divmod(index, BUCKET_WINDOW)
-    window = self._windows[window_index]
-    lengths = np.maximum((window['source'] != self._pad_id).sum(1), (window['target_out'] != self._pad_id).sum(1))
-    order = np.argsort(lengths, kind='stable')
-    slot = np.random.default_rng((self._seed, window_index)).permutation(BUCKET_WINDOW)[position]
-    rows = order[slot * self._batch_size:(slot + 1) * self._batch_size]
+    window, slots = self._sorted_window(window_index)
+    rows = slice(slots[position] * self._batch_size, (slots[position] + 1) * self._batch_size)
     return trim({k: v[rows] for k, v in window.items()}, self._pad_id, self._width)
 
 
