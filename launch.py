@@ -5,6 +5,8 @@
   python launch.py --mode=eval --workdir=runs/try             # metrics of the latest checkpoint
   echo 'def main():' | python launch.py --mode=predict --workdir=runs/try --input=-
   python launch.py --config=configs/gpt.py:gpt2 --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2
+  python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
+  python launch.py --sweep=configs/sweeps/gpt_lr.py --workdir=runs/sweep  # trials one after another
 
 `train` resumes when `--workdir` holds a checkpoint. `eval` and `predict` read the run's own
 config.json unless `--config` is given. Each mode but `train` ends with one JSON line on stdout.
@@ -21,10 +23,14 @@ from ml_collections import config_flags
 
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config>-<preset>-<timestamp>).')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf'], 'What to do.')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf', 'bench'], 'What to do.')
 flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - for stdin.')
 flags.DEFINE_string('output', None, 'predict: also write the outputs here, one JSON value per line.')
 flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory.')
+flags.DEFINE_integer('bench_steps', 10, 'bench: timed train steps (after 2 warm-up steps).')
+flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of 3 more steps to this directory.')
+flags.DEFINE_string('sweep', None, 'A sweep file (configs/sweeps/*.py): run its trials in <workdir>/<trial>/.')
+flags.DEFINE_bool('sweep_dry_run', False, 'With --sweep: print one launch command per trial and stop.')
 flags.DEFINE_bool('distributed', None, 'Call jax.distributed.initialize() (default: auto-detect a '
                   'multi-process launch on TPU pods, SLURM, or when --coordinator_address is set).')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for manual multi-process launches.')
@@ -47,6 +53,8 @@ def maybe_initialize_distributed() -> None:
   auto = any(os.environ.get(v) for v in ('TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDINATOR_ADDRESS')) or \
       int(os.environ.get('SLURM_NTASKS', '1')) > 1 or FLAGS.coordinator_address is not None
   if FLAGS.distributed or (FLAGS.distributed is None and auto):
+    # Collectives between CPU devices of different processes (over TCP); TPU/GPU collectives are unaffected.
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
                                process_id=FLAGS.process_id)
 
@@ -73,6 +81,10 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
+  if FLAGS.sweep:
+    from train import sweep
+    sweep.run_sweep_from_flags(FLAGS, sys.argv)
+    return
   maybe_initialize_distributed()
   import jax
   from configs.validation import validate_config
@@ -81,7 +93,7 @@ def main(argv):
   config_arg = FLAGS['config'].config_filename if hasattr(FLAGS['config'], 'config_filename') else 'default'
   workdir = FLAGS.workdir or default_workdir(config_arg)
   mode = FLAGS.mode
-  if mode != 'train' and not FLAGS.workdir:
+  if mode not in ('train', 'bench') and not FLAGS.workdir:
     raise app.UsageError(f'--mode={mode} needs --workdir.')
   if mode == 'train':
     validate_config(FLAGS.config)
@@ -115,6 +127,10 @@ def main(argv):
       raise app.UsageError('--mode=import_hf needs --hf_dir=DIR (config.json + weights).')
     results = trainer.import_hf_run(FLAGS.config, FLAGS.hf_dir, workdir)
     print(json.dumps({'mode': 'import_hf', 'workdir': workdir, **_jsonable(results)}), flush=True)
+  elif mode == 'bench':
+    from train.bench import run_benchmark
+    results = run_benchmark(FLAGS.config, steps=FLAGS.bench_steps, profile_dir=FLAGS.bench_profile)
+    print(json.dumps(_jsonable(results)), flush=True)
 
 
 def _jsonable(value):

@@ -23,7 +23,7 @@ Hugging Face checkpoints (with or without pretraining heads):
 
 Presets:
   tiny      tests: seconds
-  default   CPU pretraining on bbc_news (4 layers, 256 wide)
+  default   CPU pretraining on bbc_news (4 layers, 128 wide, 4 heads, 128 tokens)
   finetune  the default model fine-tuned for classification (task=classify)
   base      BERT-base 12/768/12/3072: encoder 109,482,240 parameters (vocab 30,522, 512 positions)
   large     BERT-large 24/1024/16/4096: encoder 335,141,888 parameters
@@ -40,7 +40,7 @@ from configs.base import base_config
 TASKS = ('pretrain', 'classify', 'features')
 SIZES = {
     'tiny': dict(num_layers=2, num_heads=2, width=32, mlp_dim=64, max_len=64),
-    'default': dict(num_layers=4, num_heads=4, width=256, mlp_dim=1024, max_len=128),
+    'default': dict(num_layers=4, num_heads=4, width=128, mlp_dim=512, max_len=128),
     'base': dict(num_layers=12, num_heads=12, width=768, mlp_dim=3072, max_len=512),
     'large': dict(num_layers=24, num_heads=16, width=1024, mlp_dim=4096, max_len=512),
 }
@@ -50,12 +50,13 @@ PRESETS = {
                  train=dict(steps=20, batch_size=8, lr=1e-3, warmup_steps=5, eval_every=10, eval_steps=2,
                             checkpoint_every=10, log_every=5)),
     'default': dict(model=SIZES['default'],
-                    data=dict(vocab_size=8000, seq_len=128, max_predictions=20, dupe_factor=5),
-                    train=dict(steps=1000, batch_size=32, lr=1e-3, warmup_steps=100, eval_every=250,
-                               eval_steps=20, checkpoint_every=250, log_every=25)),
+                    data=dict(vocab_size=8000, seq_len=128, max_predictions=20, dupe_factor=3),
+                    train=dict(steps=800, batch_size=32, lr=5e-4, schedule='linear', warmup_steps=80,
+                               end_lr_fraction=0.0, eval_every=200, eval_steps=0, checkpoint_every=200,
+                               log_every=25)),
     'finetune': dict(task='classify', model=SIZES['default'],
                      data=dict(vocab_size=8000, seq_len=128),
-                     train=dict(steps=300, batch_size=32, lr=1e-4, schedule='linear', warmup_steps=30,
+                     train=dict(steps=250, batch_size=32, lr=2e-4, schedule='linear', warmup_steps=25,
                                 end_lr_fraction=0.0, eval_every=100, eval_steps=0, checkpoint_every=100,
                                 log_every=20, best_metric='eval/accuracy', best_mode='max')),
     'base': dict(model=SIZES['base'],

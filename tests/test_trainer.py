@@ -217,3 +217,15 @@ def test_corrupt_or_mismatched_checkpoint_gets_a_clear_error(fsdp_run, tmp_path)
         f.write(b'garbage')
   corrupt = support.launch(['--mode=eval', f'--workdir={copy}'])
   assert corrupt.returncode == 1 and 'corrupt' in corrupt.stderr and 'Traceback' not in corrupt.stderr
+
+
+def test_bfloat16_compute_keeps_float32_parameters(corpus, tmp_path):
+  config = support.tiny_gpt_config(corpus, **{'model.dtype': 'bfloat16', 'train.log_every': 1})
+  results = train_and_evaluate(config, str(tmp_path / 'bf16'))
+  losses = [m['train/loss'] for m in read_metrics(str(tmp_path / 'bf16')) if 'train/loss' in m]
+  assert losses[-1] < losses[0] - 0.5 and np.isfinite(results['eval/loss'])
+  run = ckpt.load_run(str(tmp_path / 'bf16'))
+  from flax import nnx
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(run.model, nnx.Param))} == {np.dtype('float32')}
+  logits, _ = run.model(np.zeros((1, 4), np.int32))
+  assert logits.dtype == np.float32  # computed in bfloat16, returned in float32 for the loss

@@ -207,7 +207,7 @@ def test_count_parameters_of_a_built_model_matches_the_abstract_count():
 
 
 # ----------------------------------------------------------------------------- the task
-def write_tsv(path, count=240):
+def write_tsv(path, count=600):
   """A toy corpus: English number words -> digits, enough for the tiny preset's splits."""
   from num2words import num2words
   path.write_text('\n'.join(f'{num2words(n)}\t{n}' for n in range(count)), encoding='utf-8')

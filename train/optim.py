@@ -39,8 +39,8 @@ def decay_mask(params) -> object:
   Biases, LayerNorm scales/offsets and embedding tables are excluded, as in GPT-2 and BERT.
   """
   def keep(path, _):
-    name = str(getattr(path[-1], 'key', path[-1]))
-    return name == 'kernel'
+    names = [str(k.key) for k in path if hasattr(k, 'key')]  # nnx.State paths end in '.value'
+    return bool(names) and names[-1] == 'kernel'
   return jax.tree_util.tree_map_with_path(keep, params)
 
 

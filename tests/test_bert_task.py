@@ -1,0 +1,122 @@
+"""The BERT family end to end: HF import as a run, features and fill-mask predictions against
+transformers, fine-tuning initialised from another run, the pretraining loss by hand."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+
+WORDS = 'the a cat sat on mat dog ran park hello world good bad film was movie , . !'.split()
+
+
+@pytest.fixture(scope='module')
+def hf_bert_dir(tmp_path_factory):
+  """A small random BertForPreTraining with its tokenizer, saved the Hugging Face way."""
+  directory = tmp_path_factory.mktemp('hf_bert')
+  vocab = ['[PAD]'] + [f'[unused{i}]' for i in range(99)] + ['[UNK]', '[CLS]', '[SEP]', '[MASK]'] + WORDS
+  (directory / 'vocab.txt').write_text('\n'.join(vocab) + '\n')
+  tokenizer = transformers.BertTokenizerFast.from_pretrained(str(directory))
+  torch.manual_seed(0)
+  config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                   intermediate_size=48, max_position_embeddings=64)
+  model = transformers.BertForPreTraining(config)
+  with torch.no_grad():
+    for p in model.parameters():
+      p.normal_(0.0, 0.2)
+  model.eval().save_pretrained(str(directory))
+  tokenizer.save_pretrained(str(directory))
+  return str(directory), model, tokenizer
+
+
+def tiny_config(**overrides):
+  from configs import bert
+  config = bert.get_config('tiny')
+  for key, value in overrides.items():
+    target = config
+    *parents, leaf = key.split('.')
+    for parent in parents:
+      target = target[parent]
+    target[leaf] = value
+  return config
+
+
+def test_imported_run_features_and_fill_mask_match_transformers(hf_bert_dir, tmp_path):
+  from train.checkpoint import load_run
+  from train.trainer import import_hf_run
+  directory, hf_model, hf_tokenizer = hf_bert_dir
+  workdir = str(tmp_path / 'imported')
+  import_hf_run(tiny_config(task='pretrain'), directory, workdir)
+  with open(os.path.join(workdir, 'config.json')) as f:
+    saved = json.load(f)['model']
+  assert (saved['width'], saved['num_layers'], saved['heads']) == (32, 3, 'pretraining')
+
+  lines = ['the cat sat on the mat.', 'hello world!\tthe dog ran']
+  run = load_run(workdir, config_overrides={'task': 'features', 'features.mean_last': 2,
+                                            'features.output_dir': str(tmp_path / 'features')})
+  outputs = run.predict(lines)
+  for line, output in zip(lines, outputs):
+    encoded = hf_tokenizer(*line.split('\t'), return_tensors='pt')
+    with torch.no_grad():
+      hidden = hf_model(**encoded, output_hidden_states=True).hidden_states
+    expected = ((hidden[-1] + hidden[-2]) / 2)[0].numpy()
+    assert output['tokens'] == hf_tokenizer.convert_ids_to_tokens(encoded['input_ids'][0])
+    np.testing.assert_allclose(np.load(output['file']), expected, atol=1e-4, rtol=1e-4)
+
+  masked = 'the [MASK] sat on the mat.'
+  fills = load_run(workdir).predict([masked])[0]['masks']
+  encoded = hf_tokenizer(masked, return_tensors='pt')
+  with torch.no_grad():
+    logits = hf_model(**encoded).prediction_logits[0, 2].numpy()
+  assert fills == [hf_tokenizer.convert_ids_to_tokens(np.argsort(-logits)[:5].tolist())]
+
+
+def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_dir, tmp_path):
+  from train.task import get_task
+  from train.trainer import import_hf_run
+  directory, hf_model, hf_tokenizer = hf_bert_dir
+  source = str(tmp_path / 'imported')
+  import_hf_run(tiny_config(task='features'), directory, source)
+  data = tmp_path / 'reviews.tsv'
+  data.write_text(''.join(f'{w} film\t{"pos" if w == "good" else "neg"}\n' for w in ['good', 'bad'] * 20))
+  config = tiny_config(task='classify', init_from=source, **{'data.source': f'tsv:{data}'})
+  task = get_task(config)
+  task.prepare(str(tmp_path / 'finetune'))
+  assert (config.model.width, config.model.num_layers, config.model.num_classes) == (32, 3, 2)
+  assert task.tokenizer.encode('good film') == hf_tokenizer('good film', add_special_tokens=False)['input_ids']
+  model = task.build_model(nnx.Rngs(0))
+  task.init_from(model, source)
+  query = model.encoder.blocks[2].self_attention.query.kernel[...]
+  expected = hf_model.bert.encoder.layer[2].attention.self.query.weight.detach().numpy().T
+  np.testing.assert_allclose(np.asarray(query), expected, atol=1e-6)
+  mismatched = tiny_config(task='classify', **{'model.width': 16})
+  other = get_task(mismatched)
+  other.tokenizer, mismatched.model.num_classes, mismatched.model.vocab_size = task.tokenizer, 2, 0
+  with pytest.raises(ValueError, match='different sizes'):
+    other.init_from(other.build_model(nnx.Rngs(0)), source)
+
+
+def test_pretraining_loss_by_hand():
+  from models.bert import BertConfig, BertForPretraining
+  from train.tasks.bert import pretraining_loss
+  model = BertForPretraining(BertConfig(vocab_size=30, max_len=16, num_layers=1, num_heads=2, width=8, mlp_dim=16),
+                             rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  batch = {'tokens': rng.integers(5, 30, (2, 10)), 'segments': np.zeros((2, 10), np.int32),
+           'valid': np.ones((2, 10), bool), 'next_sentence': np.array([0, 1]),
+           'masked_positions': np.array([[1, 4, 0], [2, 3, 7]]), 'masked_labels': np.array([[6, 7, 0], [8, 9, 10]]),
+           'masked_weights': np.array([[1, 1, 0], [1, 1, 1]], np.float32)}
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  loss, metrics = nnx.jit(lambda m, b: pretraining_loss(m, b, deterministic=True))(model, batch)
+  full = nnx.jit(lambda m, b: m(b['tokens'], b['segments'], b['valid']))(model, batch)
+  mlm = np.asarray(jax.nn.log_softmax(full.mlm_logits))
+  nsp = np.asarray(jax.nn.log_softmax(full.nsp_logits))
+  chosen = [(0, 1, 6), (0, 4, 7), (1, 2, 8), (1, 3, 9), (1, 7, 10)]  # the weight-1 slots: (row, position, label)
+  expected = -np.mean([mlm[b, p, label] for b, p, label in chosen]) - (nsp[0, 0] + nsp[1, 1]) / 2
+  assert float(loss) == pytest.approx(expected, rel=1e-5)
+  assert float(metrics['mlm_loss'][1]) == 5 and float(metrics['nsp_accuracy'][1]) == 2

@@ -1,0 +1,201 @@
+"""Benchmark mode: compile and time the training step (and cached decoding) of any config.
+
+  python launch.py --config=configs/gpt.py:bench --mode=bench
+
+No data is read: batches are the task's synthetic `example_batch` with the config's shapes, and
+the tokenizer is a stand-in with `data.vocab_size` ids. The step is the trainer's own
+(`trainer.make_train_step`, same shardings, optimizer and donation), so what is timed here is what
+training runs. Ends with one JSON line:
+
+  model, params, batch, seq_len     what ran
+  compile_s                         lowering + XLA compilation of the train step
+  step_ms, tokens_per_s             median over the timed steps (tokens = batch x seq_len)
+  model_flops_per_token             `Task.flops_per_token()` (each family documents its formula)
+  achieved_tflops                   tokens_per_s x model_flops_per_token
+  matmul_tflops, mfu                a square matmul in the model's dtype, timed in this run before
+                                    and after the steps (the ceiling this machine offers right now);
+                                    mfu = achieved / matmul
+  datasheet_tflops, mfu_datasheet   TPU / GPU only: the vendor's dense peak for the dtype
+  decode_tokens_per_s               {batch: new tokens/s} of greedy cached generation (prompt 16,
+                                    `decode.max_new_tokens` new, prefill included) for families
+                                    with `generate_tokens`; null otherwise
+  peak_rss_mb                       the process's peak resident memory
+  memory                            XLA's compiled buffer sizes per device next to train/memory.py's
+                                    estimate (arguments, outputs, temporaries)
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import resource
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs.validation import validate_config
+from train import memory, sharding
+from train.optim import make_optimizer
+from train.task import get_task
+from train.trainer import TrainState, make_train_step
+
+DECODE_BATCHES = (1, 8)
+DECODE_PROMPT = 16
+# Dense vendor peaks in TFLOP/s by (device-kind substring, dtype). On TPU float32 matmuls run as
+# bfloat16 passes at JAX's default precision, on Ampere and later GPUs as TF32.
+DATASHEET_TFLOPS = {
+    ('TPU v2', 'bfloat16'): 45.0, ('TPU v3', 'bfloat16'): 123.0, ('TPU v4', 'bfloat16'): 275.0,
+    ('TPU v5 lite', 'bfloat16'): 197.0, ('TPU v5p', 'bfloat16'): 459.0, ('TPU v5', 'bfloat16'): 459.0,
+    ('TPU v6', 'bfloat16'): 918.0,
+    ('H100', 'bfloat16'): 989.0, ('H100', 'float32'): 494.7, ('H200', 'bfloat16'): 989.0,
+    ('H200', 'float32'): 494.7, ('A100', 'bfloat16'): 312.0, ('A100', 'float32'): 156.0,
+    ('L4', 'bfloat16'): 121.0, ('L4', 'float32'): 60.0,
+}
+
+
+@dataclasses.dataclass
+class StandInTokenizer:
+  """Just the sizes and special ids a task reads while building a model and a synthetic batch."""
+  vocab_size: int
+  pad_id: int = 0
+  bos_id: int = 1
+  eos_id: int = 2
+  unk_id: int = 3
+
+
+def datasheet_tflops(device_kind: str, dtype: str) -> float | None:
+  key = 'float32' if dtype == 'float32' else 'bfloat16'
+  for (kind, kind_dtype), tflops in DATASHEET_TFLOPS.items():
+    if kind in device_kind and kind_dtype == key:
+      return tflops
+  return None
+
+
+def matmul_tflops(dtype: str, size: int | None = None, reps: int = 5) -> float:
+  """TFLOP/s of a jit-compiled square matmul on the first device: the ceiling measured right now."""
+  size = size or (2048 if jax.default_backend() == 'cpu' else 8192)
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.dtype(dtype))
+  b = jax.random.normal(jax.random.key(1), (size, size), jnp.dtype(dtype))
+  matmul = jax.jit(jnp.matmul)
+  matmul(a, b).block_until_ready()
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def _timed(fn, reps: int) -> list[float]:
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def _bench_task(config):
+  task = get_task(config)
+  vocab = config.model.get('vocab_size') or config.data.vocab_size
+  task.tokenizer = StandInTokenizer(vocab)
+  return task
+
+
+def _decode_speed(config, task, model, new_tokens: int) -> dict[str, float] | None:
+  """{batch: new tokens per second} of greedy generation, or None for non-generative families."""
+  generate_tokens = getattr(importlib.import_module(f'train.tasks.{config.family}'), 'generate_tokens', None)
+  if generate_tokens is None:
+    return None
+  model.eval()
+  speeds = {}
+  for batch in DECODE_BATCHES:
+    prompt = jnp.asarray(np.random.default_rng(batch).integers(4, task.tokenizer.vocab_size, (batch, DECODE_PROMPT)),
+                         jnp.int32)
+    valid = jnp.ones(prompt.shape, bool)
+    run = lambda: generate_tokens(model, prompt, valid, jax.random.key(0), max_new_tokens=new_tokens, temperature=0.0,
+                                  top_k=0, top_p=1.0, eos_id=None, pad_id=0)
+    jax.block_until_ready(run())  # compile
+    speeds[str(batch)] = batch * new_tokens / statistics.median(_timed(run, 3))
+  return speeds
+
+
+def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str | None = None) -> dict[str, Any]:
+  """Compile and time `config`'s train step on synthetic batches; see the module docstring."""
+  config = config.copy_and_resolve_references()
+  validate_config(config)
+  task = _bench_task(config)
+  mesh = sharding.make_mesh(config.mesh)
+  tx, _ = make_optimizer(config.train)
+
+  def init():
+    model = task.build_model(nnx.Rngs(params=config.seed, dropout=config.seed + 1))
+    _, params, extra = nnx.split(model, nnx.Param, ...)
+    return TrainState(params=params, extra=extra, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32))
+
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: task.build_model(nnx.Rngs(params=0, dropout=0))))
+  abstract_state = jax.eval_shape(init)
+  state_sharding = sharding.state_shardings(abstract_state, mesh)
+  estimate = memory.estimate(config, abstract_state, state_sharding, mesh)
+  batch_size, seq_len = config.train.batch_size, config.data.seq_len
+  local = task.example_batch(batch_size // jax.process_count())
+  with jax.set_mesh(mesh):
+    state = jax.jit(init, out_shardings=state_sharding)()
+    batch = sharding.global_batch(local, mesh)
+    step_fn = jax.jit(make_train_step(task, graphdef, tx, config.train.grad_accum),
+                      in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
+                      out_shardings=(state_sharding, None), donate_argnums=(0,))
+    start = time.perf_counter()
+    compiled = step_fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    ceiling_before = matmul_tflops(config.model.dtype)
+    for _ in range(warmup):
+      state, (scalars, _) = compiled(state, batch)
+    jax.block_until_ready(scalars)
+    times = []
+    for _ in range(steps):
+      begin = time.perf_counter()
+      state, (scalars, _) = compiled(state, batch)
+      float(scalars['loss'])  # wait for the step, as a training loop logging the loss would
+      times.append(time.perf_counter() - begin)
+    if profile_dir:
+      with jax.profiler.trace(profile_dir):
+        for _ in range(3):
+          state, (scalars, _) = compiled(state, batch)
+        float(scalars['loss'])
+    ceiling = (ceiling_before + matmul_tflops(config.model.dtype)) / 2
+    model = nnx.merge(graphdef, state.params, state.extra)
+    decode = _decode_speed(config, task, model, min(config.decode.max_new_tokens, _max_new(config, model)))
+  step_s = statistics.median(times)
+  tokens_per_s = batch_size * seq_len / step_s
+  flops = task.flops_per_token()
+  achieved = tokens_per_s * flops / 1e12 if flops else None
+  device = jax.devices()[0]
+  peak = datasheet_tflops(device.device_kind, config.model.dtype) if device.platform != 'cpu' else None
+  analysis = compiled.memory_analysis()
+  return {
+      'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
+      'batch': batch_size, 'seq_len': seq_len, 'tokens_per_s': round(tokens_per_s, 1),
+      'step_ms': round(1000 * step_s, 2), 'step_ms_min_max': [round(1000 * min(times), 2), round(1000 * max(times), 2)],
+      'compile_s': round(compile_s, 2), 'model_flops_per_token': flops,
+      'achieved_tflops': None if achieved is None else round(achieved, 4),
+      'matmul_tflops': round(ceiling, 4), 'mfu': None if achieved is None else round(achieved / ceiling, 4),
+      'datasheet_tflops': peak, 'mfu_datasheet': None if achieved is None or not peak else round(achieved / peak, 4),
+      'decode_tokens_per_s': None if decode is None else {k: round(v, 1) for k, v in decode.items()},
+      'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+      'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
+                 'estimate_mb': estimate.as_mb()},
+      'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
+      'attention': config.model.get('attention'), 'scan_layers': config.model.get('scan_layers'),
+      'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
+  }
+
+
+def _max_new(config, model) -> int:
+  """New tokens that fit the model's positions after the benchmark prompt."""
+  max_len = getattr(getattr(model, 'config', None), 'max_len', None)
+  return config.decode.max_new_tokens if max_len is None else max_len - DECODE_PROMPT
