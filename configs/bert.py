@@ -23,7 +23,7 @@ Hugging Face checkpoints (with or without pretraining heads):
 
 Presets:
   tiny      tests: seconds
-  default   CPU pretraining on bbc_news (4 layers, 128 wide, 4 heads, 128 tokens)
+  default   CPU pretraining on bbc_news (2 layers, 128 wide, 2 heads, 128 tokens)
   finetune  the default model fine-tuned for classification (task=classify)
   base      BERT-base 12/768/12/3072: encoder 109,482,240 parameters (vocab 30,522, 512 positions)
   large     BERT-large 24/1024/16/4096: encoder 335,141,888 parameters
@@ -40,7 +40,7 @@ from configs.base import base_config
 TASKS = ('pretrain', 'classify', 'features')
 SIZES = {
     'tiny': dict(num_layers=2, num_heads=2, width=32, mlp_dim=64, max_len=64),
-    'default': dict(num_layers=4, num_heads=4, width=128, mlp_dim=512, max_len=128),
+    'default': dict(num_layers=2, num_heads=2, width=128, mlp_dim=512, max_len=128),
     'base': dict(num_layers=12, num_heads=12, width=768, mlp_dim=3072, max_len=512),
     'large': dict(num_layers=24, num_heads=16, width=1024, mlp_dim=4096, max_len=512),
 }
@@ -51,12 +51,12 @@ PRESETS = {
                             checkpoint_every=10, log_every=5)),
     'default': dict(model=SIZES['default'],
                     data=dict(vocab_size=8000, seq_len=128, max_predictions=20, dupe_factor=3),
-                    train=dict(steps=800, batch_size=32, lr=5e-4, schedule='linear', warmup_steps=80,
+                    train=dict(steps=600, batch_size=32, lr=1e-3, schedule='linear', warmup_steps=60,
                                end_lr_fraction=0.0, eval_every=200, eval_steps=0, checkpoint_every=200,
                                log_every=25)),
     'finetune': dict(task='classify', model=SIZES['default'],
                      data=dict(vocab_size=8000, seq_len=128),
-                     train=dict(steps=250, batch_size=32, lr=2e-4, schedule='linear', warmup_steps=25,
+                     train=dict(steps=170, batch_size=32, lr=3e-4, schedule='linear', warmup_steps=17,
                                 end_lr_fraction=0.0, eval_every=100, eval_steps=0, checkpoint_every=100,
                                 log_every=20, best_metric='eval/accuracy', best_mode='max')),
     'base': dict(model=SIZES['base'],
@@ -125,6 +125,9 @@ def validate(config):
   if config.task == 'pretrain' and config.data.max_predictions < round(config.data.mask_prob * config.data.seq_len):
     raise ConfigError(f'config.data.max_predictions={config.data.max_predictions} is below mask_prob x seq_len = '
                       f'{round(config.data.mask_prob * config.data.seq_len)}; raise it.')
+  if config.data.tokenizer != 'wordpiece':
+    raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: BERT needs 'wordpiece' ([CLS], [SEP], "
+                      f"[MASK] tokens).")
   if config.features.pooling not in ('none', 'cls', 'mean'):
     raise ConfigError(f"config.features.pooling={config.features.pooling!r}: use 'none', 'cls' or 'mean'.")
   if config.model.heads not in ('', 'pretraining', 'classifier', 'none'):

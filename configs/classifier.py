@@ -6,7 +6,7 @@ Expected result: RESULTS_PLACEHOLDER
 
 Presets:
   tiny     tests: seconds
-  default  bbc_news: 2 pre-LN blocks, 128 wide, mean pooling over the first 256 WordPiece tokens
+  default  bbc_news: 2 pre-LN blocks, 64 wide, mean pooling over the first 128 WordPiece tokens
 
 Other data: --config.data.source=tsv:/path/train.tsv (text<TAB>label, or text_a<TAB>text_b<TAB>label
 per line; --config.data.eval_source=tsv:/path/test.tsv, else an 80/10/10 split by text) or
@@ -20,9 +20,9 @@ PRESETS = {
                  data=dict(vocab_size=500, seq_len=32, max_examples=256),
                  train=dict(steps=20, batch_size=8, lr=1e-3, warmup_steps=5, eval_every=10, eval_steps=2,
                             checkpoint_every=10, log_every=5)),
-    'default': dict(model=dict(num_layers=2, num_heads=4, width=128, mlp_dim=512, max_len=256, dropout=0.1),
-                    data=dict(vocab_size=8000, seq_len=256),
-                    train=dict(steps=600, batch_size=32, lr=1e-3, warmup_steps=60, eval_every=100, eval_steps=0,
+    'default': dict(model=dict(num_layers=2, num_heads=2, width=64, mlp_dim=256, max_len=128, dropout=0.1),
+                    data=dict(vocab_size=8000, seq_len=128),
+                    train=dict(steps=400, batch_size=32, lr=1e-3, warmup_steps=40, eval_every=100, eval_steps=0,
                                checkpoint_every=200, log_every=20)),
 }
 

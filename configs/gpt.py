@@ -56,6 +56,8 @@ def get_config(preset: str = 'default'):
   c.model.mlp_ratio = 4
   c.model.max_len = 256
   c.model.layer_norm_epsilon = 1e-5
+  c.model.scan_layers = False  # one nnx.scan over stacked blocks: compile time flat in depth
+  c.model.remat = 'none'  # 'none' | 'dots' | 'full': recompute activations in the backward pass
   c.decode.temperature = 0.8
   c.decode.top_k = 40
   for section, values in PRESETS[preset].items():
@@ -65,6 +67,9 @@ def get_config(preset: str = 'default'):
 
 def validate(config):
   from configs.validation import ConfigError
+  from models.gpt import REMAT_POLICIES
+  if config.model.remat not in REMAT_POLICIES:
+    raise ConfigError(f'config.model.remat={config.model.remat!r} is not one of {tuple(REMAT_POLICIES)}.')
   if config.data.seq_len > config.model.max_len:
     raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
                       f'{config.model.max_len}; raise model.max_len or lower data.seq_len.')

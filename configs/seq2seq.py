@@ -39,17 +39,17 @@ def get_config(preset: str = 'default'):
   c = base_config('seq2seq')
   c.preset = preset
   c.model.attention_type = 'none'  # 'none' | 'bahdanau'
-  c.model.embed = 64
-  c.model.hidden = 128
+  c.model.embed = 32
+  c.model.hidden = 64
   c.model.num_layers = 2
   c.model.dropout = 0.1
   c.model.attention_hidden = 0  # width of the additive attention's tanh layer; 0 = model.hidden
   c.data.source = 'numbers_en_fr'
   c.data.tokenizer = 'bpe'
   c.data.vocab_size = 512
-  c.data.seq_len = 32  # source and target positions, EOS / BOS included
+  c.data.seq_len = 20  # source and target positions, EOS / BOS included (numbers need at most 19)
   c.data.min_number = 0  # numbers_en_fr: keep only numbers >= this (0: all)
-  c.train.steps = 2000
+  c.train.steps = 1500
   c.train.batch_size = 64
   c.train.lr = 3e-3
   c.train.schedule = 'cosine'

@@ -85,7 +85,8 @@ def read_tsv(path: str) -> list[LabelledText]:
       continue
     fields = line.split('\t')
     if len(fields) not in (2, 3) or (columns and len(fields) != columns):
-      expected = f'{columns} columns like the lines before' if columns else 'text<TAB>label or text_a<TAB>text_b<TAB>label'
+      expected = (f'{columns} like the lines before' if columns
+                  else 'text<TAB>label or text_a<TAB>text_b<TAB>label')
       raise sources.DataError(f'{path}:{number} has {len(fields)} tab-separated fields; expected {expected}.')
     columns = len(fields)
     *texts, label = (field.strip() for field in fields)

@@ -71,30 +71,36 @@ def _draw_number(rng: np.random.Generator) -> tuple[str, int]:
 def numbers_en_fr(seed: int = 0, sizes: tuple[int, int, int] = NUMBERS_SIZES) -> Splits:
   """English -> French number words: cardinals, ordinals and years below a million.
 
-  Numbers are drawn from `seed` (uniform number of digits, then uniform value) and deduplicated
-  by their English text; each goes to train, validation or test by a hash of that text (until
-  that split is full), so the held-out numbers never occur in training. The lexicon (every
-  cardinal and ordinal up to NUMBERS_LEXICON) is always in training: held-out numbers are new
-  compositions of known words.
+  Numbers are drawn from `seed` (uniform number of digits, then uniform value, so small numbers
+  recur as they do in text). Each English text belongs to train, validation or test by a hash
+  of the text, so held-out numbers never occur in training; validation and test hold distinct
+  numbers, training keeps repeats. The lexicon (every cardinal and ordinal up to
+  NUMBERS_LEXICON) is always training data, once up front and whenever drawn: held-out numbers
+  are new compositions of known words. Splits have sizes[0] (+ the lexicon), sizes[1], sizes[2] pairs.
   """
-  lexicon = {}
-  for n in range(NUMBERS_LEXICON + 1):
-    for kind in ('cardinal', 'ordinal'):
-      en, fr = number_pair(kind, n)
-      lexicon[en] = fr
+  french: dict[tuple[str, int], str] = {}  # num2words' French is slow and draws repeat
+
+  def pair(kind, n):
+    if (kind, n) not in french:
+      french[kind, n] = _number_words(kind, n, 'fr')
+    return _number_words(kind, n, 'en'), french[kind, n]
+
+  lexicon = [pair(kind, n) for n in range(NUMBERS_LEXICON + 1) for kind in ('cardinal', 'ordinal')]
+  lexicon_sources = {en for en, _ in lexicon}
   rng = np.random.default_rng(seed)
   fractions = [size / sum(sizes) for size in sizes]
-  parts: tuple[dict[str, str], ...] = ({}, {}, {})
-  while any(len(part) < size for part, size in zip(parts, sizes)):
+  train: list[Pair] = []
+  held_out: tuple[dict[str, str], ...] = ({}, {})
+  while len(train) < sizes[0] or any(len(part) < size for part, size in zip(held_out, sizes[1:])):
     kind, n = _draw_number(rng)
     en = _number_words(kind, n, 'en')
-    if en in lexicon:
-      continue
-    index = next(i for i, hit in enumerate(sources.deterministic_split([en], fractions, seed)) if hit)
-    if len(parts[index]) < sizes[index] and en not in parts[index]:
-      parts[index][en] = _number_words(kind, n, 'fr')  # French is the slow half: only when kept
-  train, validation, test = (list(part.items()) for part in parts)
-  return Splits(list(lexicon.items()) + train, validation, test)
+    split = 0 if en in lexicon_sources else next(
+        i for i, hit in enumerate(sources.deterministic_split([en], fractions, seed)) if hit)
+    if split == 0 and len(train) < sizes[0]:
+      train.append(pair(kind, n))
+    elif split and len(held_out[split - 1]) < sizes[split] and en not in held_out[split - 1]:
+      held_out[split - 1][en] = pair(kind, n)[1]
+  return Splits(lexicon + train, *(list(part.items()) for part in held_out))
 
 
 # ----------------------------------------------------------------------------- files and TFDS

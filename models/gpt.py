@@ -4,6 +4,15 @@ Token + learned position embeddings, N pre-LayerNorm blocks of causal self-atten
 MLP, a final LayerNorm, and an output layer tied to the token embedding. `GPT2Config` defaults
 are GPT-2 small (124,439,808 parameters with vocabulary 50,257 and 1,024 positions).
 
+Two switches for depth and size (as in MaxText):
+  scan_layers  the blocks' parameters are stacked on a leading [num_layers] axis and the forward is
+               one `nnx.scan` over them, so the compiled program holds one block whatever the depth
+               (compile time stays flat); the KV cache is stacked the same way. Checkpoints of the two
+               layouts differ, so a run keeps the layout it was trained with.
+  remat        activation rematerialisation per block: 'none'; 'dots' saves only the outputs of the
+               projection matmuls and recomputes the rest (attention scores, softmax, GELU, norms) in
+               the backward pass; 'full' saves only each block's input.
+
 Shape legend: B batch, L length, E width, V vocabulary, L_max cache length.
 """
 from __future__ import annotations
@@ -31,6 +40,8 @@ class GPT2Config:
   layer_norm_epsilon: float = 1e-5
   dtype: str = 'float32'
   attention: str = 'xla'
+  scan_layers: bool = False
+  remat: str = 'none'  # a key of REMAT_POLICIES
 
   @classmethod
   def from_config(cls, model_config, vocab_size: int) -> 'GPT2Config':
@@ -38,6 +49,13 @@ class GPT2Config:
     values = {k: v for k, v in model_config.items() if k in fields}
     values['vocab_size'] = vocab_size
     return cls(**values)
+
+
+REMAT_POLICIES = {
+    'none': None,
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'full': jax.checkpoint_policies.nothing_saveable,
+}
 
 
 class GPT(nnx.Module):
@@ -52,8 +70,10 @@ class GPT(nnx.Module):
     self.position_embedding = nnx.Embed(config.max_len, config.width, embedding_init=nnx.initializers.normal(0.01),
                                         dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
-    blocks = []
-    for _ in range(config.num_layers):
+    if config.remat not in REMAT_POLICIES:
+      raise ValueError(f'remat={config.remat!r} is not one of {tuple(REMAT_POLICIES)}.')
+
+    def make_block(rngs):
       block = TransformerBlock(
           config.width, config.num_heads, config.mlp_ratio * config.width, dropout=config.dropout,
           attention_dropout=config.dropout, activation='gelu_tanh', pre_norm=True,
@@ -64,8 +84,13 @@ class GPT(nnx.Module):
         linear.kernel[...] = init(rngs.params(), linear.kernel.shape)
       for linear in (block.self_attention.out, block.mlp.down):
         linear.kernel[...] = residual_init(rngs.params(), linear.kernel.shape)
-      blocks.append(block)
-    self.blocks = nnx.List(blocks)
+      return block
+
+    if config.scan_layers:
+      # One block's worth of modules whose every variable has a leading [num_layers] axis.
+      self.blocks = nnx.split_rngs(splits=config.num_layers)(nnx.vmap(make_block, in_axes=0, out_axes=0))(rngs)
+    else:
+      self.blocks = nnx.List([make_block(rngs) for _ in range(config.num_layers)])
     self.final_norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
@@ -78,7 +103,7 @@ class GPT(nnx.Module):
       tokens: [B, L] int token ids.
       positions: [B, L] position ids (default 0..L-1; left-padded prompts pass their own).
       key_valid: [B, L_keys] bool, False on padding keys (L_keys = L, or L_max with a cache).
-      cache: per-layer key/value caches from `init_cache`, written at `cache_index`.
+      cache: the key/value caches from `init_cache`, written at `cache_index`.
     Returns:
       ([B, L, V] float32 logits, updated cache or None); with `return_hidden`, the final
       [B, L, E] hidden states instead of logits.
@@ -89,22 +114,46 @@ class GPT(nnx.Module):
                                    (batch, length))
     x = self.token_embedding(tokens) + self.position_embedding(positions)
     x = self.dropout(x, deterministic=deterministic)
-    k_len = length if cache is None else cache[0]['self']['k'].shape[1]
+    k_len = length if cache is None else jax.tree.leaves(cache)[0].shape[-3]
     mask = make_attention_mask(None, key_valid, causal=True, q_len=length, k_len=k_len,
                                q_offset=0 if cache_index is None else cache_index)
-    new_cache = []
-    for i, block in enumerate(self.blocks):
-      x, layer_cache = block(x, mask, cache=None if cache is None else cache[i], cache_index=cache_index,
-                             deterministic=deterministic)
-      new_cache.append(layer_cache)
+
+    def run_block(block, x, layer_cache):
+      return block(x, mask, cache=layer_cache, cache_index=cache_index, deterministic=deterministic)
+
+    if self.config.remat != 'none':
+      run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.config.remat])
+    if self.config.scan_layers:
+      # A plain lax.scan over the split state rather than nnx.scan, which refuses modules created at
+      # another trace level (a model closed over by the decoding while_loop).
+      graphdef, stacked = nnx.split(self.blocks)
+
+      def scan_step(x, layer):
+        block = nnx.merge(graphdef, layer['state'])
+        x, layer_cache = run_block(block, x, layer['cache'])
+        return x, (nnx.state(block), layer_cache)
+
+      x, (stacked, new_cache) = jax.lax.scan(scan_step, x, {'state': stacked, 'cache': cache})
+      if not deterministic:  # dropout advanced the blocks' RNG counters
+        nnx.update(self.blocks, stacked)
+    else:
+      new_cache = []
+      for i, block in enumerate(self.blocks):
+        x, layer_cache = run_block(block, x, None if cache is None else cache[i])
+        new_cache.append(layer_cache)
     x = self.final_norm(x)
     if return_hidden:
       return x, (new_cache if cache is not None else None)
     logits = self.token_embedding.attend(x).astype(jnp.float32)
     return logits, (new_cache if cache is not None else None)
 
-  def init_cache(self, batch: int, max_len: int) -> list[dict[str, Any]]:
+  def init_cache(self, batch: int, max_len: int) -> list[dict[str, Any]] | dict[str, Any]:
+    """Per-layer {'self': {'k','v': [B, L_max, H, D]}}: a list, or with scan_layers one dict of
+    [num_layers, B, L_max, H, D] arrays."""
     dtype = jnp.dtype(self.config.dtype)
+    if self.config.scan_layers:
+      shape = (self.config.num_layers, batch, max_len, self.config.num_heads, self.config.width // self.config.num_heads)
+      return {'self': {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}}
     return [{'self': block.self_attention.init_cache(batch, max_len, dtype)} for block in self.blocks]
 
 

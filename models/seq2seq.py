@@ -106,11 +106,13 @@ class Seq2Seq(nnx.Module):
     embedded = self.dropout(self.tgt_embedding(tgt_in), deterministic=deterministic)
     masks = self.decoder.dropout_masks(tgt_in.shape[0], deterministic=deterministic)
 
-    def body(state, embedded_t):
-      out, state, weights = self._step(embedded_t, state, masks)
-      return state, (out, weights)
+    # Only the GRU state is carried: the encoder outputs stay loop-invariant, so XLA can hoist
+    # work on them (the attention's key projection) out of the time loop.
+    def body(hidden, embedded_t):
+      out, new_state, weights = self._step(embedded_t, {**state, 'hidden': hidden}, masks)
+      return new_state['hidden'], (out, weights)
 
-    _, (outputs, weights) = jax.lax.scan(body, state, jnp.swapaxes(embedded, 0, 1))
+    _, (outputs, weights) = jax.lax.scan(body, state['hidden'], jnp.swapaxes(embedded, 0, 1))
     outputs = self.dropout(jnp.swapaxes(outputs, 0, 1), deterministic=deterministic)
     logits = self.output(outputs).astype(jnp.float32)
     return logits, (None if weights is None else jnp.swapaxes(weights, 0, 1))

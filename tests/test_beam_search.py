@@ -4,6 +4,7 @@ The toy model's next-token logits depend on the previous token, the position and
 count kept in the cache, so a beam search that reordered its cache wrongly would report
 log-probabilities that a replay of its own outputs does not reproduce.
 """
+import functools
 import itertools
 
 import jax
@@ -18,21 +19,25 @@ MAX_LEN = 8
 
 
 def toy_model(seed=0, vocab=VOCAB, max_len=MAX_LEN):
+  """(parameters for `toy_step`, the same model's logits in NumPy)."""
   rng = np.random.default_rng(seed)
-  table = rng.normal(size=(vocab, vocab)).astype(np.float32) * 2.0
-  drift = rng.normal(size=(max_len, vocab)).astype(np.float32)
-  bonus = rng.normal(size=(vocab,)).astype(np.float32)
+  params = {'table': rng.normal(size=(vocab, vocab)).astype(np.float32) * 2.0,
+            'drift': rng.normal(size=(max_len, vocab)).astype(np.float32),
+            'bonus': rng.normal(size=(vocab,)).astype(np.float32)}
 
   def logits_np(last, index, count):
-    return table[last] + drift[index] + count * bonus
+    return params['table'][last] + params['drift'][index] + count * params['bonus']
 
+  return params, logits_np
+
+
+def toy_step(params):
   def step_fn(tokens, cache, index):
     last = tokens[:, 0]
     count = cache['count'] + (last == COUNTED)
-    logits = jnp.asarray(table)[last] + jnp.asarray(drift)[index] + count[:, None] * jnp.asarray(bonus)
+    logits = params['table'][last] + params['drift'][index] + count[:, None] * params['bonus']
     return logits[:, None, :], {'count': count}  # [N, 1, V] logits are accepted too
-
-  return step_fn, logits_np
+  return step_fn
 
 
 def log_softmax(x):
@@ -65,21 +70,23 @@ def gnmt(logprob, length, alpha):
   return logprob / ((5.0 + length) / 6.0) ** alpha
 
 
-def run_both(step_fn, batch, beam_size, alpha, max_lengths=None):
+@functools.partial(jax.jit, static_argnames=('beam_size', 'alpha'))
+def run_both(params, limits, beam_size, alpha):
+  """(greedy, beam) results for len(limits) rows; compiled once per shape, beam size and alpha."""
+  step_fn, batch = toy_step(params), limits.shape[0]
   cache = {'count': jnp.zeros((batch,), jnp.int32)}
   bos = jnp.full((batch,), BOS, jnp.int32)
-  greedy = jax.jit(lambda c, b: beam_search.greedy_search(step_fn, c, b, max_len=MAX_LEN, eos_id=EOS,
-                                                          max_lengths=max_lengths))(cache, bos)
-  beam = jax.jit(lambda c, b: beam_search.beam_search(step_fn, c, b, beam_size=beam_size, max_len=MAX_LEN,
-                                                      eos_id=EOS, alpha=alpha, max_lengths=max_lengths))(cache, bos)
+  greedy = beam_search.greedy_search(step_fn, cache, bos, max_len=MAX_LEN, eos_id=EOS, max_lengths=limits)
+  beam = beam_search.beam_search(step_fn, cache, bos, beam_size=beam_size, max_len=MAX_LEN, eos_id=EOS,
+                                 alpha=alpha, max_lengths=limits)
   return greedy, beam
 
 
 def test_greedy_matches_numpy_argmax():
   # Rows differ through their per-row limits.
   limits = np.array([1, 3, 5, 8])
-  step_fn, logits_np = toy_model(1)
-  greedy, _ = run_both(step_fn, 4, 2, 0.0, jnp.asarray(limits))
+  params, logits_np = toy_model(1)
+  greedy, _ = run_both(params, jnp.asarray(limits), 1, 0.0)
   for row, limit in zip(np.asarray(greedy.tokens), limits):
     expected, last, count = [], BOS, 0
     while not expected or expected[-1] != EOS:
@@ -96,17 +103,17 @@ def test_greedy_matches_numpy_argmax():
 @pytest.mark.parametrize('alpha', [0.0, 0.6])
 def test_beam_size_one_is_greedy(alpha):
   for seed in range(4):
-    step_fn, _ = toy_model(seed)
-    greedy, beam = run_both(step_fn, 3, 1, alpha)
+    params, _ = toy_model(seed)
+    greedy, beam = run_both(params, jnp.asarray([3, 5, 8, 8]), 1, alpha)
     np.testing.assert_array_equal(beam.tokens[:, 0], greedy.tokens)
     np.testing.assert_allclose(beam.logprobs[:, 0], greedy.logprobs, rtol=1e-6)
 
 
 @pytest.mark.parametrize('alpha', [0.0, 0.6, 1.0])
 def test_beam_scores_are_replayable_and_beat_greedy(alpha):
-  step_fn, logits_np = toy_model(2)
+  params, logits_np = toy_model(2)
   limits = np.array([2, 4, 6, 8, 8, 8])
-  greedy, beam = run_both(step_fn, len(limits), 4, alpha, jnp.asarray(limits))
+  greedy, beam = run_both(params, jnp.asarray(limits), 4, alpha)
   for b, limit in enumerate(limits):
     greedy_tokens = hypothesis(greedy.tokens[b])
     greedy_score = gnmt(replay_logprob(logits_np, greedy_tokens, limit), len(greedy_tokens), alpha)
@@ -145,8 +152,8 @@ def test_short_poor_hypotheses_do_not_end_the_search():
 def test_wide_beam_finds_the_exhaustive_optimum():
   # 4 tokens, at most 4 steps: 64 beams never prune, so the best hypothesis is the true optimum.
   vocab, limit, alpha = 4, 4, 0.6
-  step_fn, logits_np = toy_model(3, vocab=vocab, max_len=MAX_LEN)
-  _, beam = run_both(step_fn, 1, 64, alpha, jnp.asarray([limit]))
+  params, logits_np = toy_model(3, vocab=vocab)
+  _, beam = run_both(params, jnp.asarray([limit]), 64, alpha)
   best = -np.inf
   for length in range(1, limit + 1):
     for prefix in itertools.product([t for t in range(vocab) if t != EOS], repeat=length - 1):

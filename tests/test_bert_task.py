@@ -104,8 +104,8 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
 def test_pretraining_loss_by_hand():
   from models.bert import BertConfig, BertForPretraining
   from train.tasks.bert import pretraining_loss
-  model = BertForPretraining(BertConfig(vocab_size=30, max_len=16, num_layers=1, num_heads=2, width=8, mlp_dim=16),
-                             rngs=nnx.Rngs(0))
+  config = BertConfig(vocab_size=30, max_len=16, num_layers=1, num_heads=2, width=8, mlp_dim=16)
+  model = nnx.jit(lambda: BertForPretraining(config, rngs=nnx.Rngs(0)))()
   rng = np.random.default_rng(0)
   batch = {'tokens': rng.integers(5, 30, (2, 10)), 'segments': np.zeros((2, 10), np.int32),
            'valid': np.ones((2, 10), bool), 'next_sentence': np.array([0, 1]),

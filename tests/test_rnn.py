@@ -234,7 +234,7 @@ def test_trainer_step_carries_and_detaches_the_state():
     state, (scalars, _) = step(state, {'tokens': batch_tokens, 'reset': reset})
     start = None if expected is None else expected * (~reset)[:, None, None]
     logits, expected = reference(jnp.asarray(batch_tokens[:, :-1]), start)
-    carried = nnx.merge(graphdef, state.params, state.extra).carried[...]
+    carried = nnx.merge(graphdef, state.params, state.extra).carried.get_value()
     np.testing.assert_allclose(carried, expected, atol=1e-5)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch_tokens[:, 1:]).mean()
     np.testing.assert_allclose(scalars['loss'], loss, rtol=1e-5)
@@ -243,7 +243,7 @@ def test_trainer_step_carries_and_detaches_the_state():
   batch = {'tokens': tokens[1], 'reset': np.zeros(4, bool)}
   def loss_from(params, start):
     model = nnx.merge(graphdef, params, extra, copy=True)
-    model.carried[...] = start
+    model.carried.set_value(start)
     return task.loss(model, batch, deterministic=False)[0]
   start = jnp.ones_like(carried)
   state_grad = jax.grad(loss_from, argnums=1)(params, start)

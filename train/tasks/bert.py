@@ -113,15 +113,12 @@ class Task(task_lib.Task):
         short_seq_prob=data.short_seq_prob, seed=seed_, max_examples=cap)
     train = examples(train_texts, data.dupe_factor, seed, data.max_examples)
     evaluation = examples(eval_texts, 1, seed + 1, data.max_examples)
-    self.masker = self._make_masker()
+    self.masker = bert_data.Masker(tokenizer, data.mask_prob, data.max_predictions)
     print(f'BERT pretraining: {len(train["tokens"])} train and {len(evaluation["tokens"])} eval sentence pairs, '
           f'vocabulary {tokenizer.vocab_size}.', flush=True)
     # Eval masks are drawn once (fixed seed) so that every evaluation scores the same positions.
     return task_lib.Datasets(train=as_dataset(train),
                              eval=as_dataset(evaluation).random_map(self.masker, seed=seed + 2))
-
-  def _make_masker(self):
-    return bert_data.Masker(self.tokenizer, self.config.data.mask_prob, self.config.data.max_predictions)
 
   def train_batches(self, examples, batch_size, seed):
     if self.config.task != 'pretrain':

@@ -157,11 +157,11 @@ class Task(task_lib.Task):
     carry = self.sequential and not deterministic
     state = None
     if carry:
-      keep = ~batch['reset']
-      state = jax.tree.map(lambda s: s * keep[:, None, None].astype(s.dtype), jax.lax.stop_gradient(model.carried[...]))
+      keep = (~batch['reset'])[:, None, None]
+      state = jax.tree.map(lambda s: s * keep.astype(s.dtype), jax.lax.stop_gradient(model.carried.get_value()))
     logits, final = model(tokens[:, :-1], state, deterministic=deterministic)
     if carry:
-      model.carried[...] = jax.lax.stop_gradient(final)
+      model.carried.set_value(jax.lax.stop_gradient(final))
     return lm_loss(logits, tokens[:, 1:])
 
   def summarize(self, metrics):

@@ -1,0 +1,111 @@
+"""GPT `scan_layers` and `remat`: the same function as the plain layer loop, a compiled program
+whose size does not grow with depth, cached decoding, and training through the shared trainer."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import support
+from models.gpt import GPT, GPT2Config
+from train.tasks.gpt import generate_tokens, lm_loss
+
+CONFIG = GPT2Config(vocab_size=61, max_len=32, num_layers=3, num_heads=2, width=16, dropout=0.0)
+
+
+@functools.cache
+def twin_models(config=CONFIG):
+  """(unscanned, scanned) GPTs holding the same parameters."""
+  scanned = GPT(GPT2Config(**{**config.__dict__, 'scan_layers': True}), rngs=nnx.Rngs(params=0, dropout=1))
+  plain = GPT(config, rngs=nnx.Rngs(params=1, dropout=1))
+  nnx.update(plain, nnx.state(scanned, nnx.Param).filter(lambda path, _: path[0] != 'blocks'))
+  stacked = nnx.state(scanned.blocks, nnx.Param)
+  for i, block in enumerate(plain.blocks):
+    nnx.update(block, jax.tree.map(lambda x: x[i], stacked))
+  return plain, scanned
+
+
+def tokens(batch=2, length=12, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, CONFIG.vocab_size, (batch, length)), jnp.int32)
+
+
+def loss_and_grads(model, x):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params, rest):
+    logits, _ = nnx.merge(graphdef, params, rest, copy=True)(x[:, :-1], deterministic=False)
+    return lm_loss(logits, x[:, 1:])[0]
+  return jax.jit(jax.value_and_grad(loss))(params, rest)
+
+
+@functools.cache
+def reference_loss_and_grads():
+  return loss_and_grads(twin_models()[0], tokens())
+
+
+def test_scanned_and_unscanned_give_the_same_logits_and_gradients():
+  plain, scanned = twin_models()
+  assert nnx.state(scanned.blocks, nnx.Param)['self_attention']['query']['kernel'].shape == (3, 16, 16)
+  count = lambda model: sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count(scanned) == count(plain)
+  x = tokens()
+  np.testing.assert_allclose(scanned(x)[0], plain(x)[0], rtol=1e-5, atol=1e-6)
+  (plain_loss, plain_grads), (scan_loss, scan_grads) = reference_loss_and_grads(), loss_and_grads(scanned, x)
+  np.testing.assert_allclose(scan_loss, plain_loss, rtol=1e-6)
+  np.testing.assert_allclose(scan_grads['blocks']['mlp']['up']['kernel'][2],
+                             plain_grads['blocks'][2]['mlp']['up']['kernel'], rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(scan_grads['token_embedding']['embedding'],
+                             plain_grads['token_embedding']['embedding'], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize('remat, scan', [('dots', True), ('full', False)])
+def test_remat_changes_memory_not_results(remat, scan):
+  reference_loss, reference_grads = reference_loss_and_grads()
+  model = twin_models(GPT2Config(**{**CONFIG.__dict__, 'remat': remat}))[int(scan)]
+  loss, grads = loss_and_grads(model, tokens())
+  np.testing.assert_allclose(loss, reference_loss, rtol=1e-6)
+  if scan:  # compare layer 1 of the stacked gradients with the plain model's block 1
+    grads = {**grads, 'blocks': [jax.tree.map(lambda g: g[i], grads['blocks']) for i in range(CONFIG.num_layers)]}
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_cached_greedy_decoding_matches_between_layouts():
+  plain, scanned = twin_models()
+  prompt = tokens(batch=2, length=5, seed=3)
+  valid = jnp.ones(prompt.shape, bool).at[0, :2].set(False)  # a left-padded row
+  outputs = [np.asarray(generate_tokens(m, prompt, valid, jax.random.key(0), max_new_tokens=8, temperature=0.0, top_k=0,
+                                        top_p=1.0, eos_id=None, pad_id=0)[0]) for m in (plain, scanned)]
+  np.testing.assert_array_equal(outputs[0], outputs[1])
+  cache = scanned.init_cache(2, 13)
+  assert cache['self']['k'].shape == (3, 2, 13, 2, 8)
+
+
+def hlo_size(num_layers: int, scan: bool) -> int:
+  config = GPT2Config(**{**CONFIG.__dict__, 'num_layers': num_layers, 'scan_layers': scan})
+  model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(params=0, dropout=1)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss = lambda params, rest, x: nnx.merge(graphdef, params, rest, copy=True)(x)[0].mean()
+  return len(jax.jit(jax.grad(loss)).lower(params, rest, tokens()).as_text().splitlines())
+
+
+def test_scanned_program_size_does_not_grow_with_depth():
+  scanned = hlo_size(2, True), hlo_size(6, True)
+  unscanned = hlo_size(2, False), hlo_size(6, False)
+  assert scanned[1] <= scanned[0] * 1.02, scanned
+  assert unscanned[1] > unscanned[0] * 2, unscanned
+
+
+def test_scanned_remat_gpt_trains_sharded(tmp_path):
+  from train.trainer import train_and_evaluate
+  corpus = support.write_corpus(str(tmp_path / 'corpus'), files=3, lines=40)
+  config = support.tiny_gpt_config(corpus, **{'model.scan_layers': True, 'model.remat': 'dots', 'model.dropout': 0.1,
+                                              'mesh.data': 4, 'mesh.fsdp': 2, 'train.steps': 8,
+                                              'train.eval_every': 8, 'train.checkpoint_every': 8,
+                                              'train.log_every': 1})
+  results = train_and_evaluate(config, str(tmp_path / 'run'))
+  assert results['step'] == 8 and results['eval/loss'] < 3.8
+  from train.checkpoint import load_run
+  assert load_run(str(tmp_path / 'run')).model.config.scan_layers

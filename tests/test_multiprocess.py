@@ -1,0 +1,59 @@
+"""Two processes on localhost (jax.distributed, CPU collectives over gloo), 4 fake devices each,
+train the same losses as one process with 8 devices; their checkpoint restores in one process."""
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import support
+
+OVERRIDES = {'train.steps': 6, 'train.eval_every': 6, 'train.checkpoint_every': 6, 'train.log_every': 1,
+             'train.eval_steps': 2, 'mesh.data': 4, 'mesh.fsdp': 2, 'train.async_checkpoints': False}
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def train_losses(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return {m['step']: m['train/loss'] for m in map(json.loads, f) if 'train/loss' in m}
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp('multiprocess')
+  corpus = support.write_corpus(str(root / 'corpus'), files=4, lines=40)
+  args = ['--config=configs/gpt.py:tiny', *support.override_args({'data.source': corpus, **OVERRIDES})]
+  single = support.launch(args + [f'--workdir={root}/single'], devices=8, timeout=240)
+  assert single.returncode == 0, single.stderr[-3000:]
+  address = f'localhost:{free_port()}'
+  processes = [support.launch(args + [f'--workdir={root}/multi', f'--coordinator_address={address}',
+                                      '--num_processes=2', f'--process_id={i}'], devices=4, start_new_session=True)
+               for i in range(2)]
+  outputs = [p.communicate(timeout=240) for p in processes]
+  for p, (_, stderr) in zip(processes, outputs):
+    assert p.returncode == 0, stderr[-3000:]
+  return str(root / 'single'), support.last_json(single.stdout), str(root / 'multi'), support.last_json(outputs[0][0])
+
+
+def test_two_processes_train_the_same_losses_as_one(runs):
+  single_dir, single, multi_dir, multi = runs
+  single_losses, multi_losses = train_losses(single_dir), train_losses(multi_dir)
+  assert sorted(multi_losses) == list(range(1, 7))
+  for step in range(1, 7):
+    np.testing.assert_allclose(multi_losses[step], single_losses[step], rtol=1e-5)
+  np.testing.assert_allclose(multi['eval/loss'], single['eval/loss'], rtol=1e-5)
+
+
+def test_two_process_checkpoint_restores_in_one_process(runs):
+  _, _, multi_dir, multi = runs
+  evaluation = support.launch(['--mode=eval', f'--workdir={multi_dir}'], devices=1)
+  assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+  result = support.last_json(evaluation.stdout)
+  assert result['step'] == 6
+  np.testing.assert_allclose(result['eval/loss'], multi['eval/loss'], rtol=1e-5)
