@@ -128,6 +128,8 @@ def main(argv):
     results = trainer.import_hf_run(FLAGS.config, FLAGS.hf_dir, workdir)
     print(json.dumps({'mode': 'import_hf', 'workdir': workdir, **_jsonable(results)}), flush=True)
   elif mode == 'bench':
+    if FLAGS.bench_steps < 1:
+      raise app.UsageError(f'--bench_steps={FLAGS.bench_steps}: time at least 1 step.')
     from train.bench import run_benchmark
     results = run_benchmark(FLAGS.config, steps=FLAGS.bench_steps, profile_dir=FLAGS.bench_profile)
     print(json.dumps(_jsonable(results)), flush=True)

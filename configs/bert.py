@@ -27,6 +27,8 @@ Presets:
   finetune  the default model fine-tuned for classification (task=classify)
   base      BERT-base 12/768/12/3072: encoder 109,482,240 parameters (vocab 30,522, 512 positions)
   large     BERT-large 24/1024/16/4096: encoder 335,141,888 parameters
+  bench     speed only (--mode=bench): the reference benchmark's shapes, 6/384/6/1536, vocabulary 8,192,
+            batch 16 x 128, MLM + NSP, dropout 0, AdamW
 
 Other data: --config.data.source=text:'/path/*.txt' (one document per file, or documents
 separated by blank lines in a single file), tfds:<name>[:<split>] (a `data.text_field`
@@ -63,6 +65,10 @@ PRESETS = {
                  data=dict(vocab_size=30522, seq_len=128, max_predictions=20),
                  train=dict(steps=1_000_000, batch_size=256, lr=1e-4, schedule='linear', warmup_steps=10_000,
                             end_lr_fraction=0.0, eval_every=10_000, checkpoint_every=10_000)),
+    'bench': dict(model=dict(num_layers=6, num_heads=6, width=384, mlp_dim=1536, max_len=512, dropout=0.0,
+                             attention_dropout=0.0),
+                  data=dict(vocab_size=8192, seq_len=128, max_predictions=20),
+                  train=dict(batch_size=16, lr=1e-4, weight_decay=0.01, grad_clip=0.0)),
     'large': dict(model=SIZES['large'],
                   data=dict(vocab_size=30522, seq_len=128, max_predictions=20),
                   train=dict(steps=1_000_000, batch_size=256, lr=1e-4, schedule='linear', warmup_steps=10_000,

@@ -1,9 +1,10 @@
-"""The default main job (`python launch.py`): the GPT `default` preset on the built-in stdlib corpus.
+"""The default main job (`python launch.py`): the translation Transformer's `default` preset on
+the built-in `numbers_en_fr` dataset (English number words -> French).
 
-See configs/gpt.py for the command and the expected result.
+See configs/transformer.py for the command and the expected result.
 """
-from configs import gpt
+from configs import transformer
 
 
 def get_config(preset: str = 'default'):
-  return gpt.get_config(preset)
+  return transformer.get_config(preset)

@@ -2,9 +2,12 @@
 
 Command (the CPU main job; built-in offline data, English number words -> French):
   python launch.py --config=configs/transformer.py:default
-Expected result: test BLEU about 9x (sacreBLEU, detokenized, beam 4) on 1,000 held-out numbers
-that never occur in training, a few printed translations and attention heatmaps (PNG) in the
-workdir. (Measured: see the report in README, "Transformer".)
+Expected result: test BLEU above 99 (sacreBLEU, detokenized, beam 4) on 1,000 held-out numbers
+that never occur in training, five printed translations and three attention heatmaps (PNG,
+cross-attention and decoder self-attention per head) whose paths are printed.
+Measured (seed 0, 800 steps of batch 64, 2 shared CPU cores at load average ~10 from other
+jobs): test BLEU 99.79 with beam 4 and with greedy decoding, exact match 99.6%, token accuracy
+99.95%; 7 min 53 s wall clock, 4 min 45 s of CPU time (so well under 10 minutes on 2 idle cores).
 
 Your own parallel corpus (one `source<TAB>target` pair per line; 5% each held out for
 validation and test):
@@ -19,13 +22,16 @@ Presets:
            source/target/output embeddings, Adam(0.9, 0.98, 1e-9), rsqrt schedule with 4,000 warmup
            steps, label smoothing 0.1, on WMT14 en->de with a 37,000-token joint BPE vocabulary
   big      the paper's big model: width 1024, 16 heads, FFN 4096, dropout 0.3
+  bench    speed only (--mode=bench): the reference benchmark's torch.nn.Transformer shapes, width 256,
+           4 heads, 3 + 3 layers, FFN 1024, vocabulary 8,000 (separate embeddings), batch 32 x 64, dropout 0,
+           AdamW, plain cross-entropy
 
 Parameter counts (`python -m configs.transformer` prints them; they depend on the vocabulary):
   base, vocab 37,000:  63,082,496 (the paper's Table 3: 65M)
-  big,  vocab 37,000: 213,901,312 (the paper: 213M)
-The difference for base is the vocabulary: the paper's shared BPE vocabulary was not exactly
-37,000 tokens, and each 1,000 tokens add 0.5M (base) or 1.0M (big) parameters. Layer sizes
-match the paper exactly (see tests/test_transformer.py for the hand count).
+  big,  vocab 37,000: 214,245,376 (the paper: 213M)
+The differences come from the vocabulary: the paper's shared BPE vocabulary was "about 37,000"
+tokens, and each 1,000 tokens add 0.5M (base) or 1.0M (big) parameters. The layer sizes follow
+the paper exactly (tests/test_transformer.py checks the count against a hand count).
 """
 import ml_collections
 
@@ -48,6 +54,10 @@ PRESETS = {
                  # 512^-0.5 * 4000^-0.5: the paper's lrate formula at the end of warmup.
                  train=dict(steps=100_000, batch_size=256, lr=7.0e-4, warmup_steps=4000, eval_every=2000,
                             eval_steps=50, checkpoint_every=2000, log_every=100)),
+    'bench': dict(model=dict(width=256, num_heads=4, encoder_layers=3, decoder_layers=3, mlp_dim=1024, dropout=0.0,
+                             share_embeddings=False),
+                  data=dict(vocab_size=8000, seq_len=64),
+                  train=dict(batch_size=32, optimizer='adamw', weight_decay=0.01, grad_clip=0.0, label_smoothing=0.0)),
     'big': dict(model=dict(width=1024, num_heads=16, encoder_layers=6, decoder_layers=6, mlp_dim=4096, dropout=0.3),
                 data=dict(source='tfds:wmt14_translate/de-en', source_lang='en', target_lang='de',
                           vocab_size=37000, seq_len=128, lowercase=False),

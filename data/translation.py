@@ -33,8 +33,11 @@ Pair = tuple[str, str]
 TSV_FRACTIONS = (0.9, 0.05, 0.05)
 # numbers_en_fr: pairs per split, and the share of each kind of number among the draws.
 NUMBERS_SIZES = (50_000, 1_000, 1_000)
-NUMBERS_KINDS = (('cardinal', 0.55), ('ordinal', 0.3), ('year', 0.15))
-NUMBERS_MAX_DIGITS = 6
+NUMBERS_HELD_OUT = 0.05  # share of all English number texts reserved for validation, and again for test
+NUMBERS_KINDS = (('cardinal', 0.6), ('ordinal', 0.3), ('year', 0.1))
+# Share of cardinals and ordinals with 1, 2, ..., 6 digits: mostly long compositions, while the
+# few short numbers still recur often.
+NUMBERS_DIGITS = (0.04, 0.08, 0.22, 0.22, 0.22, 0.22)
 NUMBERS_YEARS = (1100, 2100)
 # Numbers up to this one (both as cardinals and ordinals) are the lexicon and always in training.
 NUMBERS_LEXICON = 100
@@ -59,24 +62,29 @@ def _number_words(kind: str, n: int, lang: str) -> str:
   return num2words(n, to=kind, lang=lang)
 
 
-def _draw_number(rng: np.random.Generator) -> tuple[str, int]:
-  kinds, weights = zip(*NUMBERS_KINDS)
-  kind = kinds[rng.choice(len(kinds), p=weights)]
-  if kind == 'year':
-    return kind, int(rng.integers(*NUMBERS_YEARS))
-  digits = int(rng.integers(1, NUMBERS_MAX_DIGITS + 1))  # uniform over magnitudes, not values
-  return kind, int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits))
+def _draw_numbers(rng: np.random.Generator, count: int = 4096):
+  """Endless (kind, n) draws, generated `count` at a time."""
+  kinds = [kind for kind, _ in NUMBERS_KINDS]
+  while True:
+    kind = rng.choice(len(kinds), size=count, p=[weight for _, weight in NUMBERS_KINDS])
+    digits = rng.choice(len(NUMBERS_DIGITS), size=count, p=NUMBERS_DIGITS) + 1
+    low = np.where(digits > 1, 10 ** (digits - 1), 0)
+    value = low + np.floor(rng.random(count) * (10 ** digits - low)).astype(np.int64)
+    year = rng.integers(*NUMBERS_YEARS, size=count)
+    for k, v, y in zip(kind, value, year):
+      yield (kinds[k], int(y)) if kinds[k] == 'year' else (kinds[k], int(v))
 
 
 def numbers_en_fr(seed: int = 0, sizes: tuple[int, int, int] = NUMBERS_SIZES) -> Splits:
   """English -> French number words: cardinals, ordinals and years below a million.
 
-  Numbers are drawn from `seed` (uniform number of digits, then uniform value, so small numbers
-  recur as they do in text). Each English text belongs to train, validation or test by a hash
-  of the text, so held-out numbers never occur in training; validation and test hold distinct
-  numbers, training keeps repeats. The lexicon (every cardinal and ordinal up to
-  NUMBERS_LEXICON) is always training data, once up front and whenever drawn: held-out numbers
-  are new compositions of known words. Splits have sizes[0] (+ the lexicon), sizes[1], sizes[2] pairs.
+  Numbers are drawn from `seed` (number of digits from NUMBERS_DIGITS, then a uniform value;
+  small numbers recur, as in text). A hash of the English text reserves NUMBERS_HELD_OUT of all
+  numbers for validation and as many for test, so held-out numbers never occur in training;
+  validation and test hold distinct numbers, training keeps repeats. The lexicon (every cardinal
+  and ordinal up to NUMBERS_LEXICON) is always training data, once up front and whenever drawn:
+  held-out numbers are new compositions of known words. Splits have sizes[0] (+ the lexicon),
+  sizes[1] and sizes[2] pairs.
   """
   french: dict[tuple[str, int], str] = {}  # num2words' French is slow and draws repeat
 
@@ -87,12 +95,12 @@ def numbers_en_fr(seed: int = 0, sizes: tuple[int, int, int] = NUMBERS_SIZES) ->
 
   lexicon = [pair(kind, n) for n in range(NUMBERS_LEXICON + 1) for kind in ('cardinal', 'ordinal')]
   lexicon_sources = {en for en, _ in lexicon}
-  rng = np.random.default_rng(seed)
-  fractions = [size / sum(sizes) for size in sizes]
+  draws = _draw_numbers(np.random.default_rng(seed))
+  fractions = [1 - 2 * NUMBERS_HELD_OUT, NUMBERS_HELD_OUT, NUMBERS_HELD_OUT]
   train: list[Pair] = []
   held_out: tuple[dict[str, str], ...] = ({}, {})
   while len(train) < sizes[0] or any(len(part) < size for part, size in zip(held_out, sizes[1:])):
-    kind, n = _draw_number(rng)
+    kind, n = next(draws)
     en = _number_words(kind, n, 'en')
     split = 0 if en in lexicon_sources else next(
         i for i, hit in enumerate(sources.deterministic_split([en], fractions, seed)) if hit)

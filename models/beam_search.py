@@ -24,10 +24,10 @@ Beam search keeps `beam_size` live hypotheses; of the 2 * beam_size best expansi
 ending in EOS among the top beam_size are finished, the best beam_size others stay live, and the
 best beam_size finished ones are kept. A row is done at its maximum length, or once it holds
 beam_size finished hypotheses and even the worst of them scores at least as well as the best
-live one would if it ended now (Hugging Face's default stopping rule). Stopping as soon as
-beam_size hypotheses have finished (fairseq) is not enough: with peaked models, poor
-hypotheses end early and fill the finished set before the good one ends. With beam_size 1 this
-is exactly greedy search.
+live one would if it ended now (the heuristic Hugging Face uses by default). Stopping as soon
+as beam_size hypotheses have finished is not enough: with peaked models, poor hypotheses end
+early and fill the finished set before the good one ends. With beam_size 1 this is exactly
+greedy search.
 
 Shape legend: B batch rows, K beams, V vocabulary, L = max_len.
 """

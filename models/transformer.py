@@ -30,7 +30,8 @@ from models.layers import TransformerBlock, sinusoidal_positions
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Defaults are the paper's base model (65M parameters with a ~37k joint vocabulary)."""
+  """Defaults are the paper's base model: 63.1M parameters with a 37,000-token joint vocabulary
+  (the paper reports 65M; its exact vocabulary size is not given)."""
   vocab_size: int = 37000
   width: int = 512
   num_heads: int = 8
@@ -124,7 +125,7 @@ class Transformer(nnx.Module):
       ([B, T, V] float32 logits, updated cache or None).
     """
     offset = 0 if cache_index is None else cache_index
-    embedding = self.target_embedding or self.source_embedding
+    embedding = self.source_embedding if self.target_embedding is None else self.target_embedding
     x = self._embed(embedding, target_in, offset, deterministic)
     length = target_in.shape[1]
     k_len = length if cache is None else cache['layers'][0]['self']['k'].shape[1]

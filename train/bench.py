@@ -45,8 +45,8 @@ from train.trainer import TrainState, make_train_step
 
 DECODE_BATCHES = (1, 8)
 DECODE_PROMPT = 16
-# Dense vendor peaks in TFLOP/s by (device-kind substring, dtype). On TPU float32 matmuls run as
-# bfloat16 passes at JAX's default precision, on Ampere and later GPUs as TF32.
+# Dense vendor peaks in TFLOP/s by (device-kind substring, dtype). At JAX's default precision float32
+# matmuls run as bfloat16 passes on TPU (so its bfloat16 peak applies) and as TF32 on Ampere and later GPUs.
 DATASHEET_TFLOPS = {
     ('TPU v2', 'bfloat16'): 45.0, ('TPU v3', 'bfloat16'): 123.0, ('TPU v4', 'bfloat16'): 275.0,
     ('TPU v5 lite', 'bfloat16'): 197.0, ('TPU v5p', 'bfloat16'): 459.0, ('TPU v5', 'bfloat16'): 459.0,
@@ -68,7 +68,7 @@ class StandInTokenizer:
 
 
 def datasheet_tflops(device_kind: str, dtype: str) -> float | None:
-  key = 'float32' if dtype == 'float32' else 'bfloat16'
+  key = 'float32' if dtype == 'float32' and 'TPU' not in device_kind else 'bfloat16'
   for (kind, kind_dtype), tflops in DATASHEET_TFLOPS.items():
     if kind in device_kind and kind_dtype == key:
       return tflops
@@ -190,9 +190,15 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
                  'estimate_mb': estimate.as_mb()},
       'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
-      'attention': config.model.get('attention'), 'scan_layers': config.model.get('scan_layers'),
+      'attention': _attention(config), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }
+
+
+def _attention(config) -> str | None:
+  from models.attention import default_attention_implementation
+  name = config.model.get('attention')
+  return default_attention_implementation() if name == 'auto' else name
 
 
 def _max_new(config, model) -> int:

@@ -27,7 +27,7 @@ from flax import nnx
 
 from configs.validation import validate_config
 from train import checkpoint as ckpt
-from train import sharding
+from train import memory, sharding
 from train.metrics import MetricWriter, reduce_metrics
 from train.optim import make_optimizer
 from train.task import Datasets, Task, get_task
@@ -159,6 +159,7 @@ class _Setup:
     self.graphdef = nnx.graphdef(abstract_model)
     abstract_state = jax.eval_shape(init)
     self.state_sharding = sharding.state_shardings(abstract_state, self.mesh)
+    memory.log_estimate(config, abstract_state, self.state_sharding, self.mesh)
     with jax.set_mesh(self.mesh):
       self.state = jax.jit(init, out_shardings=self.state_sharding)()
     if config.init_from:

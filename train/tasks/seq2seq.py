@@ -185,7 +185,8 @@ class Task(task_lib.Task):
     for row, output in enumerate(outputs):
       target_in[row, :len(output)] = [tok.bos_id] + output[:-1]
     _, weights = model(jnp.asarray(source), jnp.asarray(source != tok.pad_id), jnp.asarray(target_in))
-    label = lambda i: tok.id_to_token(int(i)).replace('\u0120', '\u2581')  # byte-level BPE's space mark
+    # Decoded pieces read as text (byte-level BPE ids do not); special tokens decode to nothing.
+    label = lambda i: tok.decode([int(i)]).strip() or tok.id_to_token(int(i))
     maps = []
     for row, output in enumerate(outputs):
       source_ids = source[row][source[row] != tok.pad_id]

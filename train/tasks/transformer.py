@@ -17,6 +17,7 @@ one panel per head of `pictures.layer`) as PNG files returned under 'images'.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data import translation
+from data import sources, translation
 from models import beam_search
 from models.attention import default_attention_implementation, record_attention_weights
 from models.transformer import Transformer, TransformerConfig, translate
@@ -37,6 +38,7 @@ from train.tasks.gpt import lm_loss
 
 BUCKET_WINDOW = 16  # batches sorted together by length
 SHOWN_TRANSLATIONS = 5
+MAX_LEN_OFFSET = 10  # outputs may have decode.max_len_ratio * source length + this many tokens
 
 
 def trim(batch: dict[str, np.ndarray], pad_id: int, width: int) -> dict[str, np.ndarray]:
@@ -94,7 +96,7 @@ class Task(task_lib.Task):
                                                           drop_long=drop)[0]
     train = encode(self.splits.train, True)
     if not len(train['source']):
-      raise ValueError(f'No training pair fits data.seq_len={data.seq_len} tokens; raise data.seq_len (config).')
+      raise sources.DataError(f'No training pair fits in data.seq_len={data.seq_len} tokens; raise data.seq_len.')
     as_dataset = translation.as_dataset
     return task_lib.Datasets(train=as_dataset(train), eval=as_dataset(encode(self.splits.validation, False)),
                              test=as_dataset(encode(self.splits.test, False)))
@@ -111,12 +113,12 @@ class Task(task_lib.Task):
     config = TransformerConfig.from_config(self.config.model, self.tokenizer.vocab_size, self.tokenizer.pad_id,
                                            max_len=self.max_decode_len(self.config.data.seq_len))
     if config.attention == 'auto':
-      config = TransformerConfig(**{**config.__dict__, 'attention': default_attention_implementation()})
+      config = dataclasses.replace(config, attention=default_attention_implementation())
     return config
 
   def max_decode_len(self, source_len: int) -> int:
-    """Longest output beam search may produce for a source of `source_len` tokens."""
-    return int(self.config.decode.max_len_ratio * source_len) + 10
+    """Longest output decoding may produce for a source of `source_len` tokens."""
+    return int(self.config.decode.max_len_ratio * source_len) + MAX_LEN_OFFSET
 
   def build_model(self, rngs):
     return Transformer(self.model_config(), rngs=rngs)
@@ -151,7 +153,8 @@ class Task(task_lib.Task):
       padded = np.full((batch, chunk.shape[1]), tok.pad_id, np.int32)  # one compiled shape
       padded[:len(chunk)] = chunk
       tokens, _ = translate(model, jnp.asarray(padded), bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=beam_size,
-                            alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio))
+                            alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio),
+                            max_len_offset=MAX_LEN_OFFSET)
       outputs.extend(beam_search.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
     return outputs, [tok.decode(ids) for ids in outputs]
 
