@@ -19,6 +19,12 @@ def make(attention_type, dropout=0.0, seed=0):
   return Seq2Seq(config, rngs=nnx.Rngs(seed, dropout=seed + 1))
 
 
+@nnx.jit(static_argnames='deterministic')
+def forward(model, src, src_valid, tgt_in, deterministic=True):
+  """The teacher-forced model under jit: one compilation per model and shape instead of one per call."""
+  return model(src, src_valid, tgt_in, deterministic=deterministic)
+
+
 def inputs(seed=0):
   rng = np.random.default_rng(seed)
   lengths = np.array([S, 4, 2])
@@ -32,18 +38,18 @@ def inputs(seed=0):
 def test_padded_source_tokens_do_not_matter(attention_type):
   model = make(attention_type)
   src, src_valid, tgt_in = inputs()
-  logits, _ = model(src, src_valid, tgt_in)
+  logits, _ = forward(model, src, src_valid, tgt_in)
   other = jnp.where(src_valid, src, 5)  # different tokens on the padding only
-  np.testing.assert_allclose(model(other, src_valid, tgt_in)[0], logits, atol=1e-5)
+  np.testing.assert_allclose(forward(model, other, src_valid, tgt_in)[0], logits, atol=1e-5)
   # ...while a real token does matter.
   changed = src.at[1, 0].set(jnp.where(src[1, 0] == 4, 5, 4))
-  assert not np.allclose(model(changed, src_valid, tgt_in)[0][1], logits[1], atol=1e-4)
+  assert not np.allclose(forward(model, changed, src_valid, tgt_in)[0][1], logits[1], atol=1e-4)
 
 
 def test_bahdanau_weights_cover_only_real_source_tokens():
   model = make('bahdanau')
   src, src_valid, tgt_in = inputs()
-  _, weights = model(src, src_valid, tgt_in)
+  _, weights = forward(model, src, src_valid, tgt_in)
   assert weights.shape == (B, T, S)
   np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(weights)[~np.broadcast_to(src_valid[:, None], weights.shape)], 0.0)
@@ -54,7 +60,7 @@ def test_bahdanau_query_is_previous_decoder_state():
   model = make('bahdanau')
   src, src_valid, tgt_in = inputs()
   state = model.encode(src, src_valid)
-  _, weights = model(src, src_valid, tgt_in)
+  _, weights = forward(model, src, src_valid, tgt_in)
   _, expected = model.attention(state['hidden'][:, -1:], state['memory'], state['memory'], src_valid)
   np.testing.assert_allclose(weights[:, 0], expected[:, 0], atol=1e-6)
 
@@ -74,7 +80,7 @@ def test_no_attention_context_is_final_encoder_state():
 def test_step_decoding_equals_teacher_forcing(attention_type):
   model = make(attention_type)
   src, src_valid, tgt_in = inputs()
-  logits, _ = model(src, src_valid, tgt_in)
+  logits, _ = forward(model, src, src_valid, tgt_in)
   state = model.encode(src, src_valid)
   for t in range(T):
     step_logits, state = model.decode_step(tgt_in[:, t:t + 1], state, t)
@@ -84,9 +90,9 @@ def test_step_decoding_equals_teacher_forcing(attention_type):
 def test_dropout_is_off_when_deterministic_and_on_in_training():
   model = make('bahdanau', dropout=0.5)
   src, src_valid, tgt_in = inputs()
-  a = model(src, src_valid, tgt_in, deterministic=True)[0]
-  np.testing.assert_array_equal(a, model(src, src_valid, tgt_in, deterministic=True)[0])
-  assert not np.allclose(a, model(src, src_valid, tgt_in, deterministic=False)[0])
+  a = forward(model, src, src_valid, tgt_in, deterministic=True)[0]
+  np.testing.assert_array_equal(a, forward(model, src, src_valid, tgt_in, deterministic=True)[0])
+  assert not np.allclose(a, forward(model, src, src_valid, tgt_in, deterministic=False)[0])
 
 
 def test_beam_search_reorders_the_state_correctly():
@@ -101,7 +107,7 @@ def test_beam_search_reorders_the_state_correctly():
   for b in range(B):
     hyp = best[b][: list(best[b]).index(eos) + 1]
     tgt_in = jnp.asarray([[bos] + list(hyp[:-1])])
-    logits, _ = model(src[b:b + 1], src_valid[b:b + 1], tgt_in)
+    logits, _ = forward(model, src[b:b + 1], src_valid[b:b + 1], tgt_in)
     logprob = jnp.take_along_axis(jax.nn.log_softmax(logits[0]), jnp.asarray(hyp)[:, None], -1).sum()
     np.testing.assert_allclose(result.logprobs[b, 0], logprob, atol=1e-4)
 
