@@ -28,6 +28,7 @@ flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - f
 flags.DEFINE_string('output', None, 'predict: also write the outputs here, one JSON value per line.')
 flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory.')
 flags.DEFINE_integer('bench_steps', 10, 'bench: timed train steps (after 2 warm-up steps).')
+flags.DEFINE_bool('bench_decode', True, 'bench: also time cached decoding (generative families).')
 flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of 3 more steps to this directory.')
 flags.DEFINE_string('sweep', None, 'A sweep file (configs/sweeps/*.py): run its trials in <workdir>/<trial>/.')
 flags.DEFINE_bool('sweep_dry_run', False, 'With --sweep: print one launch command per trial and stop.')
@@ -131,7 +132,8 @@ def main(argv):
     if FLAGS.bench_steps < 1:
       raise app.UsageError(f'--bench_steps={FLAGS.bench_steps}: time at least 1 step.')
     from train.bench import run_benchmark
-    results = run_benchmark(FLAGS.config, steps=FLAGS.bench_steps, profile_dir=FLAGS.bench_profile)
+    results = run_benchmark(FLAGS.config, steps=FLAGS.bench_steps, profile_dir=FLAGS.bench_profile,
+                            decode=FLAGS.bench_decode)
     print(json.dumps(_jsonable(results)), flush=True)
 
 

@@ -49,7 +49,7 @@ def get_config(preset: str = 'default'):
   c.data.vocab_size = 512
   c.data.seq_len = 20  # source and target positions, EOS / BOS included (numbers need at most 19)
   c.data.min_number = 0  # numbers_en_fr: keep only numbers >= this (0: all)
-  c.train.steps = 1500
+  c.train.steps = 2500
   c.train.batch_size = 64
   c.train.lr = 3e-3
   c.train.schedule = 'cosine'

@@ -18,7 +18,7 @@ training runs. Ends with one JSON line:
   datasheet_tflops, mfu_datasheet   TPU / GPU only: the vendor's dense peak for the dtype
   decode_tokens_per_s               {batch: new tokens/s} of greedy cached generation (prompt 16,
                                     `decode.max_new_tokens` new, prefill included) for families
-                                    with `generate_tokens`; null otherwise
+                                    with `generate_tokens`; null otherwise or with decode=False
   peak_rss_mb                       the process's peak resident memory
   memory                            XLA's compiled buffer sizes per device next to train/memory.py's
                                     estimate (arguments, outputs, temporaries)
@@ -124,7 +124,8 @@ def _decode_speed(config, task, model, new_tokens: int) -> dict[str, float] | No
   return speeds
 
 
-def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str | None = None) -> dict[str, Any]:
+def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str | None = None,
+                  decode: bool = True) -> dict[str, Any]:
   """Compile and time `config`'s train step on synthetic batches; see the module docstring."""
   config = config.copy_and_resolve_references()
   validate_config(config)
@@ -169,7 +170,8 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
         float(scalars['loss'])
     ceiling = (ceiling_before + matmul_tflops(config.model.dtype)) / 2
     model = nnx.merge(graphdef, state.params, state.extra)
-    decode = _decode_speed(config, task, model, min(config.decode.max_new_tokens, _max_new(config, model)))
+    new_tokens = min(config.decode.max_new_tokens, _max_new(config, model))
+    decode_speed = _decode_speed(config, task, model, new_tokens) if decode else None
   step_s = statistics.median(times)
   tokens_per_s = batch_size * seq_len / step_s
   flops = task.flops_per_token()
@@ -185,7 +187,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'achieved_tflops': None if achieved is None else round(achieved, 4),
       'matmul_tflops': round(ceiling, 4), 'mfu': None if achieved is None else round(achieved / ceiling, 4),
       'datasheet_tflops': peak, 'mfu_datasheet': None if achieved is None or not peak else round(achieved / peak, 4),
-      'decode_tokens_per_s': None if decode is None else {k: round(v, 1) for k, v in decode.items()},
+      'decode_tokens_per_s': None if decode_speed is None else {k: round(v, 1) for k, v in decode_speed.items()},
       'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
                  'estimate_mb': estimate.as_mb()},

@@ -59,7 +59,7 @@ def windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 def rows(stream: np.ndarray, num_rows: int, seq_len: int) -> np.ndarray:
-  """[N] -> [num_rows, N // num_rows] consecutive pieces, each at least two windows long."""
+  """[N] -> [num_rows, N // num_rows] consecutive pieces, long enough for two windows at any offset."""
   length = len(stream) // num_rows
   if length < 3 * seq_len:
     raise sources.DataError(f'Sequential partitioning needs at least {3 * seq_len * num_rows} tokens for '
