@@ -24,7 +24,7 @@ PRESETS = {
                  decode=dict(max_new_tokens=16)),
     'default': dict(model=dict(num_layers=4, num_heads=4, width=256, max_len=256, dropout=0.0),
                     data=dict(tokenizer='bpe', vocab_size=2048, seq_len=128),
-                    train=dict(steps=600, batch_size=32, lr=2e-3, warmup_steps=50, eval_every=200, eval_steps=20,
+                    train=dict(steps=400, batch_size=32, lr=2e-3, warmup_steps=50, eval_every=200, eval_steps=20,
                                checkpoint_every=200, log_every=20),
                     decode=dict(max_new_tokens=96, temperature=0.7, top_k=40,
                                 prompts='def fibonacci(n):|import os\n\n\nclass |    for key, value in ')),
