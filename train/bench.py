@@ -10,6 +10,8 @@ training runs. Ends with one JSON line:
   model, params, batch, seq_len     what ran
   compile_s                         lowering + XLA compilation of the train step
   step_ms, tokens_per_s             median over the timed steps (tokens = batch x seq_len)
+  step_cpu_ms                       this process's CPU time per step, all threads (less sensitive than
+                                    wall time to other jobs on a shared machine)
   model_flops_per_token             `Task.flops_per_token()` (each family documents its formula)
   achieved_tflops                   tokens_per_s x model_flops_per_token
   matmul_tflops, mfu                a square matmul in the model's dtype, timed in this run before
@@ -158,11 +160,13 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       state, (scalars, _) = compiled(state, batch)
     jax.block_until_ready(scalars)
     times = []
+    cpu_start = time.process_time()
     for _ in range(steps):
       begin = time.perf_counter()
       state, (scalars, _) = compiled(state, batch)
       float(scalars['loss'])  # wait for the step, as a training loop logging the loss would
       times.append(time.perf_counter() - begin)
+    cpu_per_step = (time.process_time() - cpu_start) / steps
     if profile_dir:
       with jax.profiler.trace(profile_dir):
         for _ in range(3):
@@ -183,6 +187,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
       'batch': batch_size, 'seq_len': seq_len, 'tokens_per_s': round(tokens_per_s, 1),
       'step_ms': round(1000 * step_s, 2), 'step_ms_min_max': [round(1000 * min(times), 2), round(1000 * max(times), 2)],
+      'step_cpu_ms': round(1000 * cpu_per_step, 2),
       'compile_s': round(compile_s, 2), 'model_flops_per_token': flops,
       'achieved_tflops': None if achieved is None else round(achieved, 4),
       'matmul_tflops': round(ceiling, 4), 'mfu': None if achieved is None else round(achieved / ceiling, 4),
