@@ -1,9 +1,11 @@
 """GPT-2 language model on the Python standard library's source code (offline, built in).
 
-Command (the CPU main job; about 6 minutes on 2 cores):
+Command (CPU, 2 cores):
   python launch.py --config=configs/gpt.py:default
-Expected result: eval loss about 1.9 nats/token (perplexity about 7) on held-out stdlib files with
-a 2,048-token byte-level BPE, and code-like samples. (Measured: see README, "GPT".)
+Expected result: eval loss 3.60 nats per BPE token (perplexity 36.5, next-token accuracy 30%) on
+held-out stdlib files with a 2,048-token byte-level BPE, and Python-looking samples (docstrings,
+`def __init__(self, name):`). Measured: 400 steps of 32 x 128 tokens, seed 0, 10 min of CPU time
+(22 min wall clock while the 2 cores were shared with other jobs at load average ~9).
 
 Presets:
   tiny         tests: seconds, character-level
