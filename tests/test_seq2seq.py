@@ -103,13 +103,13 @@ def test_beam_search_reorders_the_state_correctly():
   bos, eos = 1, 2
   result = beam_search.beam_search(model.decode_step, model.encode(src, src_valid), jnp.full((B,), bos),
                                    beam_size=3, max_len=6, eos_id=eos, alpha=0.0)
-  best = np.asarray(result.tokens[:, 0])
-  for b in range(B):
-    hyp = best[b][: list(best[b]).index(eos) + 1]
-    tgt_in = jnp.asarray([[bos] + list(hyp[:-1])])
-    logits, _ = forward(model, src[b:b + 1], src_valid[b:b + 1], tgt_in)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits[0]), jnp.asarray(hyp)[:, None], -1).sum()
-    np.testing.assert_allclose(result.logprobs[b, 0], logprob, atol=1e-4)
+  best = np.asarray(result.tokens[:, 0])  # [B, 6]: tokens, EOS, then padding
+  length = 1 + np.argmax(best == eos, axis=1)
+  tgt_in = jnp.asarray(np.concatenate([np.full((B, 1), bos), best[:, :-1]], axis=1))
+  logits, _ = forward(model, src, src_valid, tgt_in)
+  token_logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(best)[..., None], -1)[..., 0]
+  rescored = jnp.where(np.arange(6)[None] < length[:, None], token_logprobs, 0.0).sum(-1)
+  np.testing.assert_allclose(result.logprobs[:, 0], rescored, atol=1e-4)
 
 
 def test_unknown_attention_type_fails_clearly():
@@ -153,14 +153,15 @@ def test_loss_ignores_padded_target_positions(tmp_path):
   datasets = task.prepare(str(tmp_path))
   model = task.build_model(nnx.Rngs(0))
   batch = {k: np.stack([datasets.train[i][k] for i in range(8)]) for k in ('source', 'target_in', 'target_out')}
-  loss, metrics = task.loss(model, batch, deterministic=True)
+  loss_fn = nnx.jit(lambda model, batch: task.loss(model, batch, deterministic=True))
+  loss, metrics = loss_fn(model, batch)
   valid = batch['target_out'] != task.tokenizer.pad_id
   assert 0 < valid.sum() < valid.size
   assert float(metrics['loss'][1]) == valid.sum()
   # Other decoder inputs after the end of the target change nothing.
   noisy = dict(batch, target_in=np.where(valid, batch['target_in'], 5))
-  np.testing.assert_allclose(task.loss(model, noisy, deterministic=True)[0], loss, rtol=1e-6)
-  logits, _ = model(batch['source'], batch['source'] != task.tokenizer.pad_id, batch['target_in'])
+  np.testing.assert_allclose(loss_fn(model, noisy)[0], loss, rtol=1e-6)
+  logits, _ = forward(model, batch['source'], batch['source'] != task.tokenizer.pad_id, batch['target_in'])
   per_token = -jax.nn.log_softmax(logits)[np.arange(8)[:, None], np.arange(12)[None], batch['target_out']]
   np.testing.assert_allclose(loss, per_token[valid].mean(), rtol=1e-5)
 
