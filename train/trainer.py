@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,8 +190,28 @@ def _data_iterator(setup: _Setup, config):
   if len(examples) < config.train.batch_size:
     raise ValueError(f'The training split has {len(examples)} examples, fewer than train.batch_size='
                      f'{config.train.batch_size}; use more data or a smaller batch.')
-  batches = setup.task.train_batches(examples[index::processes], local_batch, config.seed)
+  if type(setup.task).train_batches is Task.train_batches:
+    batches = process_rows_of_global_batches(examples, config.train.batch_size, config.seed, index, processes)
+  else:  # the family orders its own batches (bucketing, carried streams) from this process's examples
+    batches = setup.task.train_batches(examples[index::processes], local_batch, config.seed)
   return iter(batches.to_iter_dataset())
+
+
+def process_rows_of_global_batches(examples, batch_size: int, seed: int, process_index: int,
+                                   process_count: int) -> grain.MapDataset:
+  """This process's rows of each shuffled global batch, reading only those rows.
+
+  Global batch b holds elements [b * batch_size, (b + 1) * batch_size) of the seeded, endlessly
+  reshuffled order, whatever the process count, so 1 and N processes train on the same batches.
+  """
+  order = examples.shuffle(seed=seed).repeat()
+  local = batch_size // process_count
+
+  def row(i):
+    step, offset = divmod(i, local)
+    return order[step * batch_size + process_index * local + offset]
+
+  return grain.MapDataset.range(len(order) // process_count).map(row).batch(local, drop_remainder=True)
 
 
 def evaluate_loss(setup: _Setup, eval_step, params, extra, config) -> dict[str, float]:
