@@ -3,7 +3,16 @@
 Commands (CPU, 2 cores):
   python launch.py --config=configs/rnn_lm.py                 # GRU, sequential partitioning
   python launch.py --config=configs/rnn_lm.py:random          # the same budget, random sampling
-Expected result: see the measured numbers below (filled in from runs of these presets).
+Expected result (measured, 1,500 steps = 3.1M characters, one pass over the data, about 4-6 minutes):
+                      eval/perplexity (windows from a zero state)   stream_perplexity (state carried)
+  default (sequential)                 4.28                                    3.68
+  random                               3.92                                    3.70
+Read as a stateful model (the held-out stream with the state carried, what sequential
+partitioning trains for), the sequential sampler is marginally better; scored on 64-character
+windows each started from a zero state, random sampling is clearly better, because the
+sequential model is trained almost only from warm states (a zero state only once per pass) while
+random sampling trains exactly that condition. Samples are Python-looking (indentation,
+docstrings, `def __...__(self, ...)`) with made-up words.
 
 Presets:
   default   1-layer GRU, 256 units, sequential partitioning with the state carried (truncated BPTT)

@@ -49,14 +49,14 @@ def get_config(preset: str = 'default'):
   c.data.vocab_size = 512
   c.data.seq_len = 20  # source and target positions, EOS / BOS included (numbers need at most 19)
   c.data.min_number = 0  # numbers_en_fr: keep only numbers >= this (0: all)
-  c.train.steps = 2500
+  c.train.steps = 4000
   c.train.batch_size = 64
   c.train.lr = 3e-3
   c.train.schedule = 'cosine'
   c.train.warmup_steps = 100
   c.train.weight_decay = 0.0
   c.train.grad_clip = 1.0
-  c.train.eval_every = 500
+  c.train.eval_every = 1000
   c.train.eval_steps = 0
   c.train.checkpoint_every = 1000
   c.train.log_every = 100
