@@ -58,7 +58,7 @@ PRESETS = {
                                log_every=25)),
     'finetune': dict(task='classify', model=SIZES['default'],
                      data=dict(vocab_size=8000, seq_len=128),
-                     train=dict(steps=170, batch_size=32, lr=3e-4, schedule='linear', warmup_steps=17,
+                     train=dict(steps=340, batch_size=32, lr=5e-4, schedule='linear', warmup_steps=34,
                                 end_lr_fraction=0.0, eval_every=100, eval_steps=0, checkpoint_every=100,
                                 log_every=20, best_metric='eval/accuracy', best_mode='max')),
     'base': dict(model=SIZES['base'],
