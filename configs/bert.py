@@ -14,12 +14,28 @@ Commands (CPU, bbc_news: 2,225 BBC articles, 5 topics, 80/10/10 split by article
   python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-pretrain \\
       --workdir=runs/bert-bbc
   python launch.py --config=configs/bert.py:finetune --workdir=runs/bert-bbc-scratch   # no pretraining
-Expected result: RESULTS_PLACEHOLDER
+Measured (one run each; the 2 CPU cores were shared with other jobs, load ~10, so wall times are
+several times what an idle machine needs: the fine-tuning run used 3.2 CPU-minutes in all):
+  pretraining, 2,000 steps x 32 pairs x 128 tokens (42 min wall): eval MLM accuracy 13.5%, NSP
+    accuracy 59%: still close to the unigram plateau of early BERT training (fill-mask answers
+    are frequent tokens), NSP barely above chance.
+  fine-tuning, 340 steps = 6 epochs (13 min wall), test accuracy / macro-F1 on 223 articles:
+    from that pretraining run    0.852 / 0.845   (valid 0.878)
+    from scratch (same recipe)   0.919 / 0.921   (valid 0.932)
+    TF-IDF + logistic regression 0.982 / 0.982   (scripts/tfidf_baseline.py, same split)
+    the Transformer classifier   0.933 / 0.933   (configs/classifier.py, trained from scratch)
+  So at this budget pretraining did not help the final accuracy (-6.7 points); it only made
+  fine-tuning start faster (valid accuracy after 100 steps 0.71 vs 0.36 from scratch). With a
+  shorter recipe (170 steps, lr 3e-4) it did help: 0.592 vs 0.448. A variant with init_std=0.06
+  (MLM 14.1%, NSP 60%) fine-tuned to 0.865. BERT's gains need far more pretraining than CPU
+  minutes give (BERT-base: 1M steps of 256 sequences of 128-512 tokens, ~5,000x this run's
+  tokens), and here the pretraining text is the fine-tuning text itself.
 
 Hugging Face checkpoints (with or without pretraining heads):
   python launch.py --config=configs/bert.py:base --config.task=features --mode=import_hf \\
       --hf_dir=/path/bert-base-uncased --workdir=runs/bert-base
-  python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-base --workdir=runs/ft
+  python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-base \\
+      --config.train.lr=3e-5 --workdir=runs/bert-base-bbc
 
 Presets:
   tiny      tests: seconds
@@ -51,10 +67,11 @@ PRESETS = {
                  data=dict(vocab_size=400, seq_len=32, max_predictions=6, dupe_factor=1, max_examples=1000),
                  train=dict(steps=20, batch_size=8, lr=1e-3, warmup_steps=5, eval_every=10, eval_steps=2,
                             checkpoint_every=10, log_every=5)),
-    'default': dict(model=SIZES['default'],
+    # No dropout: 2,000 steps see each pair about twice, far from overfitting.
+    'default': dict(model=dict(**SIZES['default'], dropout=0.0, attention_dropout=0.0),
                     data=dict(vocab_size=8000, seq_len=128, max_predictions=20, dupe_factor=3),
-                    train=dict(steps=600, batch_size=32, lr=1e-3, schedule='linear', warmup_steps=60,
-                               end_lr_fraction=0.0, eval_every=200, eval_steps=0, checkpoint_every=200,
+                    train=dict(steps=2000, batch_size=32, lr=1e-3, schedule='linear', warmup_steps=200,
+                               end_lr_fraction=0.0, eval_every=250, eval_steps=0, checkpoint_every=500,
                                log_every=25)),
     'finetune': dict(task='classify', model=SIZES['default'],
                      data=dict(vocab_size=8000, seq_len=128),

@@ -1,8 +1,11 @@
 """A Transformer text classifier trained from scratch on bbc_news topics (offline, built in).
 
-Command (CPU, a few minutes on 2 cores):
+Command (CPU):
   python launch.py --config=configs/classifier.py:default --workdir=runs/classifier-bbc
-Expected result: RESULTS_PLACEHOLDER
+Measured (one run; 12 min wall on 2 CPU cores shared with other jobs, load ~10): test accuracy
+0.933, macro-F1 0.933 on the 223 test articles (valid 0.914 / 0.913). References on the same
+split: TF-IDF + logistic regression (scripts/tfidf_baseline.py) 0.982 / 0.982; BERT (configs/bert.py)
+fine-tuned from scratch 0.919 / 0.921, after pretraining on bbc_news 0.852 / 0.845.
 
 Presets:
   tiny     tests: seconds

@@ -1,5 +1,4 @@
 """BERT: parameter counts against transformers, HF import parity (weights and tokenizer)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -186,7 +186,7 @@ class Task(task_lib.Task):
     target, origin = (model, source) if both_pretrain else (encoder_of(model), encoder_of(source))
     wanted = nnx.state(target, nnx.Param)
     given = nnx.state(origin, nnx.Param)
-    shape = lambda state: jax.tree.map(lambda x: x.shape, state.to_pure_dict())
+    shape = lambda state: jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(state))
     if shape(wanted) != shape(given):
       raise ValueError(f'config.init_from={source_workdir} holds a BERT of different sizes; its config.json model '
                        f'settings must match this run.')
