@@ -6,7 +6,7 @@
   echo 'def main():' | python launch.py --mode=predict --workdir=runs/try --input=-
   python launch.py --config=configs/gpt.py:gpt2 --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2
   python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
-  python launch.py --sweep=configs/sweeps/gpt_lr.py --workdir=runs/sweep  # trials one after another
+  python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
 
 `train` resumes when `--workdir` holds a checkpoint. `eval` and `predict` read the run's own
 config.json unless `--config` is given. Each mode but `train` ends with one JSON line on stdout.
@@ -40,7 +40,7 @@ flags.DEFINE_integer('process_id', None, 'This process index, for manual multi-p
 FLAGS = flags.FLAGS
 
 USER_ERRORS = ('ConfigError', 'DataError', 'CheckpointError', 'TrainingDiverged', 'FileNotFoundError',
-               'NotImplementedError')
+               'NotImplementedError', 'SweepError')
 
 
 def default_workdir(config_arg: str) -> str:

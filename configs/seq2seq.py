@@ -5,7 +5,19 @@ Commands (CPU, 2 cores):
   python launch.py --config=configs/seq2seq.py:bahdanau         # the same with Bahdanau attention
   python launch.py --config=configs/seq2seq.py:long             # numbers >= 100,000 only, no attention
   python launch.py --config=configs/seq2seq.py:long_bahdanau    # numbers >= 100,000 only, attention
-Expected result: see the measured numbers below (filled in from runs of these presets).
+Expected result (measured on 2 shared CPU cores; 4,000 steps of 64 pairs, about 4 minutes without
+attention and 8 with it). Test BLEU greedy / beam-4 (exact-match rate of the beam output):
+  default (all numbers, 1,000 test pairs)        99.63 / 99.63  (0.993)
+  bahdanau                                       99.98 / 100.00 (1.000)
+  long (numbers >= 100,000; 284 test pairs)      99.34 / 99.34  (0.975)   seed 1: 92.93 / 92.80 (0.791)
+  long_bahdanau                                  94.40 / 94.30  (0.870)   seed 1: 93.68 / 93.84 (0.852)
+On all numbers attention reaches a perfect score. On the long numbers it does not reliably beat
+the plain model at this size and budget: with word-level BPE a number above 100,000 is only ~13
+source tokens (at most 15), which a 2 x 64 GRU state carries, so the fixed context is not yet the
+bottleneck; the attention model mostly relies on its encoder-initialised state (attention.png
+shows diffuse weights, not a monotonic alignment) and reaches its solution later, with a large
+spread between seeds (at 2,500 steps, seeds 0/1/2: attention 78.6 / 68.5 / 88.8 greedy BLEU,
+no attention 91.0 / 84.2 / 43.0). With hidden=128 both reach eval loss < 0.003 by step 2,000 (seed 1).
 
 `model.attention_type` ('none' | 'bahdanau') switches the decoder; everything else (data, size,
 budget, decoding) is shared, so presets differing only in it compare like for like. After

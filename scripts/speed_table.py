@@ -20,8 +20,10 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (our launch arguments, reference script, [(label, our value, reference value)])
 BENCHMARKS = {
-    'gpt': (['--config=configs/gpt.py:bench'], 'ref_gpt_train.py',
-            [('GPT train tokens/s', lambda o: o['tokens_per_s'], lambda r: r['tokens_per_s'])]),
+    'gpt': (['--config=configs/gpt.py:bench', '--bench_decode=false'], 'ref_gpt_train.py',
+            [('GPT train tokens/s', lambda o: o['tokens_per_s'], lambda r: r['tokens_per_s']),
+             ('GPT train MFU vs same-run matmul probe', lambda o: o['mfu'],
+              lambda r: r['mfu_vs_adjacent_probe_w_lmhead'])]),
     'decode': (['--config=configs/gpt.py:bench', '--bench_steps=1'], 'ref_gpt_generate.py',
                [(f'GPT decode tokens/s, batch {b}', lambda o, b=b: o['decode_tokens_per_s'][str(b)],
                  lambda r, b=b: r[b]['new_tokens_per_s']) for b in (1, 8)]),
@@ -53,6 +55,7 @@ def main():
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--only', default=','.join(BENCHMARKS))
   parser.add_argument('--bench_steps', type=int, default=12)
+  parser.add_argument('--reference_args', default='', help="e.g. '--bind' (pin torch's OpenMP threads)")
   parser.add_argument('--raw', default='speed_raw.jsonl')
   args = parser.parse_args()
   names = args.only.split(',')
@@ -65,7 +68,7 @@ def main():
         load_ours = load()
         ours = json_lines([sys.executable, 'launch.py', '--mode=bench', *ours_args, *steps], REPO)[-1]
         load_ref = load()
-        ref_lines = json_lines([args.reference_python, script], args.reference_dir)
+        ref_lines = json_lines([args.reference_python, script, *args.reference_args.split()], args.reference_dir)
         ref = {line['batch']: line for line in ref_lines} if name == 'decode' else ref_lines[-1]
         raw.write(json.dumps({'round': round_index, 'name': name, 'ours': ours, 'reference': ref_lines,
                               'load_before': [load_ours, load_ref]}) + '\n')

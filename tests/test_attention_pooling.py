@@ -1,6 +1,5 @@
 """Nadaraya-Watson attention pooling: the kernel formula, leave-one-out masking, and that the learned
 width beats the fixed one, as in D2L ch. 10.2."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -171,7 +171,8 @@ def test_numbers_filter_keeps_only_large_numbers(tmp_path, monkeypatch):
   from train.tasks.seq2seq import Task
   pairs = [('one hundred and two thousand', 'cent deux mille'), ('twelve', 'douze'),
            ('two hundred thousandth', 'deux cent millième'), ('ninety-nine thousand', 'quatre-vingt-dix-neuf mille')]
-  monkeypatch.setattr(translation, 'numbers_en_fr', lambda seed, sizes=None: translation.Splits(pairs * 20, pairs, pairs))
+  splits = translation.Splits(pairs * 20, pairs, pairs)
+  monkeypatch.setattr(translation, 'numbers_en_fr', lambda seed, sizes=None: splits)
   config = seq2seq_task(tmp_path)
   config.data.source = 'numbers_en_fr'
   config.data.min_number = 100_000

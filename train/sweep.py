@@ -76,7 +76,10 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(values, (list, tuple)) or not values:
       raise SweepError(f'grid[{key!r}] must be a non-empty list of values, got {values!r}.')
   combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else []
-  trials = combos + [dict(t) for t in spec.get('trials') or []]
+  extra = spec.get('trials') or []
+  if not all(isinstance(t, dict) for t in extra):
+    raise SweepError('`trials` must be a list of dicts of overrides, e.g. [{"train.lr": 1e-3}].')
+  trials = combos + [dict(t) for t in extra]
   if not trials:
     raise SweepError('The sweep defines no trials: give a non-empty `grid` or `trials`.')
   return trials
@@ -114,6 +117,14 @@ def _error_line(stderr: str, returncode: int) -> str:
   return lines[-1] if lines else f'exit status {returncode}'
 
 
+def _last_json(stdout: str) -> dict | None:
+  lines = stdout.strip().splitlines()
+  try:
+    return json.loads(lines[-1]) if lines else None
+  except ValueError:
+    return None
+
+
 def run_trial(sweep: Sweep, trial: Trial, workdir: str, extra_args: list[str] = (), env: dict | None = None) -> None:
   """Run one trial to completion in its own process; fills trial.status/metrics/error."""
   os.makedirs(os.path.join(workdir, 'logs'), exist_ok=True)
@@ -122,12 +133,7 @@ def run_trial(sweep: Sweep, trial: Trial, workdir: str, extra_args: list[str] = 
   trial.seconds = time.time() - start
   with open(os.path.join(workdir, 'logs', f'{trial.name}.log'), 'w') as f:
     f.write(result.stdout + '\n--- stderr ---\n' + result.stderr)
-  final = None
-  if result.returncode == 0:
-    try:
-      final = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-      final = None
+  final = _last_json(result.stdout) if result.returncode == 0 else None
   if final is None:
     trial.status = 'failed'
     trial.error = _error_line(result.stderr, result.returncode) if result.returncode else 'no final JSON line'

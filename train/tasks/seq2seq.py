@@ -185,8 +185,12 @@ class Task(task_lib.Task):
     for row, output in enumerate(outputs):
       target_in[row, :len(output)] = [tok.bos_id] + output[:-1]
     _, weights = model(jnp.asarray(source), jnp.asarray(source != tok.pad_id), jnp.asarray(target_in))
-    # Decoded pieces read as text (byte-level BPE ids do not); special tokens decode to nothing.
-    label = lambda i: tok.decode([int(i)]).strip() or tok.id_to_token(int(i))
+    # Decoded pieces read as text (byte-level BPE ids do not); special tokens and partial
+    # characters fall back to the vocabulary entry.
+    def label(i):
+      piece = tok.decode([int(i)]).strip()
+      return piece if piece and piece.isprintable() else tok.id_to_token(int(i))
+
     maps = []
     for row, output in enumerate(outputs):
       source_ids = source[row][source[row] != tok.pad_id]
