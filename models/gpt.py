@@ -114,7 +114,7 @@ class GPT(nnx.Module):
                                    (batch, length))
     x = self.token_embedding(tokens) + self.position_embedding(positions)
     x = self.dropout(x, deterministic=deterministic)
-    k_len = length if cache is None else jax.tree.leaves(cache)[0].shape[-3]
+    k_len = length if cache is None else jax.tree.leaves(cache)[0].shape[-2]
     mask = make_attention_mask(None, key_valid, causal=True, q_len=length, k_len=k_len,
                                q_offset=0 if cache_index is None else cache_index)
 
@@ -148,11 +148,11 @@ class GPT(nnx.Module):
     return logits, (new_cache if cache is not None else None)
 
   def init_cache(self, batch: int, max_len: int) -> list[dict[str, Any]] | dict[str, Any]:
-    """Per-layer {'self': {'k','v': [B, L_max, H, D]}}: a list, or with scan_layers one dict of
-    [num_layers, B, L_max, H, D] arrays."""
+    """Per-layer {'self': {'k','v': [B, H, L_max, D]}}: a list, or with scan_layers one dict of
+    [num_layers, B, H, L_max, D] arrays."""
     dtype = jnp.dtype(self.config.dtype)
     if self.config.scan_layers:
-      shape = (self.config.num_layers, batch, max_len, self.config.num_heads, self.config.width // self.config.num_heads)
+      shape = (self.config.num_layers, batch, self.config.num_heads, max_len, self.config.width // self.config.num_heads)
       return {'self': {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}}
     return [{'self': block.self_attention.init_cache(batch, max_len, dtype)} for block in self.blocks]
 

@@ -128,7 +128,7 @@ class Transformer(nnx.Module):
     embedding = self.source_embedding if self.target_embedding is None else self.target_embedding
     x = self._embed(embedding, target_in, offset, deterministic)
     length = target_in.shape[1]
-    k_len = length if cache is None else cache['layers'][0]['self']['k'].shape[1]
+    k_len = length if cache is None else cache['layers'][0]['self']['k'].shape[2]
     self_mask = make_attention_mask(causal=True, q_len=length, k_len=k_len, q_offset=offset)
     cross_mask = make_attention_mask(None, source_valid)
     new_layers = []

@@ -80,7 +80,7 @@ def test_cached_greedy_decoding_matches_between_layouts():
                                         top_p=1.0, eos_id=None, pad_id=0)[0]) for m in (plain, scanned)]
   np.testing.assert_array_equal(outputs[0], outputs[1])
   cache = scanned.init_cache(2, 13)
-  assert cache['self']['k'].shape == (3, 2, 13, 2, 8)
+  assert cache['self']['k'].shape == (3, 2, 2, 13, 8)
 
 
 def hlo_size(num_layers: int, scan: bool) -> int:

@@ -105,8 +105,14 @@ class Task(task_lib.Task):
 @nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))
 def generate_tokens(model: GPT, tokens, valid, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id):
   """Compiled cached generation for a GPT: [B, P] left-padded prompts -> ([B, N] tokens, [B] lengths)."""
+  # The tied output matrix, transposed once out here: inside the loop XLA re-copies the [V, E]
+  # embedding into [E, V] at every step (measured: 0.7 ms of a 3.2 ms batch-1 bench step).
+  head = model.token_embedding.embedding[...].T
+
   def step_fn(step_tokens, positions, key_valid, cache, cache_index):
-    return model(step_tokens, positions=positions, key_valid=key_valid, cache=cache, cache_index=cache_index)
+    hidden, cache = model(step_tokens, positions=positions, key_valid=key_valid, cache=cache,
+                          cache_index=cache_index, return_hidden=True)
+    return (hidden @ head.astype(hidden.dtype)).astype(jnp.float32), cache
   cache = model.init_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens)
   return decoding.generate(step_fn, cache, tokens, valid, rng, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
