@@ -194,3 +194,38 @@ def test_training_end_to_end_writes_bleu_and_attention_picture(tmp_path):
     assert np.isfinite(results[key])
   assert (tmp_path / 'run' / 'attention.png').exists()
   assert (tmp_path / 'run' / 'translations.json').exists()
+
+
+def test_long_presets_differ_only_in_attention_and_fit_the_longest_numbers():
+  """long / long_bahdanau: the same data, size and budget; character-level sequences long enough for
+  the longest English and French number words below a million (EOS or BOS included)."""
+  from configs import seq2seq
+  from num2words import num2words
+  plain, attention = seq2seq.get_config('long').to_dict(), seq2seq.get_config('long_bahdanau').to_dict()
+  assert plain['model'].pop('attention_type') == 'none'
+  assert attention['model'].pop('attention_type') == 'bahdanau'
+  plain.pop('preset'), attention.pop('preset')
+  assert plain == attention
+  assert plain['data']['tokenizer'] == 'char'
+  longest = max(len(num2words(n, to=kind, lang=lang)) for n in (777_777, 777_377, 797_797, 777_797)
+                for kind in ('cardinal', 'ordinal') for lang in ('en', 'fr'))
+  assert longest + 1 <= plain['data']['seq_len']
+
+
+def test_char_tokenizer_encodes_translation_pairs(tmp_path):
+  """Character ids with EOS on the source, BOS / EOS around the target, pad after; decoding gives the text back."""
+  from data import translation
+  config = seq2seq_task(tmp_path)
+  config.data.tokenizer = 'char'
+  pairs = [('two hundred thousandth', 'deux cent millième'), ('one', 'un')]
+  tok = translation.get_tokenizer(config.data, str(tmp_path), pairs)
+  arrays, kept = translation.encode_pairs(tok, pairs, 24, 20, drop_long=True)
+  assert kept.tolist() == [0, 1]
+  source, target_in, target_out = arrays['source'][0], arrays['target_in'][0], arrays['target_out'][0]
+  assert source[len(pairs[0][0])] == tok.eos_id and (source[len(pairs[0][0]) + 1:] == tok.pad_id).all()
+  assert target_in[0] == tok.bos_id and target_out[len(pairs[0][1])] == tok.eos_id
+  np.testing.assert_array_equal(target_in[1:len(pairs[0][1]) + 1], target_out[:len(pairs[0][1])])
+  assert tok.decode(source.tolist()) == pairs[0][0] and tok.decode(target_out.tolist()) == pairs[0][1]
+  assert tok.decode(arrays['source'][1].tolist()) == 'one'
+  # The saved vocabulary is reloaded by the run.
+  assert translation.get_tokenizer(config.data, str(tmp_path), []).encode('deux') == tok.encode('deux')
