@@ -6,10 +6,13 @@ Overrides: `--config.train.lr=1e-3`, `--config.mesh.fsdp=2`, `--config.data.sour
 import ml_collections
 
 
-def base_config(family: str) -> ml_collections.ConfigDict:
+def base_config(family: str, preset: str = '', presets: dict | None = None) -> ml_collections.ConfigDict:
+  """The shared defaults for `family`; `preset` must be a key of the family's `presets`."""
+  if presets is not None and preset not in presets:
+    raise ValueError(f'Unknown {family} preset {preset!r}; choose one of {sorted(presets)}.')
   c = ml_collections.ConfigDict()
   c.family = family
-  c.preset = ''
+  c.preset = preset
   c.seed = 0
   c.init_from = ''  # workdir of a run whose parameters initialise this one (fine-tuning)
 
@@ -67,4 +70,11 @@ def base_config(family: str) -> ml_collections.ConfigDict:
   c.decode.max_len_ratio = 1.5  # beam search: max target length = ratio * source length + 10
   c.decode.num_samples = 3
   c.decode.prompts = ''  # '|'-separated prompts printed after training
+  return c
+
+
+def apply_preset(c: ml_collections.ConfigDict, presets: dict) -> ml_collections.ConfigDict:
+  """Overlay presets[c.preset], a {section: {key: value}} dict, on the family's defaults."""
+  for section, values in presets[c.preset].items():
+    c[section].update(values)
   return c

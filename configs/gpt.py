@@ -16,7 +16,7 @@ Presets:
 
 Other data: --config.data.source=text:'/path/*.txt' or tfds:<name>[:<split>] (a 'text' feature).
 """
-from configs.base import base_config
+from configs.base import apply_preset, base_config
 
 PRESETS = {
     'tiny': dict(model=dict(num_layers=2, num_heads=2, width=32, max_len=64, dropout=0.0),
@@ -46,10 +46,7 @@ PRESETS = {
 
 
 def get_config(preset: str = 'default'):
-  if preset not in PRESETS:
-    raise ValueError(f'Unknown gpt preset {preset!r}; choose one of {sorted(PRESETS)}.')
-  c = base_config('gpt')
-  c.preset = preset
+  c = base_config('gpt', preset, PRESETS)
   c.data.source = 'pystdlib'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   c.model.num_layers = 4
@@ -62,9 +59,7 @@ def get_config(preset: str = 'default'):
   c.model.remat = 'none'  # 'none' | 'dots' | 'full': recompute activations in the backward pass
   c.decode.temperature = 0.8
   c.decode.top_k = 40
-  for section, values in PRESETS[preset].items():
-    c[section].update(values)
-  return c
+  return apply_preset(c, PRESETS)
 
 
 def validate(config):

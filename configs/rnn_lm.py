@@ -25,7 +25,7 @@ on held-out windows read from a zero state, and stream_perplexity on the held-ou
 with the state carried across windows. Gradients are clipped to global norm train.grad_clip.
 Other data: --config.data.source=text:'/path/*.txt'. Sampler: --config.data.sampler=random|sequential.
 """
-from configs.base import base_config
+from configs.base import apply_preset, base_config
 
 PRESETS = {
     'default': {},
@@ -41,10 +41,7 @@ PRESETS = {
 
 
 def get_config(preset: str = 'default'):
-  if preset not in PRESETS:
-    raise ValueError(f'Unknown rnn_lm preset {preset!r}; choose one of {sorted(PRESETS)}.')
-  c = base_config('rnn_lm')
-  c.preset = preset
+  c = base_config('rnn_lm', preset, PRESETS)
   c.model.cell = 'gru'  # 'rnn' | 'gru' | 'lstm'
   c.model.embed = 64
   c.model.hidden = 256
@@ -69,9 +66,7 @@ def get_config(preset: str = 'default'):
   c.decode.max_new_tokens = 120
   c.decode.temperature = 0.6
   c.decode.prompts = 'def |import |class '
-  for section, values in PRESETS[preset].items():
-    c[section].update(values)
-  return c
+  return apply_preset(c, PRESETS)
 
 
 def validate(config):

@@ -56,7 +56,7 @@ Presets:
   tiny                           tests: seconds
 Other data: --config.data.source=tsv:/path/pairs.tsv or tfds:<name> (data.min_number=0).
 """
-from configs.base import base_config
+from configs.base import apply_preset, base_config
 
 # Numbers >= 100,000 as characters: 20-75 source characters (median 64), so the fixed context must
 # carry a long sequence. seq_len 76 fits the longest English number below a million (75
@@ -78,10 +78,7 @@ PRESETS = {
 
 
 def get_config(preset: str = 'default'):
-  if preset not in PRESETS:
-    raise ValueError(f'Unknown seq2seq preset {preset!r}; choose one of {sorted(PRESETS)}.')
-  c = base_config('seq2seq')
-  c.preset = preset
+  c = base_config('seq2seq', preset, PRESETS)
   c.model.attention_type = 'none'  # 'none' | 'bahdanau'
   c.model.embed = 32
   c.model.hidden = 64
@@ -105,9 +102,7 @@ def get_config(preset: str = 'default'):
   c.train.checkpoint_every = 1000
   c.train.log_every = 100
   c.decode.beam_size = 4
-  for section, values in PRESETS[preset].items():
-    c[section].update(values)
-  return c
+  return apply_preset(c, PRESETS)
 
 
 def validate(config):

@@ -35,7 +35,7 @@ the paper exactly (tests/test_transformer.py checks the count against a hand cou
 """
 import ml_collections
 
-from configs.base import base_config
+from configs.base import apply_preset, base_config
 
 PRESETS = {
     'tiny': dict(model=dict(width=32, num_heads=2, encoder_layers=1, decoder_layers=1, mlp_dim=64, dropout=0.0),
@@ -67,10 +67,7 @@ PRESETS = {
 
 
 def get_config(preset: str = 'default'):
-  if preset not in PRESETS:
-    raise ValueError(f'Unknown transformer preset {preset!r}; choose one of {sorted(PRESETS)}.')
-  c = base_config('transformer')
-  c.preset = preset
+  c = base_config('transformer', preset, PRESETS)
   c.data.source = 'numbers_en_fr'
   c.data.source_lang = ''  # TFDS language keys; '' = from the dataset name ('de-en': de -> en)
   c.data.target_lang = ''
@@ -101,9 +98,7 @@ def get_config(preset: str = 'default'):
   c.pictures = ml_collections.ConfigDict()
   c.pictures.count = 3  # test sentences drawn as attention heatmaps after evaluation
   c.pictures.layer = -1  # decoder layer whose heads are drawn
-  for section, values in PRESETS[preset].items():
-    c[section].update(values)
-  return c
+  return apply_preset(c, PRESETS)
 
 
 def validate(config):
