@@ -9,19 +9,52 @@
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
 
 `train` resumes when `--workdir` holds a checkpoint. `eval` and `predict` read the run's own
-config.json unless `--config` is given. Each mode but `train` ends with one JSON line on stdout.
+config.json, with the `--config.*` overrides given applied on top (checked against that file:
+configs/run.py); `eval` with an explicit `--config` uses that config instead. Each mode but
+`train` ends with one JSON line on stdout.
+
+  printf 'a text\n' | python launch.py --mode=predict --workdir=runs/bert-bbc --config.task=features --input=-
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].', lock_config=True)
+
+def _flag_value(argv, name: str) -> str | None:
+  """The last value of `--name=VALUE` or `--name VALUE` in argv (before parsing), else None."""
+  value = None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f'--{name}='):
+      value = arg.split('=', 1)[1]
+    elif arg == f'--{name}' and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def _with_config_file(argv: list[str]) -> list[str]:
+  """argv with an explicit `--config=` when `--config.*` overrides come without one.
+
+  eval/predict: `configs/run.py:<workdir>`, so that the overrides are checked against (and applied
+  to) the run's own config.json instead of configs/default.py. Other modes: the default file,
+  named, so that the overrides are parsed (and their mistakes reported) by `parse_flags`.
+  """
+  if _flag_value(argv, 'config') is not None or not any(re.match(r'--(no)?config\.', a) for a in argv):
+    return list(argv)
+  if _flag_value(argv, 'mode') in ('eval', 'predict') and _flag_value(argv, 'workdir'):
+    return [argv[0], f'--config=configs/run.py:{_flag_value(argv, "workdir")}', *argv[1:]]
+  return [argv[0], '--config=configs/default.py', *argv[1:]]
+
+
+ARGV = _with_config_file(sys.argv)
+config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].', lock_config=True,
+                                sys_argv=ARGV)
 flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config>-<preset>-<timestamp>).')
 flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf', 'bench'], 'What to do.')
 flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - for stdin.')
@@ -70,11 +103,19 @@ def read_lines(path: str) -> list[str]:
 
 
 def run_config(workdir: str):
-  """The config for eval/predict: --config when given, else the run's own config.json."""
+  """The config for eval: --config when given (configs/run.py:<workdir> when only overrides were
+  given: the run's config.json plus them), else the run's own config.json."""
   if FLAGS['config'].present:
     return FLAGS.config
   from train.checkpoint import read_config
   return read_config(workdir)
+
+
+def explicit_overrides() -> dict:
+  """{'task': 'features', ...}: the `--config.<key>=<value>` overrides given on the command line."""
+  if not FLAGS['config'].present:
+    return {}
+  return dict(config_flags.get_override_values(FLAGS['config']))
 
 
 def main(argv):
@@ -115,7 +156,7 @@ def main(argv):
     lines = read_lines(FLAGS.input)
     if not lines:
       raise FileNotFoundError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
-    run = load_run(workdir)
+    run = load_run(workdir, config_overrides=explicit_overrides())
     outputs = _jsonable(run.predict(lines))
     if FLAGS.output:
       with open(FLAGS.output, 'w') as f:
@@ -168,12 +209,22 @@ def _unknown_override(argv) -> str | None:
       if key not in known and not any(k.startswith(key + '.') for k in known):
         close = difflib.get_close_matches(key, list(known), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ''
-        return f"Unknown config key '{key}'.{hint} Valid keys are listed in {path} and configs/base.py."
+        where = (f'{os.path.join(preset, "config.json")} (the run being reloaded)' if path == 'configs/run.py'
+                 else f'{path} and configs/base.py')
+        return f"Unknown config key '{key}'.{hint} Valid keys are listed in {where}."
   return None
 
 
 def parse_flags(argv):
   """absl flag parsing, with config override mistakes (unknown key, bad value) as one clear line."""
+  argv = _with_config_file(argv)
+  run_file = _flag_value(argv, 'config')
+  if run_file and run_file.startswith('configs/run.py:'):
+    path = os.path.join(run_file.split(':', 1)[1], 'config.json')
+    if not os.path.exists(path):
+      print(f'error: --config.* overrides with --mode={_flag_value(argv, "mode")} apply to the run\'s own '
+            f'config.json, and {path} was not found; pass the --workdir of a trained run.', file=sys.stderr)
+      sys.exit(1)
   try:
     return FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - config_flags raises AttributeError/KeyError/ValueError

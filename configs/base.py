@@ -74,7 +74,11 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
 
 
 def apply_preset(c: ml_collections.ConfigDict, presets: dict) -> ml_collections.ConfigDict:
-  """Overlay presets[c.preset], a {section: {key: value}} dict, on the family's defaults."""
-  for section, values in presets[c.preset].items():
-    c[section].update(values)
+  """Overlay presets[c.preset] on the family's defaults: {section: {key: value}}, or a value for a
+  top-level field such as `task`."""
+  for name, values in presets[c.preset].items():
+    if isinstance(values, dict):
+      c[name].update(values)
+    else:
+      c[name] = values
   return c

@@ -89,6 +89,8 @@ def pretraining_documents(data_config) -> tuple[list[str], list[str]]:
     return [t for _, t in documents], [t for _, t in held_out]
   train_idx, eval_idx = sources.deterministic_split([k for k, _ in documents], [1 - EVAL_FRACTION, EVAL_FRACTION],
                                                     seed=0)
+  if not eval_idx and len(train_idx) > 2:  # few documents, none hashed to eval: hold out one
+    eval_idx, train_idx = train_idx[-1:], train_idx[:-1]
   if not eval_idx or len(train_idx) < 2:
     raise sources.DataError(f'{data_config.source} has {len(documents)} documents: BERT pretraining needs several '
                             f'(random next sentences come from other documents, and some are held out). Use '

@@ -32,10 +32,15 @@ def parse_source(source: str) -> tuple[str, str]:
 
 
 def read_text_files(pattern: str) -> list[tuple[str, str]]:
-  """[(path, text)] for the files matching `pattern` (recursive '**' allowed), sorted by path."""
+  """[(key, text)] for the files matching `pattern` (recursive '**' allowed), sorted by path.
+
+  The key is the path relative to the files' common folder: held-out splits hash it, and must not
+  change when the corpus is moved or copied to another machine.
+  """
   paths = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
   if not paths:
     raise DataError(f'text:{pattern} matched no files; check the path or quote the glob.')
+  root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
   documents = []
   for path in paths:
     with open(path, 'rb') as f:
@@ -45,7 +50,7 @@ def read_text_files(pattern: str) -> list[tuple[str, str]]:
     except UnicodeDecodeError as e:
       raise DataError(f'{path} is not UTF-8 text ({e}); convert it or remove it from the glob.') from e
     if text.strip():
-      documents.append((path, text))
+      documents.append((os.path.relpath(os.path.abspath(path), root), text))
   if not documents:
     raise DataError(f'text:{pattern} matched only empty files; nothing to train on.')
   return documents

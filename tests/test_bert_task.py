@@ -94,6 +94,20 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
   query = model.encoder.blocks[2].self_attention.query.kernel[...]
   expected = hf_model.bert.encoder.layer[2].attention.self.query.weight.detach().numpy().T
   np.testing.assert_allclose(np.asarray(query), expected, atol=1e-6)
+  # More positions than the source (64): its vectors fill the first rows, the rest are new.
+  longer = tiny_config(task='classify', init_from=source, **{'data.source': f'tsv:{data}', 'model.max_len': 96})
+  long_task = get_task(longer)
+  long_task.prepare(str(tmp_path / 'finetune-long'))
+  assert (longer.model.max_len, longer.model.width) == (96, 32)
+  long_model = long_task.build_model(nnx.Rngs(0))
+  long_task.init_from(long_model, source)
+  positions = np.asarray(long_model.encoder.embeddings.position.embedding[...])
+  hf_positions = hf_model.bert.embeddings.position_embeddings.weight.detach().numpy()
+  assert positions.shape == (96, 32)
+  np.testing.assert_allclose(positions[:64], hf_positions, atol=1e-6)
+  assert not np.allclose(positions[64:], 0.0)
+  np.testing.assert_allclose(np.asarray(long_model.encoder.blocks[2].self_attention.query.kernel[...]), expected,
+                             atol=1e-6)
   mismatched = tiny_config(task='classify', **{'model.width': 16})
   other = get_task(mismatched)
   other.tokenizer, mismatched.model.num_classes, mismatched.model.vocab_size = task.tokenizer, 2, 0
@@ -120,3 +134,38 @@ def test_pretraining_loss_by_hand():
   expected = -np.mean([mlm[b, p, label] for b, p, label in chosen]) - (nsp[0, 0] + nsp[1, 1]) / 2
   assert float(loss) == pytest.approx(expected, rel=1e-5)
   assert float(metrics['mlm_loss'][1]) == 5 and float(metrics['nsp_accuracy'][1]) == 2
+
+
+def test_launch_predict_applies_config_overrides_to_a_trained_run(tmp_path):
+  """`--mode=predict --config.task=features` on a pretraining run writes vectors; unknown keys
+  are still rejected with one message (checked against the run's own config.json)."""
+  import support
+  source = support.write_corpus(str(tmp_path / 'corpus'), files=6, lines=40)
+  held_out = support.write_corpus(str(tmp_path / 'held_out'), files=2, lines=40, seed=1)
+  workdir = str(tmp_path / 'pretrain')
+  trained = support.launch(['--config=configs/bert.py:tiny', f'--config.data.source={source}',
+                            f'--config.data.eval_source={held_out}', '--config.train.steps=4',
+                            '--config.train.eval_every=4', '--config.train.checkpoint_every=4', f'--workdir={workdir}'])
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  lines = tmp_path / 'lines.txt'
+  lines.write_text('alpha beta gamma.\ndelta epsilon\tzeta eta theta.\n')
+  output_dir = tmp_path / 'vectors'
+  result = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={lines}', '--config.task=features',
+                           '--config.features.pooling=mean', f'--config.features.output_dir={output_dir}'])
+  assert result.returncode == 0, result.stderr[-2000:]
+  outputs = support.last_json(result.stdout)['outputs']
+  assert [o['shape'] for o in outputs] == [[32], [32]]  # tiny: width 32, mean over real tokens
+  for output in outputs:
+    assert os.path.dirname(output['file']) == str(output_dir)
+    assert np.load(output['file']).shape == (32,)
+  with open(os.path.join(workdir, 'config.json')) as f:
+    assert json.load(f)['task'] == 'pretrain'  # the overrides change this prediction, not the run
+
+  unknown = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={lines}',
+                            '--config.features.poolng=mean'])
+  assert unknown.returncode == 1
+  assert "Unknown config key 'features.poolng'. Did you mean 'features.pooling'?" in unknown.stderr
+  assert 'Traceback' not in unknown.stderr
+  bad_value = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={lines}', '--config.task=features',
+                              '--config.features.pooling=max'])
+  assert bad_value.returncode == 1 and 'features.pooling' in bad_value.stderr and 'Traceback' not in bad_value.stderr

@@ -117,7 +117,10 @@ class Run:
 
 
 def load_run(workdir: str, step: int | None = None, config_overrides: dict | None = None) -> Run:
-  """Reload a run's model (parameters bound), tokenizer and config on the current devices."""
+  """Reload a run's model (parameters bound), tokenizer and config on the current devices.
+
+  `config_overrides` ({'task': 'features', 'features.pooling': 'mean'}) change settings of the
+  saved config.json before the run is rebuilt; keys it lacks are an error."""
   from train import sharding
   from train.task import get_task
   config = read_config(workdir)
@@ -125,8 +128,16 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
     target = config
     *parents, leaf = key.split('.')
     for parent in parents:
-      target = target[parent]
+      target = target.get(parent) if isinstance(target, ml_collections.ConfigDict) else None
+    if not isinstance(target, ml_collections.ConfigDict) or leaf not in target:
+      raise CheckpointError(f"Unknown config key '{key}': {os.path.join(workdir, CONFIG_FILE)} has no such "
+                            f"setting, so the override cannot apply to this run.")
     target[leaf] = value
+  if config_overrides:
+    import importlib
+    family_check = getattr(importlib.import_module(f'configs.{config.family}'), 'validate', None)
+    if family_check is not None:
+      family_check(config)  # e.g. features.pooling, task
   task = get_task(config)
   task.load_tokenizer(workdir)
   checkpointer = Checkpointer(workdir, read_only=True)

@@ -9,7 +9,8 @@ the checkpoint, the behaviour follows the task.
 Fine-tuning starts from another run with `config.init_from=<workdir>` (a pretraining run, or a
 Hugging Face checkpoint imported with --mode=import_hf): that run's tokenizer and model sizes are
 adopted in `prepare`, and `init_from` copies its encoder (the pretraining heads too when both runs
-pretrain).
+pretrain). A fine-tuning run may ask for more positions (`model.max_len`) than its source has:
+the source's position vectors fill the first rows and the others are learned in fine-tuning.
 """
 from __future__ import annotations
 
@@ -91,10 +92,18 @@ class Task(task_lib.Task):
     source_config = read_config(source)
     if source_config.family != 'bert':
       raise ValueError(f'config.init_from={source} is a {source_config.family!r} run; BERT starts from a bert run.')
-    changed = {k: source_config.model[k] for k in ARCHITECTURE_KEYS if self.config.model[k] != source_config.model[k]}
+    changed = {k: source_config.model[k] for k in ARCHITECTURE_KEYS
+               if k != 'max_len' and self.config.model[k] != source_config.model[k]}
+    # Positions: at least the source's; more when this run asks for more (positions past the
+    # source's start untrained and are learned in fine-tuning, see `init_from`).
+    if source_config.model.max_len > self.config.model.max_len:
+      changed['max_len'] = source_config.model.max_len
     self.config.model.update(changed)
     if changed:
       print(f'init_from {source}: model sizes taken from that run: {changed}', flush=True)
+    if self.config.model.max_len > source_config.model.max_len:
+      print(f'init_from {source}: positions {source_config.model.max_len}..{self.config.model.max_len - 1} are new '
+            f'(that run has {source_config.model.max_len}); they start from random values.', flush=True)
     if self.config.data.seq_len > self.config.model.max_len:
       raise ValueError(f'config.data.seq_len={self.config.data.seq_len} exceeds the {self.config.model.max_len} '
                        f'positions of {source}; lower data.seq_len.')
@@ -185,14 +194,24 @@ class Task(task_lib.Task):
     both_pretrain = isinstance(model, BertForPretraining) and isinstance(source, BertForPretraining)
     target, origin = (model, source) if both_pretrain else (encoder_of(model), encoder_of(source))
     wanted = nnx.state(target, nnx.Param)
-    given = nnx.state(origin, nnx.Param)
-    shape = lambda state: jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(state))
-    if shape(wanted) != shape(given):
+    given = nnx.to_pure_dict(nnx.state(origin, nnx.Param))
+    ours = nnx.to_pure_dict(wanted)
+    # More positions than the source: its rows fill the first positions, the rest keep their init.
+    positions_of = lambda tree: (tree if 'embeddings' in tree else tree['encoder'])['embeddings']['position']
+    ours_positions, given_positions = positions_of(ours), positions_of(given)
+    old_rows, new_rows = given_positions['embedding'].shape[0], ours_positions['embedding'].shape[0]
+    copied = sum(x.size for x in jax.tree.leaves(given))
+    if old_rows < new_rows and given_positions['embedding'].shape[1:] == ours_positions['embedding'].shape[1:]:
+      given_positions['embedding'] = ours_positions['embedding'].at[:old_rows].set(given_positions['embedding'])
+    shape = lambda tree: jax.tree.map(lambda x: x.shape, tree)
+    if shape(ours) != shape(given):
       raise ValueError(f'config.init_from={source_workdir} holds a BERT of different sizes; its config.json model '
                        f'settings must match this run.')
-    nnx.update(target, given)
+    nnx.replace_by_pure_dict(wanted, given)
+    nnx.update(target, wanted)
     print(f'init_from {source_workdir}: copied the {"whole model" if both_pretrain else "encoder"} '
-          f'({sum(x.size for x in jax.tree.leaves(given))} parameters).', flush=True)
+          f'({copied} parameters'
+          f'{f", positions {old_rows}..{new_rows - 1} new" if old_rows < new_rows else ""}).', flush=True)
 
   def import_hf(self, hf_dir):
     from models.hf_bert import load_hf_bert
