@@ -23,10 +23,8 @@ def write_corpus(directory, files: int = 6, lines: int = 60, seed: int = 0) -> s
   return f'text:{directory}/*.txt'
 
 
-def tiny_gpt_config(source: str, **overrides):
-  from configs import gpt
-  config = gpt.get_config('tiny')
-  config.data.source = source
+def with_overrides(config, overrides: dict):
+  """config with {'train.steps': 5, ...} set, as `--config.train.steps=5` would."""
   for key, value in overrides.items():
     target = config
     *parents, leaf = key.split('.')
@@ -34,6 +32,13 @@ def tiny_gpt_config(source: str, **overrides):
       target = target[parent]
     target[leaf] = value
   return config
+
+
+def tiny_gpt_config(source: str, **overrides):
+  from configs import gpt
+  config = gpt.get_config('tiny')
+  config.data.source = source
+  return with_overrides(config, overrides)
 
 
 def launch(args, devices: int = 1, timeout: int = 300, **popen):

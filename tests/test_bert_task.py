@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from support import with_overrides
+
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
@@ -36,14 +38,7 @@ def hf_bert_dir(tmp_path_factory):
 
 def tiny_config(**overrides):
   from configs import bert
-  config = bert.get_config('tiny')
-  for key, value in overrides.items():
-    target = config
-    *parents, leaf = key.split('.')
-    for parent in parents:
-      target = target[parent]
-    target[leaf] = value
-  return config
+  return with_overrides(bert.get_config('tiny'), overrides)
 
 
 def test_imported_run_features_and_fill_mask_match_transformers(hf_bert_dir, tmp_path):
