@@ -10,9 +10,12 @@ and wall ms per step, and their ratio to the base within each round.
 import argparse
 import ast
 import importlib
+import os
 import statistics
+import sys
 
-from train.bench import run_benchmark
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from train.bench import run_benchmark  # noqa: E402
 
 
 def load_config(spec):
