@@ -1,4 +1,5 @@
 """BERT and classification data: sentence pairs, MLM masking statistics, bbc_news, tsv, encoding."""
+import ml_collections
 import numpy as np
 import pytest
 
@@ -158,3 +159,17 @@ def test_text_documents_blank_line_mode(tmp_path):
   (tmp_path / 'corpus.txt').write_text('First doc line one.\nLine two.\n\n\nSecond doc.\n')
   documents = bert_data.text_documents(str(tmp_path / '*.txt'), 'auto')
   assert [bert_data.split_sentences(d) for _, d in documents] == [['First doc line one.', 'Line two.'], ['Second doc.']]
+
+
+def test_few_documents_still_hold_one_out_for_eval(tmp_path, monkeypatch):
+  documents = [(f'doc{i}', f'Sentence {i} one. Sentence {i} two.') for i in range(3)]
+  monkeypatch.setattr(bert_data, 'read_documents', lambda source, config, default_split='train': documents)
+  # Every key hashed to train: the last document is held out instead of failing.
+  monkeypatch.setattr(bert_data.sources, 'deterministic_split', lambda keys, fractions, seed=0: [[0, 1, 2], []])
+  config = ml_collections.ConfigDict({'source': 'text:x', 'eval_source': ''})
+  train, held = bert_data.pretraining_documents(config)
+  assert train == [documents[0][1], documents[1][1]] and held == [documents[2][1]]
+  documents[:] = documents[:2]
+  monkeypatch.setattr(bert_data.sources, 'deterministic_split', lambda keys, fractions, seed=0: [[0, 1], []])
+  with pytest.raises(DataError, match='needs several'):
+    bert_data.pretraining_documents(config)

@@ -91,3 +91,15 @@ def test_tfds_source_reads_array_record_without_tensorflow(tmp_path, monkeypatch
   assert 'alpha' in tokenizer.decode(np.concatenate([train[i]['tokens'] for i in range(len(train))]))
   import sys
   assert 'tensorflow' not in sys.modules
+
+
+def test_text_split_keys_do_not_depend_on_where_the_corpus_lives(tmp_path):
+  here = support.write_corpus(str(tmp_path / 'a' / 'corpus'), files=30)
+  there = support.write_corpus(str(tmp_path / 'b' / 'elsewhere' / 'corpus'), files=30)
+  docs_here, docs_there = lm.read_documents(here), lm.read_documents(there)
+  assert [k for k, _ in docs_here] == [f'doc{i}.txt' for i in sorted(range(30), key=str)]
+  assert [k for k, _ in docs_here] == [k for k, _ in docs_there]
+  config = lambda source: ml_collections.ConfigDict({'source': source, 'eval_source': ''})
+  held_here = [k for k, _ in lm.split_documents(config(here), seed=0)[1]]
+  held_there = [k for k, _ in lm.split_documents(config(there), seed=0)[1]]
+  assert held_here and held_here == held_there
