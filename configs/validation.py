@@ -12,9 +12,9 @@ import importlib
 import jax
 import ml_collections
 
+from errors import ConfigError
 
-class ConfigError(ValueError):
-  pass
+
 
 
 def _flatten(config, prefix=''):

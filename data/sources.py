@@ -17,8 +17,10 @@ import os
 import sysconfig
 from typing import Sequence
 
+from errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
   """Bad data input (missing path, empty or undecodable data); the message names the fix."""
 
 

@@ -10,7 +10,8 @@ from flax import nnx
 
 import support
 from models.gpt import GPT, GPT2Config
-from train.tasks.gpt import generate_tokens, lm_loss
+from train.losses import lm_loss
+from train.tasks.gpt import generate_tokens
 
 CONFIG = GPT2Config(vocab_size=61, max_len=32, num_layers=3, num_heads=2, width=16, dropout=0.0)
 

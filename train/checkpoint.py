@@ -27,11 +27,13 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from errors import UserError
+
 CHECKPOINT_DIR = 'checkpoints'
 CONFIG_FILE = 'config.json'
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
   """A missing, corrupt or incompatible checkpoint; the message names the fix."""
 
 

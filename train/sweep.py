@@ -36,10 +36,12 @@ import sys
 import time
 from typing import Any
 
+from errors import UserError
+
 LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'launch.py')
 
 
-class SweepError(ValueError):
+class SweepError(UserError):
   """A malformed sweep file; the message names the fix."""
 
 

@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 
 from configs.validation import validate_config
+from errors import UserError
 from train import checkpoint as ckpt
 from train import memory, sharding
 from train.metrics import MetricWriter, reduce_metrics
@@ -34,7 +35,7 @@ from train.optim import make_optimizer
 from train.task import Datasets, Task, get_task
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(UserError):
   """The loss became NaN or inf."""
 
 

@@ -27,6 +27,7 @@ from data import bert_data
 from data.lm import get_tokenizer
 from models.bert import BertClassifier, BertConfig, BertEncoder, BertForPretraining
 from train import task as task_lib
+from train.losses import classification_loss
 from train.tasks import classifier as classifier_task
 
 HEADS = {'pretrain': 'pretraining', 'classify': 'classifier', 'features': 'none'}
@@ -163,7 +164,7 @@ class Task(task_lib.Task):
     if self.config.task == 'pretrain':
       return pretraining_loss(model, batch, deterministic=deterministic)
     logits = model(batch['tokens'], batch['segments'], batch['valid'], deterministic=deterministic)
-    return classifier_task.classification_loss(logits, batch['label'], self.config.train.label_smoothing)
+    return classification_loss(logits, batch['label'], self.config.train.label_smoothing)
 
   def example_batch(self, batch_size):
     vocab = self.config.model.vocab_size or self.tokenizer.vocab_size

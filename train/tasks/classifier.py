@@ -15,13 +15,13 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from data import classification
 from data.lm import get_tokenizer
 from models.classifier import ClassifierConfig, TransformerClassifier
 from train import task as task_lib
+from train.losses import classification_loss
 
 
 # ----------------------------------------------------------------------------- shared with BERT
@@ -50,15 +50,6 @@ def classification_datasets(task: task_lib.Task, workdir: str, tokenizer=None) -
   encode = lambda part: grain.MapDataset.source(
       classification.encode_examples(splits[part], tokenizer, labels, config.data.seq_len))
   return task_lib.Datasets(train=encode('train'), eval=encode('valid'), test=encode('test'))
-
-
-def classification_loss(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
-  """logits [B, C], labels [B] -> (mean cross-entropy, {'loss', 'accuracy': (sum, count)})."""
-  targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
-  per_example = optax.softmax_cross_entropy(logits, targets)
-  count = jnp.asarray(labels.shape[0], jnp.float32)
-  correct = (jnp.argmax(logits, -1) == labels).sum().astype(jnp.float32)
-  return per_example.mean(), {'loss': (per_example.sum(), count), 'accuracy': (correct, count)}
 
 
 def batch_logits(logits_fn: Callable, examples, batch_size: int) -> np.ndarray:

@@ -7,28 +7,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from data.lm import lm_datasets
 from models import decoding
 from models.gpt import GPT, GPT2Config
 from train import task as task_lib
-
-
-def lm_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None, label_smoothing: float = 0.0):
-  """Token cross-entropy. logits [B, L, V], targets [B, L] -> (mean loss, {'loss','accuracy': (sum, count)})."""
-  weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-  vocab = logits.shape[-1]
-  labels = optax.smooth_labels(jax.nn.one_hot(targets, vocab), label_smoothing) if label_smoothing else None
-  if labels is None:
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  else:
-    per_token = optax.softmax_cross_entropy(logits, labels)
-  count = weights.sum()
-  total = (per_token * weights).sum()
-  correct = ((jnp.argmax(logits, -1) == targets) * weights).sum()
-  return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': (correct, count)}
+from train.losses import lm_loss
 
 
 class Task(task_lib.Task):

@@ -31,7 +31,7 @@ from data.lm import get_tokenizer, split_documents
 from models import decoding
 from models.rnn_lm import RNNLM, RNNLMConfig
 from train import task as task_lib
-from train.tasks.gpt import lm_loss
+from train.losses import lm_loss
 
 SAMPLERS = ('random', 'sequential')
 

@@ -27,7 +27,7 @@ from data import translation
 from models import beam_search
 from models.seq2seq import Seq2Seq, Seq2SeqConfig
 from train import task as task_lib
-from train.tasks.gpt import lm_loss
+from train.losses import lm_loss
 
 HEATMAPS = 3  # test sentences drawn for the Bahdanau model
 

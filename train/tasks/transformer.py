@@ -34,7 +34,7 @@ from models.attention import default_attention_implementation, record_attention_
 from models.transformer import Transformer, TransformerConfig, translate
 from train import pictures
 from train import task as task_lib
-from train.tasks.gpt import lm_loss
+from train.losses import lm_loss
 
 BUCKET_WINDOW = 16  # batches sorted together by length
 SHOWN_TRANSLATIONS = 5
