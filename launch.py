@@ -8,10 +8,10 @@
   python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
 
-`train` resumes when `--workdir` holds a checkpoint. `eval` and `predict` read the run's own
-config.json, with the `--config.*` overrides given applied on top (checked against that file:
-configs/run.py); `eval` with an explicit `--config` uses that config instead. Each mode but
-`train` ends with one JSON line on stdout.
+`train` resumes when `--workdir` holds a checkpoint. `eval` and `predict` rebuild the run from
+its own config.json and model.json, with the `--config.*` overrides given applied on top
+(checked against that file: configs/run.py). Each mode but `train` ends with one JSON line on
+stdout. A user mistake (`errors.UserError`) ends with one line on stderr and exit status 1.
 
   printf 'a text\n' | python launch.py --mode=predict --workdir=runs/bert-bbc --config.task=features --input=-
 """
@@ -72,9 +72,6 @@ flags.DEFINE_integer('num_processes', None, 'Number of processes, for manual mul
 flags.DEFINE_integer('process_id', None, 'This process index, for manual multi-process launches.')
 FLAGS = flags.FLAGS
 
-USER_ERRORS = ('ConfigError', 'DataError', 'CheckpointError', 'TrainingDiverged', 'FileNotFoundError',
-               'NotImplementedError', 'SweepError')
-
 
 def default_workdir(config_arg: str) -> str:
   path, _, preset = config_arg.partition(':')
@@ -94,21 +91,13 @@ def maybe_initialize_distributed() -> None:
 
 
 def read_lines(path: str) -> list[str]:
+  from errors import UserError
   if path == '-':
     return [line.rstrip('\n') for line in sys.stdin]
   if not os.path.exists(path):
-    raise FileNotFoundError(f'--input={path} does not exist; pass a file with one input per line, or - for stdin.')
+    raise UserError(f'--input={path} does not exist; pass a file with one input per line, or - for stdin.')
   with open(path) as f:
     return [line.rstrip('\n') for line in f]
-
-
-def run_config(workdir: str):
-  """The config for eval: --config when given (configs/run.py:<workdir> when only overrides were
-  given: the run's config.json plus them), else the run's own config.json."""
-  if FLAGS['config'].present:
-    return FLAGS.config
-  from train.checkpoint import read_config
-  return read_config(workdir)
 
 
 def explicit_overrides() -> dict:
@@ -129,7 +118,7 @@ def main(argv):
     return
   maybe_initialize_distributed()
   import jax
-  from configs.validation import validate_config
+  from errors import UserError
   from train import trainer
   from train.checkpoint import load_run
   config_arg = FLAGS['config'].config_filename if hasattr(FLAGS['config'], 'config_filename') else 'default'
@@ -138,7 +127,6 @@ def main(argv):
   if mode not in ('train', 'bench') and not FLAGS.workdir:
     raise app.UsageError(f'--mode={mode} needs --workdir.')
   if mode == 'train':
-    validate_config(FLAGS.config)
     if jax.process_index() == 0:
       print(f'workdir: {workdir}', flush=True)
     results = trainer.train_and_evaluate(FLAGS.config, workdir)
@@ -150,12 +138,12 @@ def main(argv):
               "  run.predict(['...'])   # or call run.model(...) directly\n", flush=True)
       print(json.dumps({'mode': 'train', 'workdir': workdir, **_jsonable(results)}), flush=True)
   elif mode == 'eval':
-    results = trainer.evaluate_run(run_config(workdir), workdir)
+    results = trainer.evaluate_run(workdir, explicit_overrides())
     print(json.dumps({'mode': 'eval', 'workdir': workdir, **_jsonable(results)}), flush=True)
   elif mode == 'predict':
     lines = read_lines(FLAGS.input)
     if not lines:
-      raise FileNotFoundError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
+      raise UserError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
     run = load_run(workdir, config_overrides=explicit_overrides())
     outputs = _jsonable(run.predict(lines))
     if FLAGS.output:
@@ -201,8 +189,8 @@ def _unknown_override(argv) -> str | None:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config(preset) if preset else module.get_config()
-  from configs.validation import _flatten
-  known = _flatten(config)
+  from train.validation import flatten
+  known = flatten(config)
   for arg in argv:
     if arg.startswith('--config.'):
       key = arg[len('--config.'):].split('=', 1)[0]
@@ -239,15 +227,13 @@ def parse_flags(argv):
 
 
 def run_main(argv):
-  """Known user errors end with one message and exit status 1, not a traceback."""
+  """User mistakes (errors.UserError) end with one message and exit status 1, not a traceback."""
+  from errors import UserError
   try:
     main(argv)
-  except Exception as e:  # noqa: BLE001 - filtered by name right below
-    if type(e).__name__ in USER_ERRORS or isinstance(e, OSError) or (
-        isinstance(e, ValueError) and 'config' in str(e).lower()):
-      print(f'error: {e}', file=sys.stderr, flush=True)
-      sys.exit(1)
-    raise
+  except UserError as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == '__main__':

@@ -16,10 +16,7 @@ from configs.base import base_config
 
 
 def get_config(preset: str = 'default'):
-  if preset != 'default':
-    raise ValueError(f"Unknown attention_pooling preset {preset!r}; there is only 'default'.")
-  c = base_config('attention_pooling')
-  c.preset = preset
+  c = base_config('attention_pooling', preset, {'default': {}})
   c.model.initial_width = 0.0  # starting w; 0 = drawn from U(0, 1) as in D2L
   c.model.dropout = 0.0
   c.data.source = 'd2l_regression'  # generated from config.seed; no other source
@@ -37,12 +34,3 @@ def get_config(preset: str = 'default'):
   c.train.log_every = 20
   c.train.best_metric = 'eval/mse'
   return c
-
-
-def validate(config):
-  from configs.validation import ConfigError
-  if config.data.source != 'd2l_regression':
-    raise ConfigError(f"config.data.source={config.data.source!r}: attention_pooling generates its own data; "
-                      f"leave it 'd2l_regression'.")
-  if config.train.batch_size > 50:
-    raise ConfigError(f'config.train.batch_size={config.train.batch_size} exceeds the 50 training points.')

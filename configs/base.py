@@ -5,11 +5,13 @@ Overrides: `--config.train.lr=1e-3`, `--config.mesh.fsdp=2`, `--config.data.sour
 """
 import ml_collections
 
+from errors import ConfigError
+
 
 def base_config(family: str, preset: str = '', presets: dict | None = None) -> ml_collections.ConfigDict:
   """The shared defaults for `family`; `preset` must be a key of the family's `presets`."""
   if presets is not None and preset not in presets:
-    raise ValueError(f'Unknown {family} preset {preset!r}; choose one of {sorted(presets)}.')
+    raise ConfigError(f'Unknown {family} preset {preset!r}; choose one of {sorted(presets)}.')
   c = ml_collections.ConfigDict()
   c.family = family
   c.preset = preset
@@ -18,7 +20,6 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
 
   c.model = ml_collections.ConfigDict()
   c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
-  c.model.attention = 'auto'  # 'auto' | 'xla' | 'jax_nn'
   c.model.dropout = 0.1
 
   c.data = ml_collections.ConfigDict()

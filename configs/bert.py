@@ -126,16 +126,14 @@ def get_config(preset: str = 'default'):
   c.data.short_seq_prob = 0.1  # pretraining: fraction of pairs shorter than seq_len, as in BERT
   c.data.mask_prob = 0.15
   c.data.max_predictions = 20  # MLM positions per sequence (>= mask_prob * seq_len)
-  c.data.labels = ''  # classify: comma-separated label names, filled from the data and saved with the run
 
+  c.model.attention = 'auto'  # 'auto' (jax_nn on GPU, else xla) | 'xla' | 'jax_nn'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   c.model.type_vocab_size = 2
   c.model.attention_dropout = 0.1
   c.model.layer_norm_epsilon = 1e-12
   c.model.activation = 'gelu'
   c.model.init_std = 0.02
-  c.model.heads = ''  # '' = by task: 'pretraining' (pretrain), 'classifier' (classify), 'none' (features)
-  c.model.num_classes = 0  # classify: filled from the data
 
   c.train.b2 = 0.999  # BERT's Adam
   c.train.weight_decay = 0.01
@@ -147,22 +145,3 @@ def get_config(preset: str = 'default'):
   c.features.pooling = 'none'  # 'none' (one vector per token) | 'cls' | 'mean' (over real tokens)
   c.features.output_dir = ''  # '' = <workdir>/features
   return apply_preset(c, PRESETS)
-
-
-def validate(config):
-  from configs.validation import ConfigError
-  if config.task not in TASKS:
-    raise ConfigError(f'config.task={config.task!r} is not one of {TASKS}.')
-  if config.data.seq_len > config.model.max_len:
-    raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
-                      f'{config.model.max_len} learned positions; raise model.max_len or lower data.seq_len.')
-  if config.task == 'pretrain' and config.data.max_predictions < round(config.data.mask_prob * config.data.seq_len):
-    raise ConfigError(f'config.data.max_predictions={config.data.max_predictions} is below mask_prob x seq_len = '
-                      f'{round(config.data.mask_prob * config.data.seq_len)}; raise it.')
-  if config.data.tokenizer != 'wordpiece':
-    raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: BERT needs 'wordpiece' ([CLS], [SEP], "
-                      f"[MASK] tokens).")
-  if config.features.pooling not in ('none', 'cls', 'mean'):
-    raise ConfigError(f"config.features.pooling={config.features.pooling!r}: use 'none', 'cls' or 'mean'.")
-  if config.model.heads not in ('', 'pretraining', 'classifier', 'none'):
-    raise ConfigError(f"config.model.heads={config.model.heads!r}: use '', 'pretraining', 'classifier' or 'none'.")

@@ -52,7 +52,7 @@ def get_config(preset: str = 'default'):
   c.data.tokenizer = 'wordpiece'
   c.data.text_field = 'text'  # tfds: the feature holding the text
   c.data.label_field = 'label'  # tfds: the feature holding the label
-  c.data.labels = ''  # JSON list of label names, filled from the training data and saved with the run
+  c.model.attention = 'auto'  # 'auto' (jax_nn on GPU, else xla) | 'xla' | 'jax_nn'
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.width = 128
@@ -62,7 +62,6 @@ def get_config(preset: str = 'default'):
   c.model.pooling = 'mean'  # 'mean' over real tokens | 'cls'
   c.model.pre_norm = True
   c.model.layer_norm_epsilon = 1e-6
-  c.model.num_classes = 0  # filled from the data
   c.train.schedule = 'linear'
   c.train.end_lr_fraction = 0.0
   c.train.b2 = 0.98
@@ -70,13 +69,3 @@ def get_config(preset: str = 'default'):
   c.train.best_metric = 'eval/accuracy'
   c.train.best_mode = 'max'
   return apply_preset(c, PRESETS)
-
-
-def validate(config):
-  from configs.validation import ConfigError
-  from models.classifier import POOLINGS
-  if config.data.seq_len > config.model.max_len:
-    raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
-                      f'{config.model.max_len}; raise model.max_len or lower data.seq_len.')
-  if config.model.pooling not in POOLINGS:
-    raise ConfigError(f'config.model.pooling={config.model.pooling!r} is not one of {POOLINGS}.')

@@ -50,6 +50,7 @@ PRESETS = {
 def get_config(preset: str = 'default'):
   c = base_config('gpt', preset, PRESETS)
   c.data.source = 'pystdlib'
+  c.model.attention = 'auto'  # 'auto' (jax_nn on GPU, else xla) | 'xla' | 'jax_nn'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   c.model.num_layers = 4
   c.model.num_heads = 4
@@ -62,13 +63,3 @@ def get_config(preset: str = 'default'):
   c.decode.temperature = 0.8
   c.decode.top_k = 40
   return apply_preset(c, PRESETS)
-
-
-def validate(config):
-  from configs.validation import ConfigError
-  from models.gpt import REMAT_POLICIES
-  if config.model.remat not in REMAT_POLICIES:
-    raise ConfigError(f'config.model.remat={config.model.remat!r} is not one of {tuple(REMAT_POLICIES)}.')
-  if config.data.seq_len > config.model.max_len:
-    raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
-                      f'{config.model.max_len}; raise model.max_len or lower data.seq_len.')

@@ -67,14 +67,3 @@ def get_config(preset: str = 'default'):
   c.decode.temperature = 0.6
   c.decode.prompts = 'def |import |class '
   return apply_preset(c, PRESETS)
-
-
-def validate(config):
-  from configs.validation import ConfigError
-  if config.data.sampler not in ('random', 'sequential'):
-    raise ConfigError(f"config.data.sampler={config.data.sampler!r}: use 'random' or 'sequential'.")
-  if config.model.cell not in ('rnn', 'gru', 'lstm'):
-    raise ConfigError(f"config.model.cell={config.model.cell!r}: use 'rnn', 'gru' or 'lstm'.")
-  if config.data.sampler == 'sequential' and config.train.grad_accum != 1:
-    raise ConfigError('config.train.grad_accum must be 1 with data.sampler=sequential: the carried state '
-                      'holds one row per example of the whole batch. Use a smaller train.batch_size instead.')

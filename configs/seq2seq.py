@@ -103,12 +103,3 @@ def get_config(preset: str = 'default'):
   c.train.log_every = 100
   c.decode.beam_size = 4
   return apply_preset(c, PRESETS)
-
-
-def validate(config):
-  from configs.validation import ConfigError
-  from models.seq2seq import ATTENTION_TYPES
-  if config.model.attention_type not in ATTENTION_TYPES:
-    raise ConfigError(f'config.model.attention_type={config.model.attention_type!r}: use one of {ATTENTION_TYPES}.')
-  if config.data.min_number < 0:
-    raise ConfigError(f'config.data.min_number={config.data.min_number} must be >= 0.')

@@ -27,7 +27,7 @@ Presets:
            AdamW, plain cross-entropy; measured on 2 CPU cores: 2,380 target tokens/s (0.68x
            torch.nn.Transformer; README 'Speed')
 
-Parameter counts (`python -m configs.transformer` prints them; they depend on the vocabulary):
+Parameter counts (they depend on the vocabulary; tests/test_transformer.py checks them):
   base, vocab 37,000:  63,082,496 (the paper's Table 3: 65M)
   big,  vocab 37,000: 214,245,376 (the paper: 213M)
 The differences come from the vocabulary: the paper's shared BPE vocabulary was "about 37,000"
@@ -74,6 +74,7 @@ def get_config(preset: str = 'default'):
   c.data.target_lang = ''
   c.data.tokenizer = 'bpe'  # one joint vocabulary for both languages
   c.data.bucket_width = 8  # training batches of similar lengths, cut to a multiple of this; 0 = off
+  c.model.attention = 'auto'  # 'auto' (jax_nn on GPU, else xla) | 'xla' | 'jax_nn'
   c.model.width = 512
   c.model.num_heads = 8
   c.model.encoder_layers = 6
@@ -101,21 +102,3 @@ def get_config(preset: str = 'default'):
   c.pictures.layer = -1  # decoder layer whose heads are drawn
   return apply_preset(c, PRESETS)
 
-
-def validate(config):
-  from configs.validation import ConfigError
-  if config.decode.beam_size < 0:
-    raise ConfigError(f'config.decode.beam_size={config.decode.beam_size} must be >= 0 (0 or 1: greedy).')
-  if not -config.model.decoder_layers <= config.pictures.layer < config.model.decoder_layers:
-    raise ConfigError(f'config.pictures.layer={config.pictures.layer} is not a decoder layer '
-                      f'(model.decoder_layers={config.model.decoder_layers}).')
-
-
-if __name__ == '__main__':
-  from models.transformer import TransformerConfig, parameter_count
-  for name in ('base', 'big'):
-    model = get_config(name).model
-    config = TransformerConfig(vocab_size=37000, width=model.width, num_heads=model.num_heads,
-                               encoder_layers=model.encoder_layers, decoder_layers=model.decoder_layers,
-                               mlp_dim=model.mlp_dim)
-    print(f'{name}: {parameter_count(config):,} parameters with a 37,000-token shared vocabulary')

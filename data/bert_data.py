@@ -203,7 +203,7 @@ class Masker:
   def __init__(self, tokenizer, mask_prob: float = 0.15, max_predictions: int = 20):
     special = [tokenizer.token_id(t) for t in ('[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]')]
     if any(s is None for s in special):
-      raise ValueError('The tokenizer lacks BERT special tokens ([PAD] [UNK] [CLS] [SEP] [MASK]); use '
+      raise sources.DataError('The tokenizer lacks BERT special tokens ([PAD] [UNK] [CLS] [SEP] [MASK]); use '
                        'data.tokenizer=wordpiece.')
     self.mask_id = tokenizer.token_id('[MASK]')
     self.never_chosen = np.asarray([tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id])

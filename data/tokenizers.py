@@ -17,6 +17,8 @@ from typing import Iterable, Iterator
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from data.sources import DataError
+
 META_FILE = 'tokenizer_meta.json'
 TOKENIZER_FILE = 'tokenizer.json'
 # Special tokens every tokenizer reserves, in this order: ids 0..3.
@@ -197,14 +199,14 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int, lowercase:
     return train_bpe(texts, vocab_size)
   if kind == 'wordpiece':
     return train_wordpiece(texts, vocab_size, lowercase=lowercase)
-  raise ValueError(f"Unknown tokenizer kind {kind!r}: use 'char', 'bpe' or 'wordpiece'.")
+  raise DataError(f"Unknown tokenizer kind {kind!r}: use 'char', 'bpe' or 'wordpiece'.")
 
 
 def load_tokenizer(directory: str) -> Tokenizer:
   meta_path = os.path.join(directory, META_FILE)
   path = os.path.join(directory, TOKENIZER_FILE)
   if not os.path.exists(meta_path) or not os.path.exists(path):
-    raise FileNotFoundError(f'No tokenizer in {directory} ({TOKENIZER_FILE} and {META_FILE} expected).')
+    raise DataError(f'No tokenizer in {directory} ({TOKENIZER_FILE} and {META_FILE} expected).')
   with open(meta_path) as f:
     kind = json.load(f)['kind']
   if kind == 'char':

@@ -212,7 +212,7 @@ def get_tokenizer(data_config, workdir: str, train_pairs: list[Pair]) -> Tokeniz
   tokenizer = train_tokenizer(data_config.tokenizer, texts, data_config.vocab_size, data_config.lowercase)
   for name in ('bos_id', 'eos_id', 'pad_id'):
     if getattr(tokenizer, name) is None:
-      raise ValueError(f'Tokenizer {data_config.tokenizer!r} has no {name[:-3]} token; use bpe or wordpiece.')
+      raise sources.DataError(f'Tokenizer {data_config.tokenizer!r} has no {name[:-3]} token; use bpe or wordpiece.')
   tokenizer.save(workdir)
   return tokenizer
 

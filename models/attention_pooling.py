@@ -12,11 +12,19 @@ Shape legend: Q queries, K keys; leading batch axes are arbitrary.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import masked_softmax
+
+
+@dataclasses.dataclass(frozen=True)
+class NadarayaWatsonConfig:
+  parametric: bool = True
+  initial_width: float = 0.0  # the starting w; 0 = drawn from U(0, 1) as in D2L
 
 
 class NadarayaWatson(nnx.Module):

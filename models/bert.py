@@ -26,6 +26,9 @@ from models.attention import make_attention_mask
 from models.layers import ACTIVATIONS, TransformerBlock
 
 
+HEADS = ('pretraining', 'classifier', 'none')
+
+
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
   vocab_size: int = 30522
@@ -42,14 +45,15 @@ class BertConfig:
   init_std: float = 0.02
   dtype: str = 'float32'
   attention: str = 'xla'
+  heads: str = 'none'  # what `build_bert` adds to the encoder: 'pretraining' | 'classifier' | 'none'
+  num_classes: int = 0  # 'classifier' heads
+  labels: tuple[str, ...] = ()  # 'classifier' heads: class names in logit order
 
-  @classmethod
-  def from_config(cls, model_config, vocab_size: int) -> 'BertConfig':
-    """From the `config.model` ConfigDict (unknown keys ignored) and the tokenizer's vocabulary size."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in model_config.items() if k in fields}
-    values['vocab_size'] = vocab_size
-    return cls(**values)
+  def __post_init__(self):
+    if self.heads not in HEADS:
+      raise ValueError(f'heads={self.heads!r} is not one of {HEADS}.')
+    if self.labels and len(self.labels) != self.num_classes:
+      raise ValueError(f'{len(self.labels)} label names for num_classes={self.num_classes}.')
 
 
 class BertOutput(NamedTuple):
@@ -185,3 +189,12 @@ class BertClassifier(nnx.Module):
   def __call__(self, tokens, segments=None, valid=None, *, deterministic: bool = True) -> jax.Array:
     pooled = self.encoder(tokens, segments, valid, deterministic=deterministic).pooled
     return self.classifier(self.dropout(pooled, deterministic=deterministic)).astype(jnp.float32)
+
+
+def build_bert(config: BertConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+  """The model `config.heads` names: BertForPretraining, BertClassifier or the bare BertEncoder."""
+  if config.heads == 'pretraining':
+    return BertForPretraining(config, rngs=rngs)
+  if config.heads == 'classifier':
+    return BertClassifier(config, config.num_classes, rngs=rngs)
+  return BertEncoder(config, rngs=rngs)

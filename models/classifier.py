@@ -38,14 +38,11 @@ class ClassifierConfig:
   layer_norm_epsilon: float = 1e-6
   dtype: str = 'float32'
   attention: str = 'xla'
+  labels: tuple[str, ...] = ()  # class names in logit order, when known (predictions, exports)
 
-  @classmethod
-  def from_config(cls, model_config, vocab_size: int, num_classes: int) -> 'ClassifierConfig':
-    """Pick this dataclass's fields out of `config.model`; the sizes come from the data."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in model_config.items() if k in fields}
-    values.update(vocab_size=vocab_size, num_classes=num_classes)
-    return cls(**values)
+  def __post_init__(self):
+    if self.labels and len(self.labels) != self.num_classes:
+      raise ValueError(f'{len(self.labels)} label names for num_classes={self.num_classes}.')
 
 
 class TransformerClassifier(nnx.Module):

@@ -43,13 +43,6 @@ class GPT2Config:
   scan_layers: bool = False
   remat: str = 'none'  # a key of REMAT_POLICIES
 
-  @classmethod
-  def from_config(cls, model_config, vocab_size: int) -> 'GPT2Config':
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in model_config.items() if k in fields}
-    values['vocab_size'] = vocab_size
-    return cls(**values)
-
 
 REMAT_POLICIES = {
     'none': None,

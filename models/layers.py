@@ -8,7 +8,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

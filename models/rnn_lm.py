@@ -27,12 +27,7 @@ class RNNLMConfig:
   num_layers: int = 1
   dropout: float = 0.0
   dtype: str = 'float32'
-
-  @classmethod
-  def from_config(cls, model_config, vocab_size: int) -> 'RNNLMConfig':
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in model_config.items() if k in fields}
-    return cls(**{**values, 'vocab_size': vocab_size})
+  carried_batch: int = 0  # > 0: hold the state carried between batches of that many streams (CarriedState)
 
 
 class CarriedState(nnx.Variable):
@@ -40,9 +35,9 @@ class CarriedState(nnx.Variable):
 
 
 class RNNLM(nnx.Module):
-  """Next-token model. `carried_batch` > 0 adds a `CarriedState` for that many streams."""
+  """Next-token model. `config.carried_batch` > 0 adds a `CarriedState` for that many streams."""
 
-  def __init__(self, config: RNNLMConfig, *, rngs: nnx.Rngs, carried_batch: int = 0):
+  def __init__(self, config: RNNLMConfig, *, rngs: nnx.Rngs):
     self.config = config
     dtype = jnp.dtype(config.dtype)
     self.embedding = nnx.Embed(config.vocab_size, config.embed, dtype=dtype, rngs=rngs)
@@ -50,7 +45,7 @@ class RNNLM(nnx.Module):
                           dropout=config.dropout, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
     self.output = nnx.Linear(config.hidden, config.vocab_size, dtype=dtype, rngs=rngs)
-    self.carried = CarriedState(self.rnn.initial_state(carried_batch)) if carried_batch else None
+    self.carried = CarriedState(self.rnn.initial_state(config.carried_batch)) if config.carried_batch else None
 
   def initial_state(self, batch: int) -> Any:
     return self.rnn.initial_state(batch)

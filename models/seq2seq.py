@@ -42,12 +42,6 @@ class Seq2SeqConfig:
   attention_hidden: int = 0  # width of the additive score's tanh layer; 0 = hidden
   dtype: str = 'float32'
 
-  @classmethod
-  def from_config(cls, model_config, src_vocab_size: int, tgt_vocab_size: int) -> 'Seq2SeqConfig':
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in model_config.items() if k in fields}
-    return cls(**{**values, 'src_vocab_size': src_vocab_size, 'tgt_vocab_size': tgt_vocab_size})
-
 
 class Seq2Seq(nnx.Module):
   """GRU encoder-decoder, with or without Bahdanau attention.

@@ -48,14 +48,6 @@ class TransformerConfig:
   dtype: str = 'float32'
   attention: str = 'xla'
 
-  @classmethod
-  def from_config(cls, model_config, vocab_size: int, pad_id: int, max_len: int) -> 'TransformerConfig':
-    """Pick this dataclass's fields out of `config.model`; the rest come from the data."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in model_config.items() if k in fields}
-    values.update(vocab_size=vocab_size, pad_id=pad_id, max_len=max_len)
-    return cls(**values)
-
 
 class Transformer(nnx.Module):
 

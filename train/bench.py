@@ -2,9 +2,10 @@
 
   python launch.py --config=configs/gpt.py:bench --mode=bench
 
-No data is read: batches are the task's synthetic `example_batch` with the config's shapes, and
-the tokenizer is a stand-in with `data.vocab_size` ids. The step is the trainer's own
-(`trainer.make_train_step`, same shardings, optimizer and donation), so what is timed here is what
+No data is read: the task is bound to a stand-in tokenizer with `data.vocab_size` ids (through the
+same `Task.bind` seam as a reloaded run) and batches are its synthetic `example_batch` with the
+config's shapes. The state and the step are the trainer's own (`train.state.init_state`,
+`trainer.make_train_step`, same shardings, optimizer and donation), so what is timed here is what
 training runs. Ends with one JSON line:
 
   model, params, batch, seq_len     what ran
@@ -20,7 +21,7 @@ training runs. Ends with one JSON line:
   datasheet_tflops, mfu_datasheet   TPU / GPU only: the vendor's dense peak for the dtype
   decode_tokens_per_s               {batch: new tokens/s} of greedy cached generation (prompt 16,
                                     `decode.max_new_tokens` new, prefill included) for families
-                                    with `generate_tokens`; null otherwise or with decode=False
+                                    with a `Task.generate`; null otherwise or with decode=False
   peak_rss_mb                       the process's peak resident memory
   memory                            XLA's compiled buffer sizes per device next to train/memory.py's
                                     estimate (arguments, outputs, temporaries)
@@ -28,7 +29,6 @@ training runs. Ends with one JSON line:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import resource
 import statistics
 import time
@@ -37,13 +37,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from configs.validation import validate_config
 from train import memory, sharding
+from train import state as state_lib
 from train.optim import make_optimizer
-from train.task import get_task
-from train.trainer import TrainState, make_train_step
+from train.task import Prepared, get_task
+from train.trainer import make_train_step
+from train.validation import validate_config
 
 DECODE_BATCHES = (1, 8)
 DECODE_PROMPT = 16
@@ -103,15 +103,14 @@ def _timed(fn, reps: int) -> list[float]:
 
 def _bench_task(config):
   task = get_task(config)
-  vocab = config.model.get('vocab_size') or config.data.vocab_size
-  task.tokenizer = StandInTokenizer(vocab)
+  tokenizer = StandInTokenizer(config.data.vocab_size)
+  task.bind(Prepared(None, tokenizer, task.resolve_model_config(**task.resolved_from_tokenizer(tokenizer))))
   return task
 
 
-def _decode_speed(config, task, model, new_tokens: int) -> dict[str, float] | None:
+def _decode_speed(task, model, new_tokens: int) -> dict[str, float] | None:
   """{batch: new tokens per second} of greedy generation, or None for non-generative families."""
-  generate_tokens = getattr(importlib.import_module(f'train.tasks.{config.family}'), 'generate_tokens', None)
-  if generate_tokens is None:
+  if task.generate is None:
     return None
   model.eval()
   speeds = {}
@@ -119,8 +118,8 @@ def _decode_speed(config, task, model, new_tokens: int) -> dict[str, float] | No
     prompt = jnp.asarray(np.random.default_rng(batch).integers(4, task.tokenizer.vocab_size, (batch, DECODE_PROMPT)),
                          jnp.int32)
     valid = jnp.ones(prompt.shape, bool)
-    run = lambda: generate_tokens(model, prompt, valid, jax.random.key(0), max_new_tokens=new_tokens, temperature=0.0,
-                                  top_k=0, top_p=1.0, eos_id=None, pad_id=0)
+    run = lambda: task.generate(model, prompt, valid, jax.random.key(0), max_new_tokens=new_tokens, temperature=0.0,
+                                top_k=0, top_p=1.0, eos_id=None, pad_id=0)
     jax.block_until_ready(run())  # compile
     speeds[str(batch)] = batch * new_tokens / statistics.median(_timed(run, 3))
   return speeds
@@ -134,24 +133,16 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   task = _bench_task(config)
   mesh = sharding.make_mesh(config.mesh)
   tx, _ = make_optimizer(config.train)
-
-  def init():
-    model = task.build_model(nnx.Rngs(params=config.seed, dropout=config.seed + 1))
-    _, params, extra = nnx.split(model, nnx.Param, ...)
-    return TrainState(params=params, extra=extra, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32))
-
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: task.build_model(nnx.Rngs(params=0, dropout=0))))
-  abstract_state = jax.eval_shape(init)
-  state_sharding = sharding.state_shardings(abstract_state, mesh)
-  estimate = memory.estimate(config, abstract_state, state_sharding, mesh)
+  spec = state_lib.state_spec(task.build_model, mesh, tx)
+  estimate = memory.estimate(config, spec.abstract, spec.shardings, mesh)
   batch_size, seq_len = config.train.batch_size, config.data.seq_len
   local = task.example_batch(batch_size // jax.process_count())
+  state = state_lib.init_state(spec, task.build_model, tx, config.seed)
   with jax.set_mesh(mesh):
-    state = jax.jit(init, out_shardings=state_sharding)()
     batch = sharding.global_batch(local, mesh)
-    step_fn = jax.jit(make_train_step(task, graphdef, tx, config.train.grad_accum),
-                      in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
-                      out_shardings=(state_sharding, None), donate_argnums=(0,))
+    step_fn = jax.jit(make_train_step(task, spec.graphdef, tx, config.train.grad_accum),
+                      in_shardings=(spec.shardings, sharding.batch_sharding(mesh)),
+                      out_shardings=(spec.shardings, None), donate_argnums=(0,))
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
@@ -173,9 +164,9 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
           state, (scalars, _) = compiled(state, batch)
         float(scalars['loss'])
     ceiling = (ceiling_before + matmul_tflops(config.model.dtype)) / 2
-    model = nnx.merge(graphdef, state.params, state.extra)
+    model = state_lib.model_of(spec, state)
     new_tokens = min(config.decode.max_new_tokens, _max_new(config, model))
-    decode_speed = _decode_speed(config, task, model, new_tokens) if decode else None
+    decode_speed = _decode_speed(task, model, new_tokens) if decode else None
   step_s = statistics.median(times)
   tokens_per_s = batch_size * seq_len / step_s
   flops = task.flops_per_token()
@@ -197,15 +188,9 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
                  'estimate_mb': estimate.as_mb()},
       'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
-      'attention': _attention(config), 'scan_layers': config.model.get('scan_layers'),
+      'attention': getattr(task.model_config, 'attention', None), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }
-
-
-def _attention(config) -> str | None:
-  from models.attention import default_attention_implementation
-  name = config.model.get('attention')
-  return default_attention_implementation() if name == 'auto' else name
 
 
 def _max_new(config, model) -> int:

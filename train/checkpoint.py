@@ -5,8 +5,9 @@ A checkpoint step holds three items, written together and atomically by Orbax:
              (dropout RNG streams, carried recurrent state)
   optimizer  the Optax state
   data       the input iterator position (JSON)
-The workdir also holds `config.json` (the resolved config) and the tokenizer files, so a run
-reloads without its config file:
+The workdir also holds `config.json` (the config the user asked for), `model.json` (the model
+config that was built: the family's dataclass with everything resolved from the data) and the
+tokenizer files, so a run reloads without its config file or data:
 
     from train.checkpoint import load_run
     run = load_run('runs/gpt-default-...')
@@ -31,14 +32,11 @@ from errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
 CONFIG_FILE = 'config.json'
+MODEL_FILE = 'model.json'
 
 
 class CheckpointError(UserError):
   """A missing, corrupt or incompatible checkpoint; the message names the fix."""
-
-
-def abstract_with_shardings(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 class Checkpointer:
@@ -104,10 +102,87 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(json.load(f))
 
 
+def save_model_config(model_config, workdir: str) -> None:
+  """`model.json`: {'class': the dataclass name, 'fields': its values}."""
+  with open(os.path.join(workdir, MODEL_FILE), 'w') as f:
+    json.dump({'class': type(model_config).__name__, 'fields': dataclasses.asdict(model_config)}, f, indent=2)
+
+
+def read_model_config(workdir: str, model_config_class: type):
+  """The model config saved in `workdir/model.json`, or None for runs saved before it existed."""
+  path = os.path.join(workdir, MODEL_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    saved = json.load(f)
+  if saved['class'] != model_config_class.__name__:
+    raise CheckpointError(f'{path} holds a {saved["class"]}, not the {model_config_class.__name__} of this family; '
+                          f'the run directory belongs to another model family.')
+  types = {f.name: f.type for f in dataclasses.fields(model_config_class)}
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in saved['fields'].items() if k in types}
+  return model_config_class(**fields)
+
+
+def run_config(workdir: str, overrides: dict | None = None):
+  """(the run's config, its resolved model config): `config.json` with `overrides` applied and
+  checked, and `model.json` (or, for runs saved before model.json, the model config the family
+  derives from the old config.json, whose keys that are no longer inputs are dropped)."""
+  from train.task import get_task
+  from train.validation import flatten, reference_config, validate_config
+  config = read_config(workdir)
+  task = get_task(config)
+  model_config = read_model_config(workdir, task.model_config_class)
+  if model_config is None:
+    model_config = task.legacy_model_config(config, task.load_tokenizer(workdir))
+    known = flatten(reference_config(config))
+    config = _without(config, [k for k in flatten(config) if k not in known])
+  for key, value in (overrides or {}).items():
+    _set(config, key, value, workdir)
+  validate_config(_on_these_devices(config))
+  return config, model_config
+
+
+def _without(config, keys):
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    for key in keys:
+      *parents, leaf = key.split('.')
+      target = config
+      for parent in parents:
+        target = target[parent]
+      del target[leaf]
+  return config
+
+
+def _set(config, key: str, value, workdir: str) -> None:
+  target = config
+  *parents, leaf = key.split('.')
+  for parent in parents:
+    target = target.get(parent) if isinstance(target, ml_collections.ConfigDict) else None
+  if not isinstance(target, ml_collections.ConfigDict) or leaf not in target:
+    raise CheckpointError(f"Unknown config key '{key}': {os.path.join(workdir, CONFIG_FILE)} has no such "
+                          f"setting, so the override cannot apply to this run.")
+  target[leaf] = value
+
+
+def _on_these_devices(config):
+  """`config` with a data-parallel mesh over the devices present when its own mesh does not fit
+  them (a run trained on 8 devices evaluates on 1: checkpoints restore onto any mesh)."""
+  from train import sharding
+  try:
+    sharding.mesh_shape(config.mesh, jax.device_count())
+    return config
+  except ValueError:
+    config = config.copy_and_resolve_references()
+    config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
+    return config
+
+
 @dataclasses.dataclass
 class Run:
   """A reloaded run: call `run.model(...)` directly, or `run.predict(lines)`."""
   config: ml_collections.ConfigDict
+  model_config: Any
   model: nnx.Module
   tokenizer: Any
   step: int
@@ -115,45 +190,37 @@ class Run:
   workdir: str
 
   def predict(self, lines: list[str]) -> list[Any]:
-    return self.task.predict(self.model, lines)
+    return self.task.predict(self.model, lines, self.workdir)
 
 
 def load_run(workdir: str, step: int | None = None, config_overrides: dict | None = None) -> Run:
   """Reload a run's model (parameters bound), tokenizer and config on the current devices.
 
-  `config_overrides` ({'task': 'features', 'features.pooling': 'mean'}) change settings of the
-  saved config.json before the run is rebuilt; keys it lacks are an error."""
-  from train import sharding
-  from train.task import get_task
-  config = read_config(workdir)
-  for key, value in (config_overrides or {}).items():
-    target = config
-    *parents, leaf = key.split('.')
-    for parent in parents:
-      target = target.get(parent) if isinstance(target, ml_collections.ConfigDict) else None
-    if not isinstance(target, ml_collections.ConfigDict) or leaf not in target:
-      raise CheckpointError(f"Unknown config key '{key}': {os.path.join(workdir, CONFIG_FILE)} has no such "
-                            f"setting, so the override cannot apply to this run.")
-    target[leaf] = value
-  if config_overrides:
-    import importlib
-    family_check = getattr(importlib.import_module(f'configs.{config.family}'), 'validate', None)
-    if family_check is not None:
-      family_check(config)  # e.g. features.pooling, task
+  The model is rebuilt from `model.json`. `config_overrides` ({'task': 'features'}) change
+  settings of the saved config.json (behaviour such as decoding or the BERT task, not the model's
+  shape); keys it lacks are an error."""
+  from train import sharding, state
+  from train.task import Prepared, get_task
+  config, model_config = run_config(workdir, config_overrides)
   task = get_task(config)
-  task.load_tokenizer(workdir)
+  task.bind(Prepared(datasets=None, tokenizer=task.load_tokenizer(workdir), model_config=model_config))
   checkpointer = Checkpointer(workdir, read_only=True)
   step = checkpointer.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f'No checkpoint in {checkpointer.directory}; train first (python launch.py '
                           f'--config=... --workdir={workdir}).')
   mesh = sharding.make_mesh({'data': -1, 'fsdp': 1, 'tensor': 1})
-  abstract_model = nnx.eval_shape(lambda: task.build_model(nnx.Rngs(params=0, dropout=0)))
-  graphdef, params, extra = nnx.split(abstract_model, nnx.Param, ...)
-  abstract = {'params': params, 'extra': extra}
-  abstract = abstract_with_shardings(abstract, sharding.state_shardings(abstract, mesh))
-  restored = checkpointer.restore(step, abstract)['model']
+  spec = state.state_spec(task.build_model, mesh)
+  restored = checkpointer.restore(step, restore_target(spec))['model']
   checkpointer.close()
-  model = nnx.merge(graphdef, restored['params'], restored['extra'])
+  model = nnx.merge(spec.graphdef, restored['params'], restored['extra'])
   model.eval()
-  return Run(config=config, model=model, tokenizer=task.tokenizer, step=step, task=task, workdir=workdir)
+  return Run(config=config, model_config=model_config, model=model, tokenizer=task.tokenizer, step=step, task=task,
+             workdir=workdir)
+
+
+def restore_target(spec) -> dict:
+  """The abstract {'params', 'extra'} model item of a checkpoint, with `spec`'s shardings."""
+  from train.state import with_shardings
+  return {'params': with_shardings(spec.abstract.params, spec.shardings.params),
+          'extra': with_shardings(spec.abstract.extra, spec.shardings.extra)}

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from errors import ConfigError
+
 SCHEDULES = ('constant', 'cosine', 'linear', 'rsqrt')
 
 
@@ -30,7 +32,7 @@ def learning_rate_schedule(train_config) -> optax.Schedule:
     warmup = max(warmup, 1)
     decay = lambda count: lr * jnp.sqrt(warmup / jnp.maximum(count + warmup, 1.0))
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
-  raise ValueError(f'Unknown train.schedule {name!r}; choose one of {SCHEDULES}.')
+  raise ConfigError(f'Unknown train.schedule {name!r}; choose one of {SCHEDULES}.')
 
 
 def decay_mask(params) -> object:
@@ -52,7 +54,7 @@ def make_optimizer(train_config) -> tuple[optax.GradientTransformation, optax.Sc
   elif train_config.optimizer == 'adam':
     opt = optax.adam(schedule, b1=train_config.b1, b2=train_config.b2, eps=train_config.eps)
   else:
-    raise ValueError(f"Unknown train.optimizer {train_config.optimizer!r}; choose 'adamw' or 'adam'.")
+    raise ConfigError(f"Unknown train.optimizer {train_config.optimizer!r}; choose 'adamw' or 'adam'.")
   if train_config.grad_clip:
     opt = optax.chain(optax.clip_by_global_norm(train_config.grad_clip), opt)
   return opt, schedule

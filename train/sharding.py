@@ -105,10 +105,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-  return mesh.shape['data'] * mesh.shape['fsdp']
-
-
 def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """Assemble the global batch from each process's slice (multi-host ready; one process = whole)."""
   sharding = batch_sharding(mesh)

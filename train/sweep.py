@@ -90,7 +90,7 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
 def load_sweep(path: str, config: str | None = None) -> Sweep:
   """Read a sweep file; `config` (the --config flag) replaces the file's `config`."""
   if not os.path.exists(path):
-    raise FileNotFoundError(f'--sweep={path} does not exist; sweep files live in configs/sweeps/.')
+    raise SweepError(f'--sweep={path} does not exist; sweep files live in configs/sweeps/.')
   spec_loader = importlib.util.spec_from_file_location('_sweep', path)
   module = importlib.util.module_from_spec(spec_loader)
   spec_loader.loader.exec_module(module)

@@ -17,7 +17,8 @@ import grain
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention_pooling import NadarayaWatson
+from errors import ConfigError, UserError
+from models.attention_pooling import NadarayaWatson, NadarayaWatsonConfig
 from train import task as task_lib
 
 NUM_TRAIN = 50
@@ -59,19 +60,34 @@ def squared_error(model, batch):
   return error.sum() / 2 / count, {'loss': (error.sum() / 2, count), 'mse': (error.sum(), count)}
 
 
-class Task(task_lib.Task):
+def validate(config):
+  if config.data.source != 'd2l_regression':
+    raise ConfigError(f"config.data.source={config.data.source!r}: attention_pooling generates its own data; "
+                      f"leave it 'd2l_regression'.")
+  if config.train.batch_size > NUM_TRAIN:
+    raise ConfigError(f'config.train.batch_size={config.train.batch_size} exceeds the {NUM_TRAIN} training points.')
 
-  def prepare(self, workdir):
-    self.data = regression_data(self.config.seed)
-    train = examples(self.data['x_train'], self.data['y_train'], self.data, leave_one_out=True)
-    test = examples(self.data['x_test'], self.data['y_test'], self.data, leave_one_out=False)
-    return task_lib.Datasets(train=grain.MapDataset.source(train), eval=grain.MapDataset.source(test))
+
+class Task(task_lib.Task):
+  model_config_class = NadarayaWatsonConfig
+
+  @property
+  def data(self) -> dict[str, np.ndarray]:
+    """The regression data; regenerated from the seed, so a reloaded run needs no files for it."""
+    return regression_data(self.config.seed)
+
+  def load_data(self, workdir):
+    data = self.data
+    train = examples(data['x_train'], data['y_train'], data, leave_one_out=True)
+    test = examples(data['x_test'], data['y_test'], data, leave_one_out=False)
+    datasets = task_lib.Datasets(train=grain.MapDataset.source(train), eval=grain.MapDataset.source(test))
+    return task_lib.Prepared(datasets, None, self.resolve_model_config())
 
   def load_tokenizer(self, workdir):
-    self.data = regression_data(self.config.seed)  # no tokenizer; the keys are regenerated instead
+    return None
 
   def build_model(self, rngs):
-    width = self.config.model.initial_width
+    width = self.model_config.initial_width
     return NadarayaWatson(parametric=True, width=width if width > 0 else None, rngs=rngs)
 
   def loss(self, model, batch, *, deterministic):
@@ -102,8 +118,8 @@ class Task(task_lib.Task):
     print(f'Learned kernel width w = {width:.3f}. Test MSE against the true function: '
           f'non-parametric {mse["nonparametric"]:.4f}, parametric {mse["parametric"]:.4f}. Picture: {path}',
           flush=True)
-    return {'width': width, 'test_mse_nonparametric': mse['nonparametric'],
-            'test_mse_parametric': mse['parametric'], 'images': {'attention_pooling': path}}
+    return {'width': width, 'test/mse_nonparametric': mse['nonparametric'],
+            'test/mse_parametric': mse['parametric'], 'images': {'attention_pooling': path}}
 
   def plot(self, fits: dict[str, np.ndarray], path: str) -> None:
     import matplotlib
@@ -127,11 +143,11 @@ class Task(task_lib.Task):
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
-  def predict(self, model, lines):
+  def predict(self, model, lines, workdir):
     """One x per line -> the parametric fit f(x) from the training points."""
     try:
       queries = jnp.asarray([float(line) for line in lines], jnp.float32)
     except ValueError as e:
-      raise ValueError(f'attention_pooling predicts from numbers, one x per line: {e}') from e
+      raise UserError(f'attention_pooling predicts from numbers, one x per line: {e}') from e
     prediction, _ = model(queries, jnp.asarray(self.data['x_train']), jnp.asarray(self.data['y_train']))
     return [float(p) for p in np.asarray(prediction)]

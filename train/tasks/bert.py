@@ -1,10 +1,11 @@
 """BERT: pretraining (masked LM + next sentence), classification fine-tuning, features, HF import.
 
-`config.task` selects the data, loss and evaluation; `config.model.heads` (filled in from the task
-and saved with the run) selects the model a checkpoint holds: 'pretraining' (BertForPretraining),
-'classifier' (BertClassifier) or 'none' (the bare BertEncoder). A run trained for one task can be
-reloaded for another (`load_run(workdir, config_overrides={'task': 'features'})`): the heads follow
-the checkpoint, the behaviour follows the task.
+`config.task` selects the data, loss and evaluation; the model config's `heads` (resolved from the
+task, with the class names for 'classifier', and saved in the run's model.json) selects the model a
+checkpoint holds: 'pretraining' (BertForPretraining), 'classifier' (BertClassifier) or 'none' (the
+bare BertEncoder). A run trained for one task can be reloaded for another
+(`load_run(workdir, config_overrides={'task': 'features'})`): the heads follow the checkpoint, the
+behaviour follows the task.
 
 Fine-tuning starts from another run with `config.init_from=<workdir>` (a pretraining run, or a
 Hugging Face checkpoint imported with --mode=import_hf): that run's tokenizer and model sizes are
@@ -14,6 +15,8 @@ the source's position vectors fill the first rows and the others are learned in 
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import grain
@@ -25,12 +28,14 @@ from flax import nnx
 
 from data import bert_data
 from data.lm import get_tokenizer
-from models.bert import BertClassifier, BertConfig, BertEncoder, BertForPretraining
+from errors import ConfigError
+from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
 from train import task as task_lib
 from train.losses import classification_loss
-from train.tasks import classifier as classifier_task
+from train import classification
 
-HEADS = {'pretrain': 'pretraining', 'classify': 'classifier', 'features': 'none'}
+HEADS = {'pretrain': 'pretraining', 'classify': 'classifier', 'features': 'none'}  # config.task -> model heads
+TASKS = tuple(HEADS)
 # Model sizes a fine-tuning run takes from the run it starts from.
 ARCHITECTURE_KEYS = ('vocab_size', 'max_len', 'type_vocab_size', 'num_layers', 'num_heads', 'width', 'mlp_dim',
                      'layer_norm_epsilon', 'activation')
@@ -58,57 +63,79 @@ def encoder_of(model: nnx.Module) -> BertEncoder:
   return model if isinstance(model, BertEncoder) else model.encoder
 
 
+def validate(config):
+  if config.task not in TASKS:
+    raise ConfigError(f'config.task={config.task!r} is not one of {TASKS}.')
+  if config.data.seq_len > config.model.max_len:
+    raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
+                      f'{config.model.max_len} learned positions; raise model.max_len or lower data.seq_len.')
+  if config.task == 'pretrain' and config.data.max_predictions < round(config.data.mask_prob * config.data.seq_len):
+    raise ConfigError(f'config.data.max_predictions={config.data.max_predictions} is below mask_prob x seq_len = '
+                      f'{round(config.data.mask_prob * config.data.seq_len)}; raise it.')
+  if config.data.tokenizer != 'wordpiece':
+    raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: BERT needs 'wordpiece' ([CLS], [SEP], "
+                      f"[MASK] tokens).")
+  if config.features.pooling not in ('none', 'cls', 'mean'):
+    raise ConfigError(f"config.features.pooling={config.features.pooling!r}: use 'none', 'cls' or 'mean'.")
+
+
 class Task(task_lib.Task):
-
-  def __init__(self, config):
-    super().__init__(config)
-    self.workdir = None
-    self.masker = None
-
-  @property
-  def heads(self) -> str:
-    return self.config.model.heads or HEADS[self.config.task]
+  model_config_class = BertConfig
+  masker = None  # pretraining: draws the MLM positions of an example (set when the data is read)
 
   # ------------------------------------------------------------------ data
-  def prepare(self, workdir):
-    self.workdir = workdir
+  def load_data(self, workdir):
     task = self.config.task
     if task == 'features':
-      raise ValueError('config.task=features has no training: use it with --mode=predict (or import_hf); '
-                       'train with config.task=pretrain or classify.')
-    self.config.model.heads = self.heads
-    tokenizer = self._adopt_source(self.config.init_from) if self.config.init_from else None
+      raise ConfigError('config.task=features has no training: use it with --mode=predict (or import_hf); '
+                        'train with config.task=pretrain or classify.')
+    source = self._source_run(self.config.init_from) if self.config.init_from else None
+    tokenizer = source[1] if source else None
     if task == 'classify':
-      datasets = classifier_task.classification_datasets(self, workdir, tokenizer)
+      datasets, tokenizer, labels = classification.classification_data(self.config.data, workdir, tokenizer)
+      resolved = {'heads': HEADS[task], 'num_classes': len(labels), 'labels': labels}
     else:
-      datasets = self._pretraining_datasets(workdir, tokenizer)
-    if not self.config.model.vocab_size:
-      self.config.model.vocab_size = self.tokenizer.vocab_size
-    return datasets
+      datasets, tokenizer = self._pretraining_datasets(workdir, tokenizer)
+      resolved = {'heads': HEADS[task]}
+    model_config = self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer), **resolved)
+    if source:
+      model_config = self._with_source_architecture(model_config, source[0])
+    return task_lib.Prepared(datasets, tokenizer, model_config)
 
-  def _adopt_source(self, source: str):
-    """Tokenizer and architecture of the run fine-tuning starts from (they must match its weights)."""
-    from data.tokenizers import load_tokenizer
-    from train.checkpoint import read_config
-    source_config = read_config(source)
+  def resolved_from_tokenizer(self, tokenizer):
+    return {'vocab_size': self.config.model.vocab_size or tokenizer.vocab_size}
+
+  def legacy_model_config(self, saved_config, tokenizer):
+    heads = saved_config.model.get('heads') or HEADS[saved_config.task]
+    labels = tuple(json.loads(saved_config.data.labels)) if saved_config.data.get('labels') else ()
+    return self.resolve_model_config(vocab_size=saved_config.model.vocab_size or tokenizer.vocab_size, heads=heads,
+                                     num_classes=saved_config.model.get('num_classes', 0), labels=labels)
+
+  def _source_run(self, source: str) -> tuple[BertConfig, object]:
+    """(model config, tokenizer) of the run fine-tuning starts from (they must match its weights)."""
+    from train.checkpoint import run_config
+    source_config, source_model = run_config(source)
     if source_config.family != 'bert':
-      raise ValueError(f'config.init_from={source} is a {source_config.family!r} run; BERT starts from a bert run.')
-    changed = {k: source_config.model[k] for k in ARCHITECTURE_KEYS
-               if k != 'max_len' and self.config.model[k] != source_config.model[k]}
-    # Positions: at least the source's; more when this run asks for more (positions past the
-    # source's start untrained and are learned in fine-tuning, see `init_from`).
-    if source_config.model.max_len > self.config.model.max_len:
-      changed['max_len'] = source_config.model.max_len
-    self.config.model.update(changed)
+      raise ConfigError(f'config.init_from={source} is a {source_config.family!r} run; BERT starts from a bert run.')
+    return source_model, self.load_tokenizer(source)
+
+  def _with_source_architecture(self, model_config: BertConfig, source: BertConfig) -> BertConfig:
+    """The sizes of the run fine-tuning starts from; positions: at least the source's, more when
+    this run asks for more (positions past the source's start untrained, see `init_from`)."""
+    changed = {k: getattr(source, k) for k in ARCHITECTURE_KEYS
+               if k != 'max_len' and getattr(model_config, k) != getattr(source, k)}
+    if source.max_len > model_config.max_len:
+      changed['max_len'] = source.max_len
     if changed:
-      print(f'init_from {source}: model sizes taken from that run: {changed}', flush=True)
-    if self.config.model.max_len > source_config.model.max_len:
-      print(f'init_from {source}: positions {source_config.model.max_len}..{self.config.model.max_len - 1} are new '
-            f'(that run has {source_config.model.max_len}); they start from random values.', flush=True)
-    if self.config.data.seq_len > self.config.model.max_len:
-      raise ValueError(f'config.data.seq_len={self.config.data.seq_len} exceeds the {self.config.model.max_len} '
-                       f'positions of {source}; lower data.seq_len.')
-    return load_tokenizer(source)
+      print(f'init_from {self.config.init_from}: model sizes taken from that run: {changed}', flush=True)
+    model_config = dataclasses.replace(model_config, **changed)
+    if model_config.max_len > source.max_len:
+      print(f'init_from {self.config.init_from}: positions {source.max_len}..{model_config.max_len - 1} are new '
+            f'(that run has {source.max_len}); they start from random values.', flush=True)
+    if self.config.data.seq_len > model_config.max_len:
+      raise ConfigError(f'config.data.seq_len={self.config.data.seq_len} exceeds the {model_config.max_len} '
+                        f'positions of {self.config.init_from}; lower data.seq_len.')
+    return model_config
 
   def _pretraining_datasets(self, workdir, tokenizer):
     data, seed = self.config.data, self.config.seed
@@ -117,7 +144,6 @@ class Task(task_lib.Task):
       tokenizer = get_tokenizer(data, workdir, train_texts)
     else:
       tokenizer.save(workdir)
-    self.tokenizer = tokenizer
     examples = lambda texts, dupe, seed_, cap: bert_data.pretraining_examples(
         bert_data.tokenize_documents(texts, tokenizer), tokenizer, data.seq_len, dupe_factor=dupe,
         short_seq_prob=data.short_seq_prob, seed=seed_, max_examples=cap)
@@ -127,38 +153,20 @@ class Task(task_lib.Task):
     print(f'BERT pretraining: {len(train["tokens"])} train and {len(evaluation["tokens"])} eval sentence pairs, '
           f'vocabulary {tokenizer.vocab_size}.', flush=True)
     # Eval masks are drawn once (fixed seed) so that every evaluation scores the same positions.
-    return task_lib.Datasets(train=as_dataset(train),
-                             eval=as_dataset(evaluation).random_map(self.masker, seed=seed + 2))
+    datasets = task_lib.Datasets(train=as_dataset(train),
+                                 eval=as_dataset(evaluation).random_map(self.masker, seed=seed + 2))
+    return datasets, tokenizer
 
-  def train_batches(self, examples, batch_size, seed):
+  def train_order(self, examples, seed):
+    order = super().train_order(examples, seed)
     if self.config.task != 'pretrain':
-      return super().train_batches(examples, batch_size, seed)
+      return order
     # Masks are drawn after `repeat`, per position in the stream: every epoch gets new ones.
-    return examples.shuffle(seed=seed).repeat().random_map(self.masker, seed=seed + 3).batch(
-        batch_size, drop_remainder=True)
-
-  def load_tokenizer(self, workdir):
-    super().load_tokenizer(workdir)
-    self.workdir = workdir
+    return order.random_map(self.masker, seed=seed + 3)
 
   # ------------------------------------------------------------------ model
-  def bert_config(self) -> BertConfig:
-    from models.attention import default_attention_implementation
-    config = BertConfig.from_config(self.config.model, self.config.model.vocab_size or self.tokenizer.vocab_size)
-    if config.attention == 'auto':
-      config = BertConfig(**{**config.__dict__, 'attention': default_attention_implementation()})
-    return config
-
   def build_model(self, rngs):
-    config = self.bert_config()
-    if self.heads == 'pretraining':
-      return BertForPretraining(config, rngs=rngs)
-    if self.heads == 'classifier':
-      if self.config.model.num_classes < 2:
-        raise ValueError(f'config.model.num_classes={self.config.model.num_classes}: the data must have at least '
-                         f'2 labels.')
-      return BertClassifier(config, self.config.model.num_classes, rngs=rngs)
-    return BertEncoder(config, rngs=rngs)
+    return build_bert(self.model_config, rngs=rngs)
 
   def loss(self, model, batch, *, deterministic):
     if self.config.task == 'pretrain':
@@ -167,31 +175,29 @@ class Task(task_lib.Task):
     return classification_loss(logits, batch['label'], self.config.train.label_smoothing)
 
   def example_batch(self, batch_size):
-    vocab = self.config.model.vocab_size or self.tokenizer.vocab_size
+    c = self.model_config
     if self.config.task != 'pretrain':
-      return classifier_task.example_classification_batch(self.config, vocab, batch_size)
+      return classification.example_classification_batch(c, self.config.data.seq_len, batch_size)
     rng = np.random.default_rng(0)
     seq_len, predictions = self.config.data.seq_len, self.config.data.max_predictions
-    return {'tokens': rng.integers(5, vocab, (batch_size, seq_len), dtype=np.int32),
+    return {'tokens': rng.integers(5, c.vocab_size, (batch_size, seq_len), dtype=np.int32),
             'segments': (np.arange(seq_len) >= seq_len // 2).astype(np.int32)[None].repeat(batch_size, 0),
             'valid': np.ones((batch_size, seq_len), bool),
             'next_sentence': rng.integers(0, 2, batch_size, dtype=np.int32),
             'masked_positions': np.sort(rng.choice(np.arange(1, seq_len), (batch_size, predictions)), -1
                                         ).astype(np.int32),
-            'masked_labels': rng.integers(5, vocab, (batch_size, predictions), dtype=np.int32),
+            'masked_labels': rng.integers(5, c.vocab_size, (batch_size, predictions), dtype=np.int32),
             'masked_weights': np.ones((batch_size, predictions), np.float32)}
 
   def flops_per_token(self):
     """6N + 12 L T E with N the non-embedding parameters; the MLM head runs on ~15% of positions."""
-    c = self.bert_config()
+    c = self.model_config
     per_layer = 4 * c.width ** 2 + 2 * c.width * c.mlp_dim
     head = self.config.data.max_predictions / self.config.data.seq_len * (c.width ** 2 + c.width * c.vocab_size)
     return 6 * (c.num_layers * per_layer + head) + 12 * c.num_layers * self.config.data.seq_len * c.width
 
   # ------------------------------------------------------------------ fine-tuning and import
-  def init_from(self, model, source_workdir):
-    from train.checkpoint import load_run
-    source = load_run(source_workdir).model
+  def init_from(self, model, source):
     both_pretrain = isinstance(model, BertForPretraining) and isinstance(source, BertForPretraining)
     target, origin = (model, source) if both_pretrain else (encoder_of(model), encoder_of(source))
     wanted = nnx.state(target, nnx.Param)
@@ -206,11 +212,11 @@ class Task(task_lib.Task):
       given_positions['embedding'] = ours_positions['embedding'].at[:old_rows].set(given_positions['embedding'])
     shape = lambda tree: jax.tree.map(lambda x: x.shape, tree)
     if shape(ours) != shape(given):
-      raise ValueError(f'config.init_from={source_workdir} holds a BERT of different sizes; its config.json model '
-                       f'settings must match this run.')
+      raise ConfigError(f'config.init_from={self.config.init_from} holds a BERT of different sizes; its model.json '
+                        f'must match this run.')
     nnx.replace_by_pure_dict(wanted, given)
     nnx.update(target, wanted)
-    print(f'init_from {source_workdir}: copied the {"whole model" if both_pretrain else "encoder"} '
+    print(f'init_from {self.config.init_from}: copied the {"whole model" if both_pretrain else "encoder"} '
           f'({copied} parameters'
           f'{f", positions {old_rows}..{new_rows - 1} new" if old_rows < new_rows else ""}).', flush=True)
 
@@ -218,52 +224,47 @@ class Task(task_lib.Task):
     from models.hf_bert import load_hf_bert
     task = self.config.task
     if task == 'classify':
-      raise ValueError('Import with --config.task=pretrain (or features), then fine-tune with --config.task=classify '
-                       '--config.init_from=<the imported workdir>.')
-    model, self.tokenizer, heads_loaded = load_hf_bert(hf_dir, rngs=nnx.Rngs(params=0, dropout=self.config.seed),
-                                                       dtype=self.config.model.dtype, attention='xla')
-    bert = model.config
-    self.config.model.update({k: getattr(bert, k) for k in ARCHITECTURE_KEYS})
-    self.config.model.update(dropout=bert.dropout, attention_dropout=bert.attention_dropout, init_std=bert.init_std,
-                             heads=self.heads)
-    self.config.data.update(tokenizer='wordpiece', vocab_size=self.tokenizer.vocab_size,
-                            seq_len=min(self.config.data.seq_len, bert.max_len))
+      raise ConfigError('Import with --config.task=pretrain (or features), then fine-tune with --config.task=classify '
+                        '--config.init_from=<the imported workdir>.')
+    model, tokenizer, heads_loaded = load_hf_bert(hf_dir, rngs=nnx.Rngs(params=0, dropout=self.config.seed),
+                                                  dtype=self.config.model.dtype, attention='xla')
     if task == 'features':
-      return model.encoder
-    if not heads_loaded:
+      model = model.encoder
+    elif not heads_loaded:
       print(f'{hf_dir} has no pretraining heads: the MLM transform and NSP layer start from random values.',
             flush=True)
-    return model
+    model_config = dataclasses.replace(model.config, heads=HEADS[task])
+    return self.bind(task_lib.Prepared(None, tokenizer, model_config)), model
 
   # ------------------------------------------------------------------ after training
-  def _batch_size(self):
-    return self.config.train.eval_batch_size or self.config.train.batch_size
+  def _logits_fn(self, model):
+    forward = nnx.jit(lambda m, t, s, v: m(t, s, v))
+    return lambda batch: forward(model, batch['tokens'], batch['segments'], batch['valid'])
 
   def evaluate(self, model, datasets, workdir):
     if self.config.task == 'classify':
-      forward = nnx.jit(lambda m, t, s, v: m(t, s, v))
-      logits_fn = lambda batch: forward(model, batch['tokens'], batch['segments'], batch['valid'])
-      return classifier_task.evaluate_classifier(logits_fn, datasets, classifier_task.saved_labels(self.config),
-                                                 workdir, self._batch_size(), 'BERT')
+      return classification.evaluate_classifier(self._logits_fn(model), datasets, list(self.model_config.labels),
+                                                 workdir, self.eval_batch_size, 'BERT')
     metrics_fn = nnx.jit(lambda m, batch: pretraining_loss(m, batch, deterministic=True)[1])
     total = {}
-    batches = datasets.eval.batch(self._batch_size())
+    batches = datasets.eval.batch(self.eval_batch_size)
     for i in range(len(batches)):
       for name, (s, c) in jax.device_get(metrics_fn(model, batches[i])).items():
         previous = total.get(name, (0.0, 0.0))
         total[name] = (previous[0] + float(s), previous[1] + float(c))
-    results = {f'final_{name}': s / max(c, 1.0) for name, (s, c) in total.items()}
+    results = {f'eval/{name}': s / max(c, 1.0) for name, (s, c) in total.items()}
     print('Whole eval split: ' + ' '.join(f'{k}={v:.4f}' for k, v in results.items()), flush=True)
     return results
 
-  def predict(self, model, lines):
+  def predict(self, model, lines, workdir):
     if self.config.task == 'classify':
-      forward = nnx.jit(lambda m, t, s, v: m(t, s, v))
-      logits_fn = lambda batch: forward(model, batch['tokens'], batch['segments'], batch['valid'])
-      return classifier_task.predict_labels(logits_fn, self.tokenizer, classifier_task.saved_labels(self.config),
+      if self.model_config.heads != 'classifier':
+        raise ConfigError('This run has no classifier head; predict with config.task=features (or fill-mask with '
+                          'config.task=pretrain on a pretraining run).')
+      return classification.predict_labels(self._logits_fn(model), self.tokenizer, list(self.model_config.labels),
                                             self.config.data.seq_len, lines)
     if self.config.task == 'features':
-      return self.write_features(model, lines)
+      return self.write_features(model, lines, workdir)
     return self.fill_masks(model, lines)
 
   def _encode_lines(self, lines):
@@ -272,16 +273,16 @@ class Task(task_lib.Task):
     tok = self.tokenizer
     ids = []
     for line in lines:
-      a, b = classifier_task.split_pair(line)
+      a, b = classification.split_pair(line)
       ids.append((tok.encode(a), tok.encode(b) if b is not None else None))
     length = min(self.config.data.seq_len, max(len(a) + len(b or []) + (3 if b is not None else 2) for a, b in ids))
     rows = [encode_pair(a, b, length, tok.bos_id, tok.eos_id, tok.pad_id) for a, b in ids]
     return tuple(np.stack(column) for column in zip(*rows))
 
-  def write_features(self, model, lines):
+  def write_features(self, model, lines, workdir):
     """One .npy per line: [T, E] token vectors ('none'), or [E] ('cls', 'mean') of the chosen layer(s)."""
     settings = self.config.features
-    directory = settings.output_dir or os.path.join(self.workdir or '.', 'features')
+    directory = settings.output_dir or os.path.join(workdir, 'features')
     os.makedirs(directory, exist_ok=True)
     encoder = encoder_of(model)
     forward = nnx.jit(lambda m, t, s, v: m(t, s, v).hidden_states)
@@ -310,7 +311,7 @@ class Task(task_lib.Task):
   def fill_masks(self, model, lines, top_k: int = 5):
     """Pretraining runs: the top-k tokens for each [MASK] of each line."""
     if not isinstance(model, BertForPretraining):
-      raise ValueError('This checkpoint has no MLM head; predict with config.task=features or classify.')
+      raise ConfigError('This checkpoint has no MLM head; predict with config.task=features or classify.')
     mask_id = self.tokenizer.token_id('[MASK]')
     forward = nnx.jit(lambda m, t, s, v: m(t, s, v).mlm_logits)
     tokens, segments, valid = self._encode_lines(lines)

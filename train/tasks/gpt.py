@@ -1,36 +1,44 @@
 """GPT language modelling: packed token windows, next-token cross-entropy, sampled continuations."""
 from __future__ import annotations
 
-import json
-import os
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from data.lm import lm_datasets
+from errors import ConfigError
 from models import decoding
-from models.gpt import GPT, GPT2Config
+from models.gpt import GPT, REMAT_POLICIES, GPT2Config
+from train import sampling
 from train import task as task_lib
 from train.losses import lm_loss
 
 
+def validate(config):
+  if config.model.remat not in REMAT_POLICIES:
+    raise ConfigError(f'config.model.remat={config.model.remat!r} is not one of {tuple(REMAT_POLICIES)}.')
+  if config.data.seq_len > config.model.max_len:
+    raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
+                      f'{config.model.max_len}; raise model.max_len or lower data.seq_len.')
+
+
 class Task(task_lib.Task):
+  model_config_class = GPT2Config
 
-  def prepare(self, workdir):
-    self.tokenizer, train, evaluation = lm_datasets(self.config.data, workdir, self.config.seed)
-    return task_lib.Datasets(train=train, eval=evaluation)
+  @property
+  def generate(self):
+    return generate_tokens
 
-  def model_config(self) -> GPT2Config:
-    from models.attention import default_attention_implementation
-    config = GPT2Config.from_config(self.config.model, self.config.model.vocab_size or self.tokenizer.vocab_size)
-    if config.attention == 'auto':
-      config = GPT2Config(**{**config.__dict__, 'attention': default_attention_implementation()})
-    return config
+  def load_data(self, workdir):
+    tokenizer, train, evaluation = lm_datasets(self.config.data, workdir, self.config.seed)
+    return task_lib.Prepared(task_lib.Datasets(train=train, eval=evaluation), tokenizer,
+                             self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer)))
+
+  def resolved_from_tokenizer(self, tokenizer):
+    return {'vocab_size': self.config.model.vocab_size or tokenizer.vocab_size}
 
   def build_model(self, rngs):
-    return GPT(self.model_config(), rngs=rngs)
+    return GPT(self.model_config, rngs=rngs)
 
   def loss(self, model, batch, *, deterministic):
     tokens = batch['tokens']
@@ -42,49 +50,29 @@ class Task(task_lib.Task):
 
   def example_batch(self, batch_size):
     rng = np.random.default_rng(0)
-    return {'tokens': rng.integers(0, self.tokenizer.vocab_size, (batch_size, self.config.data.seq_len + 1),
+    return {'tokens': rng.integers(0, self.model_config.vocab_size, (batch_size, self.config.data.seq_len + 1),
                                    dtype=np.int32)}
 
   def flops_per_token(self):
     """6N + 12 L T E (Kaplan et al. / PaLM appendix B): N = non-embedding params plus the tied LM head."""
-    c = self.model_config()
+    c = self.model_config
     non_embedding = c.num_layers * (4 * c.width**2 + 2 * c.mlp_ratio * c.width**2)
     return 6 * (non_embedding + c.width * c.vocab_size) + 12 * c.num_layers * self.config.data.seq_len * c.width
 
   # ------------------------------------------------------------------ generation
-  def generate(self, model, prompts: list[str], *, seed: int = 0, **overrides) -> list[str]:
-    """Continuations of `prompts` with the `config.decode` settings (overridable by keyword)."""
-    settings = {**self.config.decode.to_dict(), **overrides}
-    encoded = [self.tokenizer.encode(p) or [self.tokenizer.eos_id] for p in prompts]
-    max_len = model.config.max_len
-    max_new = min(settings['max_new_tokens'], max_len - 1)
-    prompt_len = min(max(len(e) for e in encoded), max_len - max_new)
-    tokens, valid = decoding.left_pad(encoded, self.tokenizer.pad_id, prompt_len)
-    out, lengths = generate_tokens(model, tokens, valid, jax.random.key(seed), max_new_tokens=max_new,
-                                   temperature=float(settings['temperature']), top_k=int(settings['top_k']),
-                                   top_p=float(settings['top_p']), eos_id=self.tokenizer.eos_id,
-                                   pad_id=self.tokenizer.pad_id)
-    out, lengths = np.asarray(out), np.asarray(lengths)
-    return [self.tokenizer.decode(row[:n][row[:n] != self.tokenizer.eos_id]) for row, n in zip(out, lengths)]
-
   def evaluate(self, model, datasets, workdir):
-    prompts = [p for p in self.config.decode.prompts.split('|') if p]
-    if not prompts:
-      return {}
-    samples = self.generate(model, prompts, seed=self.config.seed)
-    with open(os.path.join(workdir, 'samples.json'), 'w') as f:
-      json.dump([{'prompt': p, 'continuation': s} for p, s in zip(prompts, samples)], f, indent=1)
-    for prompt, sample in zip(prompts, samples):
-      print(f'--- prompt: {prompt!r}\n{prompt}{sample}\n', flush=True)
-    return {'samples': samples}
+    samples = sampling.sample_prompts(self.generate, model, self.tokenizer, self.config.decode, workdir,
+                                      seed=self.config.seed, max_len=self.model_config.max_len)
+    return {'samples': samples} if samples else {}
 
-  def predict(self, model, lines):
-    return self.generate(model, lines, seed=self.config.seed)
+  def predict(self, model, lines, workdir):
+    return sampling.continue_prompts(self.generate, model, self.tokenizer, lines, self.config.decode,
+                                     seed=self.config.seed, max_len=self.model_config.max_len)
 
   def import_hf(self, hf_dir):
     from models.hf_gpt2 import load_hf_gpt2
-    model, self.tokenizer = load_hf_gpt2(hf_dir, self.config)
-    return model
+    model, tokenizer = load_hf_gpt2(hf_dir, self.config.copy_and_resolve_references())
+    return self.bind(task_lib.Prepared(None, tokenizer, model.config)), model
 
 
 @nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))

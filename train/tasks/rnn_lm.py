@@ -17,9 +17,6 @@ throughout, and samples continuations of `decode.prompts`.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import grain
 import jax
 import jax.numpy as jnp
@@ -27,9 +24,11 @@ import numpy as np
 from flax import nnx
 
 from data import sources
+from errors import ConfigError
 from data.lm import get_tokenizer, split_documents
 from models import decoding
 from models.rnn_lm import RNNLM, RNNLMConfig
+from train import sampling
 from train import task as task_lib
 from train.losses import lm_loss
 
@@ -118,39 +117,55 @@ def generate_tokens(model: RNNLM, tokens, valid, rng, *, max_new_tokens, tempera
                            eos_id=eos_id, pad_id=pad_id)
 
 
+def validate(config):
+  if config.data.sampler not in SAMPLERS:
+    raise ConfigError(f'config.data.sampler={config.data.sampler!r}: use one of {SAMPLERS}.')
+  if config.model.cell not in ('rnn', 'gru', 'lstm'):
+    raise ConfigError(f"config.model.cell={config.model.cell!r}: use 'rnn', 'gru' or 'lstm'.")
+  if config.data.sampler == 'sequential' and config.train.grad_accum != 1:
+    raise ConfigError('config.train.grad_accum must be 1 with data.sampler=sequential: the carried state '
+                      'holds one row per example of the whole batch. Use a smaller train.batch_size instead.')
+
+
 class Task(task_lib.Task):
+  model_config_class = RNNLMConfig
 
-  def __init__(self, config):
-    super().__init__(config)
-    if config.data.sampler not in SAMPLERS:
-      raise ValueError(f'Unknown data.sampler {config.data.sampler!r}; choose one of {SAMPLERS}.')
-    self.sequential = config.data.sampler == 'sequential'
+  @property
+  def sequential(self) -> bool:
+    return self.config.data.sampler == 'sequential'
 
-  def prepare(self, workdir):
+  @property
+  def generate(self):
+    return generate_tokens
+
+  def load_data(self, workdir):
     data, train = self.config.data, self.config.train
     train_docs, eval_docs = split_documents(data, self.config.seed)
-    self.tokenizer = get_tokenizer(data, workdir, (text for _, text in train_docs))
-    train_stream = token_stream(train_docs, self.tokenizer, data.max_examples * data.seq_len + 1)
-    eval_batch = train.eval_batch_size or train.batch_size
-    eval_tokens = train.eval_steps * eval_batch * data.seq_len + 1 if train.eval_steps else 0
-    self.eval_stream = token_stream(eval_docs, self.tokenizer, eval_tokens)
+    tokenizer = get_tokenizer(data, workdir, (text for _, text in train_docs))
+    train_stream = token_stream(train_docs, tokenizer, data.max_examples * data.seq_len + 1)
+    eval_tokens = train.eval_steps * self.eval_batch_size * data.seq_len + 1 if train.eval_steps else 0
+    self.eval_stream = token_stream(eval_docs, tokenizer, eval_tokens)
     train_examples = rows(train_stream, train.batch_size, data.seq_len) if self.sequential else \
         windows(train_stream, data.seq_len)
     as_dataset = lambda array: grain.MapDataset.source(array).map(lambda w: {'tokens': w})
-    return task_lib.Datasets(train=as_dataset(train_examples), eval=as_dataset(windows(self.eval_stream, data.seq_len)))
+    datasets = task_lib.Datasets(train=as_dataset(train_examples), eval=as_dataset(windows(self.eval_stream,
+                                                                                            data.seq_len)))
+    return task_lib.Prepared(datasets, tokenizer, self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer)))
 
-  def train_batches(self, examples, batch_size, seed):
+  def resolved_from_tokenizer(self, tokenizer):
+    return {'vocab_size': tokenizer.vocab_size,
+            'carried_batch': self.config.train.batch_size if self.sequential else 0}
+
+  def train_batches(self, examples, batch_size, seed, process_index, process_count):
     if not self.sequential:
-      return super().train_batches(examples, batch_size, seed)
-    row_array = np.stack([examples[i]['tokens'] for i in range(len(examples))])
+      return super().train_batches(examples, batch_size, seed, process_index, process_count)
+    # One example per row of the whole batch; this process reads its rows (its part of the carried state).
+    local = batch_size // process_count
+    row_array = np.stack([examples[i]['tokens'] for i in range(process_index * local, (process_index + 1) * local)])
     return sequential_batches(row_array, self.config.data.seq_len, seed)
 
-  def model_config(self) -> RNNLMConfig:
-    return RNNLMConfig.from_config(self.config.model, self.tokenizer.vocab_size)
-
   def build_model(self, rngs):
-    carried = self.config.train.batch_size if self.sequential else 0
-    return RNNLM(self.model_config(), carried_batch=carried, rngs=rngs)
+    return RNNLM(self.model_config, rngs=rngs)
 
   def loss(self, model, batch, *, deterministic):
     tokens = batch['tokens']
@@ -169,38 +184,23 @@ class Task(task_lib.Task):
 
   def example_batch(self, batch_size):
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, self.tokenizer.vocab_size, (batch_size, self.config.data.seq_len + 1), dtype=np.int32)
+    tokens = rng.integers(0, self.model_config.vocab_size, (batch_size, self.config.data.seq_len + 1), dtype=np.int32)
     batch = {'tokens': tokens}
     if self.sequential:
       batch['reset'] = np.zeros((batch_size,), bool)
     return batch
 
   # ------------------------------------------------------------------ after training
-  def generate(self, model, prompts: list[str], *, seed: int = 0) -> list[str]:
-    settings = self.config.decode
-    encoded = [self.tokenizer.encode(p) or [self.tokenizer.eos_id] for p in prompts]
-    tokens, valid = decoding.left_pad(encoded, self.tokenizer.pad_id)
-    out, lengths = generate_tokens(model, tokens, valid, jax.random.key(seed),
-                                   max_new_tokens=settings.max_new_tokens, temperature=float(settings.temperature),
-                                   top_k=int(settings.top_k), top_p=float(settings.top_p),
-                                   eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
-    out, lengths = np.asarray(out), np.asarray(lengths)
-    return [self.tokenizer.decode(row[:n]) for row, n in zip(out, lengths)]
-
   def evaluate(self, model, datasets, workdir):
-    eval_batch = self.config.train.eval_batch_size or self.config.train.batch_size
-    perplexity = stream_perplexity(model, self.eval_stream, eval_batch, self.config.data.seq_len)
+    perplexity = stream_perplexity(model, self.eval_stream, self.eval_batch_size, self.config.data.seq_len)
     print(f'Held-out stream perplexity (state carried across windows): {perplexity:.3f}', flush=True)
-    results = {'stream_perplexity': perplexity}
-    prompts = [p for p in self.config.decode.prompts.split('|') if p]
-    if prompts:
-      samples = self.generate(model, prompts, seed=self.config.seed)
-      with open(os.path.join(workdir, 'samples.json'), 'w') as f:
-        json.dump([{'prompt': p, 'continuation': s} for p, s in zip(prompts, samples)], f, indent=1)
-      for prompt, sample in zip(prompts, samples):
-        print(f'--- prompt: {prompt!r}\n{prompt}{sample}\n', flush=True)
+    results = {'eval/stream_perplexity': perplexity}
+    samples = sampling.sample_prompts(self.generate, model, self.tokenizer, self.config.decode, workdir,
+                                      seed=self.config.seed)
+    if samples:
       results['samples'] = samples
     return results
 
-  def predict(self, model, lines):
-    return self.generate(model, lines, seed=self.config.seed)
+  def predict(self, model, lines, workdir):
+    return sampling.continue_prompts(self.generate, model, self.tokenizer, lines, self.config.decode,
+                                     seed=self.config.seed)

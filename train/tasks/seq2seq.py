@@ -1,19 +1,16 @@
 """RNN sequence-to-sequence translation, with or without Bahdanau attention (D2L ch. 10.7, 11.4).
 
-Data: data/translation.py (numbers_en_fr, tsv:<path>, tfds:<name>), one joint vocabulary, examples
-{'source' [S], 'target_in' [T], 'target_out' [T]} padded with the pad id (S = T = data.seq_len).
+Data and evaluation are shared with the Transformer family (train/translation.py).
 `data.min_number` > 0 keeps only numbers_en_fr pairs whose English number is at least that large
 (every split), the long-input setting where the fixed context vector of the plain encoder-decoder
 is the bottleneck that attention removes.
 
-Loss: token cross-entropy over the real target positions only (target_out != pad). After
-training, `evaluate` translates the test split with greedy and beam search (models/beam_search.py),
-scores both with sacreBLEU, writes the translations, and for the Bahdanau model draws the
-attention weights (target x source) of a few test sentences.
+Loss: token cross-entropy over the real target positions only (target_out != pad). After the
+shared evaluation, the Bahdanau model's attention weights (output x source) of the longest test
+sentences are drawn.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -24,10 +21,12 @@ from flax import nnx
 
 from data import sources
 from data import translation
+from errors import ConfigError
 from models import beam_search
-from models.seq2seq import Seq2Seq, Seq2SeqConfig
-from train import task as task_lib
+from models.seq2seq import ATTENTION_TYPES, Seq2Seq, Seq2SeqConfig
+from train import pictures
 from train.losses import lm_loss
+from train.translation import TranslationTask
 
 HEATMAPS = 3  # test sentences drawn for the Bahdanau model
 
@@ -89,95 +88,58 @@ _translate = nnx.jit(translate_batch, static_argnames=('bos_id', 'eos_id', 'pad_
                                                        'max_len_ratio'))
 
 
-class Task(task_lib.Task):
+def validate(config):
+  if config.model.attention_type not in ATTENTION_TYPES:
+    raise ConfigError(f'config.model.attention_type={config.model.attention_type!r}: use one of {ATTENTION_TYPES}.')
+  if config.data.min_number < 0:
+    raise ConfigError(f'config.data.min_number={config.data.min_number} must be >= 0.')
 
-  def prepare(self, workdir):
-    data = self.config.data
-    splits = translation.load_pairs(data, self.config.seed)
-    if data.min_number:
-      if sources.parse_source(data.source)[0] != 'numbers_en_fr':
-        raise sources.DataError(f'data.min_number={data.min_number} filters numbers_en_fr pairs only; '
-                                f'data.source is {data.source!r}. Set data.min_number=0.')
-      splits = translation.Splits(*(keep_numbers_at_least(pairs, data.min_number)
-                                    for pairs in (splits.train, splits.validation, splits.test)))
-    self.tokenizer = translation.get_tokenizer(data, workdir, splits.train)
-    encode = lambda pairs, drop: translation.encode_pairs(self.tokenizer, pairs, data.seq_len, data.seq_len,
-                                                          drop_long=drop)
-    train, _ = encode(splits.train, True)
-    validation, _ = encode(splits.validation, False)
-    test, _ = encode(splits.test, False)
-    self.test_pairs = splits.test
-    as_dataset = translation.as_dataset
-    return task_lib.Datasets(train=as_dataset(train), eval=as_dataset(validation), test=as_dataset(test))
 
-  def model_config(self) -> Seq2SeqConfig:
-    vocab = self.tokenizer.vocab_size
-    return Seq2SeqConfig.from_config(self.config.model, vocab, vocab)
+class Task(TranslationTask):
+  model_config_class = Seq2SeqConfig
+
+  def filter_pairs(self, splits):
+    minimum = self.config.data.min_number
+    if not minimum:
+      return splits
+    if sources.parse_source(self.config.data.source)[0] != 'numbers_en_fr':
+      raise sources.DataError(f'data.min_number={minimum} filters numbers_en_fr pairs only; '
+                              f'data.source is {self.config.data.source!r}. Set data.min_number=0.')
+    return translation.Splits(*(keep_numbers_at_least(pairs, minimum)
+                                for pairs in (splits.train, splits.validation, splits.test)))
+
+  def resolved_from_tokenizer(self, tokenizer):
+    return {'src_vocab_size': tokenizer.vocab_size, 'tgt_vocab_size': tokenizer.vocab_size}
 
   def build_model(self, rngs):
-    return Seq2Seq(self.model_config(), rngs=rngs)
+    return Seq2Seq(self.model_config, rngs=rngs)
 
   def loss(self, model, batch, *, deterministic):
     pad = self.tokenizer.pad_id
     logits, _ = model(batch['source'], batch['source'] != pad, batch['target_in'], deterministic=deterministic)
     return lm_loss(logits, batch['target_out'], batch['target_out'] != pad, self.config.train.label_smoothing)
 
-  def summarize(self, metrics):
-    return {**metrics, 'eval/perplexity': float(np.exp(min(metrics['eval/loss'], 50.0)))}
-
-  def example_batch(self, batch_size):
-    rng = np.random.default_rng(0)
-    shape = (batch_size, self.config.data.seq_len)
-    return {name: rng.integers(4, self.tokenizer.vocab_size, shape, dtype=np.int32)
-            for name in ('source', 'target_in', 'target_out')}
-
-  # ------------------------------------------------------------------ after training
-  def translate_ids(self, model, source: np.ndarray, beam_size: int) -> list[list[int]]:
-    """[N, S] padded source ids -> N output id lists (without EOS)."""
+  def translate_batch(self, model, source, beam_size):
     tok, decode = self.tokenizer, self.config.decode
-    batch = self.config.train.eval_batch_size or self.config.train.batch_size
-    outputs = []
-    for start in range(0, len(source), batch):
-      chunk = source[start:start + batch]
-      padded = np.full((batch, chunk.shape[1]), tok.pad_id, np.int32)  # one compiled shape
-      padded[:len(chunk)] = chunk
-      tokens = _translate(model, jnp.asarray(padded), bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                          max_len=self.config.data.seq_len, beam_size=beam_size,
-                          alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio))
-      outputs.extend(beam_search.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
-    return outputs
+    return _translate(model, source, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                      max_len=self.config.data.seq_len, beam_size=max(beam_size, 1),
+                      alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio))
 
-  def translate(self, model, source: np.ndarray, beam_size: int) -> list[str]:
-    return [self.tokenizer.decode(ids) for ids in self.translate_ids(model, source, beam_size)]
-
-  def evaluate(self, model, datasets, workdir):
-    import sacrebleu
-    test = datasets.test
-    source = np.stack([test[i]['source'] for i in range(len(test))])
-    references = [t for _, t in self.test_pairs]
-    results, translations, ids = {}, {}, {}
-    for name, beam in (('greedy', 1), ('beam', int(self.config.decode.beam_size))):
-      ids[name] = self.translate_ids(model, source, beam)
-      translations[name] = [self.tokenizer.decode(row) for row in ids[name]]
-      results[f'test_bleu_{name}'] = sacrebleu.corpus_bleu(translations[name], [references]).score
-      results[f'test_exact_match_{name}'] = float(np.mean([h == r for h, r in zip(translations[name], references)]))
-    with open(os.path.join(workdir, 'translations.json'), 'w') as f:
-      json.dump([{'source': s, 'reference': r, 'greedy': g, 'beam': b} for (s, r), g, b in
-                 zip(self.test_pairs, translations['greedy'], translations['beam'])], f, indent=1, ensure_ascii=False)
-    print(f'Test BLEU ({len(references)} pairs): greedy {results["test_bleu_greedy"]:.2f}, beam '
-          f'{results["test_bleu_beam"]:.2f}; exact match greedy {results["test_exact_match_greedy"]:.3f}, beam '
-          f'{results["test_exact_match_beam"]:.3f}', flush=True)
-    for (s, r), b in list(zip(self.test_pairs, translations['beam']))[:3]:
-      print(f'  {s}\n    -> {b}\n    reference {r}', flush=True)
-    if model.attention is not None and len(source):
-      path = os.path.join(workdir, 'attention.png')
-      longest = np.argsort(-(source != self.tokenizer.pad_id).sum(-1), kind='stable')[:HEATMAPS]
-      self.plot_attention(model, source[longest], [ids['greedy'][i] for i in longest], path)
-      results['images'] = {'attention': path}
-    return results
+  # ------------------------------------------------------------------ pictures
+  def attention_images(self, model, source, outputs, workdir):
+    if model.attention is None or not len(source):
+      return {}
+    longest = np.argsort(-(source != self.tokenizer.pad_id).sum(-1), kind='stable')[:HEATMAPS]
+    panels = [[pictures.Panel(weights, output_tokens, source_tokens, f'test sentence {int(i) + 1}', 'source',
+                              'output')
+               for i, (source_tokens, output_tokens, weights) in zip(
+                   longest, self.attention_maps(model, source[longest], [outputs[i] for i in longest]))]]
+    path = os.path.join(workdir, 'attention.png')
+    pictures.plot_attention(path, panels, 'Bahdanau attention weights')
+    return {'attention': path}
 
   def attention_maps(self, model, source: np.ndarray, outputs: list[list[int]]):
-    """Per sentence of source [N, S] and its output ids (without EOS): (source tokens, output tokens
+    """Per sentence of source [N, S] and its output ids (without EOS): (source labels, output labels
     with EOS, weights [output, source]) from re-running the decoder over the output with teacher forcing."""
     tok, length = self.tokenizer, self.config.data.seq_len
     outputs = [list(ids[:length - 1]) + [tok.eos_id] for ids in outputs]
@@ -185,38 +147,9 @@ class Task(task_lib.Task):
     for row, output in enumerate(outputs):
       target_in[row, :len(output)] = [tok.bos_id] + output[:-1]
     _, weights = model(jnp.asarray(source), jnp.asarray(source != tok.pad_id), jnp.asarray(target_in))
-    # Decoded pieces read as text (byte-level BPE ids do not); special tokens and partial
-    # characters fall back to the vocabulary entry.
-    def label(i):
-      piece = tok.decode([int(i)]).strip()
-      return piece if piece and piece.isprintable() else tok.id_to_token(int(i))
-
     maps = []
     for row, output in enumerate(outputs):
       source_ids = source[row][source[row] != tok.pad_id]
-      maps.append(([label(i) for i in source_ids], [label(i) for i in output],
+      maps.append((pictures.token_labels(tok, source_ids), pictures.token_labels(tok, output),
                    np.asarray(weights[row, :len(output), :len(source_ids)])))
     return maps
-
-  def plot_attention(self, model, source: np.ndarray, outputs: list[list[int]], path: str) -> None:
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    maps = self.attention_maps(model, source, outputs)
-    figure, axes = plt.subplots(1, len(maps), figsize=(6 * len(maps), 5.5), squeeze=False)
-    for ax, (source_tokens, output_tokens, weights) in zip(axes[0], maps):
-      ax.imshow(weights, cmap='Reds', vmin=0.0, vmax=1.0)
-      ax.set_xticks(range(len(source_tokens)), source_tokens, rotation=90, fontsize=8)
-      ax.set_yticks(range(len(output_tokens)), output_tokens, fontsize=8)
-      ax.set_xlabel('source (keys)')
-      ax.set_ylabel('output (queries)')
-    figure.suptitle('Bahdanau attention weights')
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-  def predict(self, model, lines):
-    tok = self.tokenizer
-    arrays, _ = translation.encode_pairs(tok, [(line, '') for line in lines], self.config.data.seq_len,
-                                         self.config.data.seq_len, drop_long=False)
-    return self.translate(model, arrays['source'], int(self.config.decode.beam_size))

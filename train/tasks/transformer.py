@@ -1,43 +1,34 @@
 """Translation with the encoder-decoder Transformer (models/transformer.py).
 
-Data: data/translation.py (numbers_en_fr, tsv:<path>, tfds:<name>), one joint subword vocabulary
-saved in the workdir, examples {'source' [S], 'target_in' [T], 'target_out' [T]} with
-S = T = data.seq_len. Training batches group examples of similar length (windows of
-BUCKET_WINDOW batches sorted by length) and cut the padding to a multiple of data.bucket_width,
-so few shapes are compiled and little compute goes to padding.
+Data and evaluation are shared with the RNN seq2seq family (train/translation.py). Training
+batches group examples of similar length (windows of BUCKET_WINDOW batches sorted by length) and
+cut the padding to a multiple of data.bucket_width, so few shapes are compiled and little compute
+goes to padding.
 
 Loss: label-smoothed cross-entropy (train.label_smoothing) with teacher forcing; loss and
 accuracy are averaged over the real target tokens (target_out != pad).
 
-After training, `evaluate` translates the test split with greedy and beam search
-(models/beam_search.py through the decoder's KV cache), reports sacreBLEU on detokenized text,
-teacher-forced token accuracy and exact matches, prints a few translations, writes all of them
-to translations.json and draws attention heatmaps (cross-attention and decoder self-attention,
-one panel per head of `pictures.layer`) as PNG files returned under 'images'.
+After the shared evaluation (BLEU with greedy and beam search through the decoder's KV cache),
+attention heatmaps (cross-attention and decoder self-attention, one panel per head of
+`pictures.layer`) of the first test sentences are written as PNG files.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import os
 
 import grain
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from data import sources, translation
-from models import beam_search
-from models.attention import default_attention_implementation, record_attention_weights
+from errors import ConfigError
+from models.attention import record_attention_weights
 from models.transformer import Transformer, TransformerConfig, translate
 from train import pictures
-from train import task as task_lib
 from train.losses import lm_loss
+from train.translation import TranslationTask
 
 BUCKET_WINDOW = 16  # batches sorted together by length
-SHOWN_TRANSLATIONS = 5
 MAX_LEN_OFFSET = 10  # outputs may have decode.max_len_ratio * source length + this many tokens
 
 
@@ -85,136 +76,65 @@ class BucketedBatches(grain.MapDataset):
     return trim({k: v[rows] for k, v in window.items()}, self._pad_id, self._width)
 
 
-class Task(task_lib.Task):
+def validate(config):
+  if not -config.model.decoder_layers <= config.pictures.layer < config.model.decoder_layers:
+    raise ConfigError(f'config.pictures.layer={config.pictures.layer} is not a decoder layer '
+                      f'(model.decoder_layers={config.model.decoder_layers}).')
 
-  # ------------------------------------------------------------------ data
-  def prepare(self, workdir):
-    data = self.config.data
-    self.splits = translation.load_pairs(data, self.config.seed)
-    self.tokenizer = translation.get_tokenizer(data, workdir, self.splits.train)
-    encode = lambda pairs, drop: translation.encode_pairs(self.tokenizer, pairs, data.seq_len, data.seq_len,
-                                                          drop_long=drop)[0]
-    train = encode(self.splits.train, True)
-    if not len(train['source']):
-      raise sources.DataError(f'No training pair fits in data.seq_len={data.seq_len} tokens; raise data.seq_len.')
-    as_dataset = translation.as_dataset
-    return task_lib.Datasets(train=as_dataset(train), eval=as_dataset(encode(self.splits.validation, False)),
-                             test=as_dataset(encode(self.splits.test, False)))
 
-  def train_batches(self, examples, batch_size, seed):
+class Task(TranslationTask):
+  model_config_class = TransformerConfig
+
+  def resolved_from_tokenizer(self, tokenizer):
+    return {'vocab_size': tokenizer.vocab_size, 'pad_id': tokenizer.pad_id,
+            'max_len': max_decode_len(self.config.decode.max_len_ratio, self.config.data.seq_len)}
+
+  def train_batches(self, examples, batch_size, seed, process_index, process_count):
     width = self.config.data.bucket_width
     if not width:
-      return super().train_batches(examples, batch_size, seed)
+      return super().train_batches(examples, batch_size, seed, process_index, process_count)
+    # Every process builds the same global batches and keeps its rows of each.
     windows = examples.shuffle(seed=seed).repeat().batch(batch_size * BUCKET_WINDOW, drop_remainder=True)
-    return BucketedBatches(windows, batch_size, self.tokenizer.pad_id, width, seed)
+    local = batch_size // process_count
+    rows = slice(process_index * local, (process_index + 1) * local)
+    return BucketedBatches(windows, batch_size, self.tokenizer.pad_id, width, seed).map(
+        lambda batch: {k: v[rows] for k, v in batch.items()})
 
   # ------------------------------------------------------------------ model
-  def model_config(self) -> TransformerConfig:
-    config = TransformerConfig.from_config(self.config.model, self.tokenizer.vocab_size, self.tokenizer.pad_id,
-                                           max_len=self.max_decode_len(self.config.data.seq_len))
-    if config.attention == 'auto':
-      config = dataclasses.replace(config, attention=default_attention_implementation())
-    return config
-
-  def max_decode_len(self, source_len: int) -> int:
-    """Longest output decoding may produce for a source of `source_len` tokens."""
-    return int(self.config.decode.max_len_ratio * source_len) + MAX_LEN_OFFSET
-
   def build_model(self, rngs):
-    return Transformer(self.model_config(), rngs=rngs)
+    return Transformer(self.model_config, rngs=rngs)
 
   def loss(self, model, batch, *, deterministic):
     logits = model(batch['source'], batch['target_in'], deterministic=deterministic)
-    return lm_loss(logits, batch['target_out'], batch['target_out'] != self.tokenizer.pad_id,
+    return lm_loss(logits, batch['target_out'], batch['target_out'] != self.model_config.pad_id,
                    self.config.train.label_smoothing)
-
-  def example_batch(self, batch_size):
-    rng = np.random.default_rng(0)
-    shape = (batch_size, self.config.data.seq_len)
-    return {name: rng.integers(4, self.tokenizer.vocab_size, shape, dtype=np.int32)
-            for name in ('source', 'target_in', 'target_out')}
 
   def flops_per_token(self):
     # 6 x parameters per target token (the encoder runs once per pair, about as long as the target).
-    config = self.model_config()
+    config = self.model_config
     width, mlp = config.width, config.mlp_dim
     per_layer = 4 * width * width + 2 * width * mlp
     matmul = config.encoder_layers * per_layer + config.decoder_layers * (per_layer + 4 * width * width)
     return 6.0 * (matmul + width * config.vocab_size)
 
-  # ------------------------------------------------------------------ after training
-  def translate(self, model, source: np.ndarray, beam_size: int) -> tuple[list[list[int]], list[str]]:
-    """[N, S] padded source ids -> (N output id lists without EOS, N detokenized translations)."""
+  def translate_batch(self, model, source, beam_size):
     tok, decode = self.tokenizer, self.config.decode
-    batch = self.config.train.eval_batch_size or self.config.train.batch_size
-    outputs = []
-    for start in range(0, len(source), batch):
-      chunk = source[start:start + batch]
-      padded = np.full((batch, chunk.shape[1]), tok.pad_id, np.int32)  # one compiled shape
-      padded[:len(chunk)] = chunk
-      tokens, _ = translate(model, jnp.asarray(padded), bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=beam_size,
-                            alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio),
-                            max_len_offset=MAX_LEN_OFFSET)
-      outputs.extend(beam_search.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
-    return outputs, [tok.decode(ids) for ids in outputs]
+    tokens, _ = translate(model, source, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=beam_size,
+                          alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio),
+                          max_len_offset=MAX_LEN_OFFSET)
+    return tokens
 
-  def token_accuracy(self, model, examples) -> dict[str, float]:
-    """Teacher-forced loss and accuracy over the real target tokens of `examples`."""
-    step = nnx.jit(lambda m, b: self.loss(m, b, deterministic=True)[1])
-    batch_size = self.config.train.eval_batch_size or self.config.train.batch_size
-    totals = {}
-    for start in range(0, len(examples), batch_size):
-      rows = [examples[i] for i in range(start, min(start + batch_size, len(examples)))]
-      rows += [rows[-1] | {'target_out': np.full_like(rows[-1]['target_out'], self.tokenizer.pad_id)}] * (
-          batch_size - len(rows))  # fillers have no real target token, so they count for nothing
-      metrics = step(model, {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]})
-      for name, (total, count) in jax.device_get(metrics).items():
-        s, c = totals.get(name, (0.0, 0.0))
-        totals[name] = (s + float(total), c + float(count))
-    return {name: s / max(c, 1.0) for name, (s, c) in totals.items()}
-
-  def evaluate(self, model, datasets, workdir):
-    import sacrebleu
-    test = datasets.test
-    if test is None or not len(test):
-      return {}
-    source = np.stack([test[i]['source'] for i in range(len(test))])
-    pairs = self.splits.test
-    references = [target for _, target in pairs]
-    results, translations = {}, {}
-    for name, beam in (('greedy', 1), ('beam', int(self.config.decode.beam_size))):
-      _, translations[name] = self.translate(model, source, beam)
-      results[f'test/bleu_{name}'] = sacrebleu.corpus_bleu(translations[name], [references]).score
-      results[f'test/exact_match_{name}'] = float(np.mean([h == r for h, r in zip(translations[name], references)]))
-    results['test/bleu'] = results['test/bleu_beam']
-    results.update({f'test/{k}': v for k, v in self.token_accuracy(model, test).items()})
-    with open(os.path.join(workdir, 'translations.json'), 'w') as f:
-      json.dump([{'source': s, 'reference': r, 'greedy': g, 'beam': b} for (s, r), g, b in
-                 zip(pairs, translations['greedy'], translations['beam'])], f, indent=1, ensure_ascii=False)
-    print(f'Test ({len(references)} pairs): BLEU {results["test/bleu"]:.2f} (beam {self.config.decode.beam_size}), '
-          f'{results["test/bleu_greedy"]:.2f} (greedy); exact match {results["test/exact_match_beam"]:.3f}; '
-          f'token accuracy {results["test/accuracy"]:.4f}', flush=True)
-    for (s, r), b in list(zip(pairs, translations['beam']))[:SHOWN_TRANSLATIONS]:
-      print(f'  {s}\n    -> {b}\n    (reference: {r})', flush=True)
-    images = self.draw_attention(model, source, workdir)
-    if images:
-      results['images'] = images
-      print('Attention heatmaps: ' + ', '.join(images.values()), flush=True)
-    return results
-
-  def draw_attention(self, model, source: np.ndarray, workdir: str) -> dict[str, str]:
-    """PNG heatmaps of the first `pictures.count` test sentences; {image name: path}."""
+  # ------------------------------------------------------------------ pictures
+  def attention_images(self, model, source, outputs, workdir):
+    """Heatmaps of the first `pictures.count` test sentences and their beam-search translations."""
     count = min(int(self.config.pictures.count), len(source))
-    if not count:
-      return {}
     tok = self.tokenizer
-    layer = self.config.pictures.layer % self.config.model.decoder_layers
+    layer = self.config.pictures.layer % self.model_config.decoder_layers
     images = {}
     for n in range(count):
       source_ids = [int(i) for i in source[n] if i != tok.pad_id]
-      output, text = self.translate(model, source[n:n + 1], int(self.config.decode.beam_size))
-      target_out = output[0] + [tok.eos_id]
-      target_in = [tok.bos_id] + output[0]
+      target_out = outputs[n] + [tok.eos_id]
+      target_in = [tok.bos_id] + outputs[n]
       _, weights = record_attention_weights(model, lambda: model(jnp.asarray([source_ids]), jnp.asarray([target_in])))
       source_labels, in_labels, out_labels = (pictures.token_labels(tok, ids)
                                               for ids in (source_ids, target_in, target_out))
@@ -226,12 +146,12 @@ class Task(task_lib.Task):
           [pictures.Panel(np.asarray(self_attention[h]), out_labels, in_labels, f'self-attention, head {h + 1}',
                           'decoder input', 'predicted target') for h in range(self_attention.shape[0])]]
       path = os.path.join(workdir, f'attention_{n}.png')
-      pictures.plot_attention(path, panels, f'Decoder layer {layer + 1}: "{self.splits.test[n][0]}" -> "{text[0]}"')
+      pictures.plot_attention(path, panels, f'Decoder layer {layer + 1}: "{self.test_pairs[n][0]}" -> '
+                                            f'"{tok.decode(outputs[n])}"')
       images[f'attention/sentence_{n}'] = path
     return images
 
-  def predict(self, model, lines):
-    seq_len = self.config.data.seq_len
-    arrays, _ = translation.encode_pairs(self.tokenizer, [(line, '') for line in lines], seq_len, seq_len,
-                                         drop_long=False)
-    return self.translate(model, arrays['source'], int(self.config.decode.beam_size))[1]
+
+def max_decode_len(max_len_ratio: float, source_len: int) -> int:
+  """Longest output decoding may produce for a source of `source_len` tokens."""
+  return int(max_len_ratio * source_len) + MAX_LEN_OFFSET

@@ -1,8 +1,9 @@
-"""Config validation, run before anything is built or written.
+"""Config validation, run once before anything is built or written.
 
-Each problem is reported in one message naming the key and the fix: unknown keys (checked
-against the family's own `get_config`), wrong types, impossible values (heads not dividing the
-width, a mesh larger than the devices, a batch the data axes cannot split).
+Each problem is reported in one `ConfigError` naming the key and the fix: unknown keys (checked
+against the family's own `configs/<family>.py:get_config`), wrong types, impossible values (heads
+not dividing the width, a mesh larger than the devices, a batch the data axes cannot split), and
+the family's own checks (`validate(config)` in `train/tasks/<family>.py`).
 """
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from errors import ConfigError
 
 
 
-def _flatten(config, prefix=''):
+def flatten(config, prefix=''):
   out = {}
   for key, value in config.items():
     name = f'{prefix}{key}'
     if isinstance(value, (ml_collections.ConfigDict, dict)):
-      out.update(_flatten(value, name + '.'))
+      out.update(flatten(value, name + '.'))
     else:
       out[name] = value
   return out
@@ -42,7 +43,7 @@ def reference_config(config) -> ml_collections.ConfigDict:
 
 
 def check_keys_and_types(config, reference) -> None:
-  given, expected = _flatten(config), _flatten(reference)
+  given, expected = flatten(config), flatten(reference)
   for key, value in given.items():
     if key not in expected:
       close = difflib.get_close_matches(key, list(expected), n=1)
@@ -68,6 +69,12 @@ def check_values(config) -> None:
   for key, value in positive.items():
     if value <= 0:
       raise ConfigError(f'config.{key}={value} must be positive.')
+  non_negative = {'train.eval_batch_size': t.eval_batch_size, 'train.warmup_steps': t.warmup_steps,
+                  'train.eval_steps': t.eval_steps, 'train.weight_decay': t.weight_decay,
+                  'train.grad_clip': t.grad_clip, 'data.max_examples': config.data.max_examples}
+  for key, value in non_negative.items():
+    if value < 0:
+      raise ConfigError(f'config.{key}={value} must be >= 0.')
   if t.lr <= 0:
     raise ConfigError(f'config.train.lr={t.lr} must be positive.')
   from train.optim import SCHEDULES
@@ -107,10 +114,28 @@ def check_values(config) -> None:
                       f'processes.')
 
 
+def check_decode(config) -> None:
+  d = config.decode
+  if d.max_new_tokens < 1:
+    raise ConfigError(f'config.decode.max_new_tokens={d.max_new_tokens} must be at least 1.')
+  if d.temperature < 0:
+    raise ConfigError(f'config.decode.temperature={d.temperature} must be >= 0 (0 = greedy).')
+  if d.top_k < 0:
+    raise ConfigError(f'config.decode.top_k={d.top_k} must be >= 0 (0 = off).')
+  if not 0 < d.top_p <= 1:
+    raise ConfigError(f'config.decode.top_p={d.top_p} must be in (0, 1] (1 = off).')
+  if d.beam_size < 0:
+    raise ConfigError(f'config.decode.beam_size={d.beam_size} must be >= 0 (0 or 1: greedy).')
+  if d.max_len_ratio <= 0:
+    raise ConfigError(f'config.decode.max_len_ratio={d.max_len_ratio} must be positive.')
+
+
 def validate_config(config) -> None:
   """Raise ConfigError describing the first problem found."""
   check_keys_and_types(config, reference_config(config))
   check_values(config)
-  family_check = getattr(importlib.import_module(f'configs.{config.family}'), 'validate', None)
+  check_decode(config)
+  from train.task import task_module
+  family_check = getattr(task_module(config.family), 'validate', None)
   if family_check is not None:
     family_check(config)

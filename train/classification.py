@@ -1,0 +1,104 @@
+"""What the two classification families share (the Transformer classifier and BERT's classify task):
+data, evaluation and prediction of labels.
+
+Data: `data.classification` (bbc_news, tsv:<path>, tfds:), encoded as `[CLS] a [SEP] (b [SEP])`;
+the label names are those of the training split, sorted, and become part of the model config.
+Evaluation scores the eval and test splits (`eval/accuracy`, `eval/macro_f1`, `test/...`) and
+writes the confusion matrix (classification.json and confusion.png).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import grain
+import jax
+import numpy as np
+
+from data import classification
+from data.lm import get_tokenizer
+from data.sources import DataError
+from train import task as task_lib
+
+
+def classification_data(data_config, workdir: str, tokenizer=None) -> tuple[task_lib.Datasets, object, tuple[str, ...]]:
+  """(datasets, tokenizer, label names): the given tokenizer, the run's saved one, or one trained
+  on the training texts; the label names are those of the training split, sorted."""
+  splits = classification.load_splits(data_config)
+  labels = tuple(classification.label_names(splits['train']))
+  if tokenizer is None:
+    texts = (t for e in splits['train'] for t in (e.text, e.text_b) if t)
+    tokenizer = get_tokenizer(data_config, workdir, texts)
+  else:
+    tokenizer.save(workdir)
+  if len(labels) < 2:
+    raise DataError(f'The training data has {len(labels)} label(s) {list(labels)}; a classifier needs at least 2.')
+  encode = lambda part: grain.MapDataset.source(
+      classification.encode_examples(splits[part], tokenizer, list(labels), data_config.seq_len))
+  return task_lib.Datasets(train=encode('train'), eval=encode('valid'), test=encode('test')), tokenizer, labels
+
+
+def batch_logits(logits_fn: Callable, examples, batch_size: int) -> np.ndarray:
+  """[N, C] logits of every example; the last partial batch is padded by repetition, then cut."""
+  outputs = []
+  for start in range(0, len(examples), batch_size):
+    chunk = [examples[i] for i in range(start, min(start + batch_size, len(examples)))]
+    size = len(chunk)
+    chunk += [chunk[-1]] * (batch_size - size)
+    batch = {k: np.stack([e[k] for e in chunk]) for k in chunk[0]}
+    outputs.append(np.asarray(logits_fn(batch))[:size])
+  return np.concatenate(outputs)
+
+
+def evaluate_classifier(logits_fn: Callable, datasets: task_lib.Datasets, labels: list[str], workdir: str,
+                        batch_size: int, title: str) -> dict:
+  """Accuracy and macro-F1 of the valid and test splits; confusion matrices to JSON and PNG."""
+  results, report = {}, {'labels': labels}
+  for name, examples in (('eval', datasets.eval), ('test', datasets.test)):
+    if examples is None:
+      continue
+    predictions = batch_logits(logits_fn, examples, batch_size).argmax(-1)
+    truth = np.asarray([examples[i]['label'] for i in range(len(examples))])
+    metrics = classification.classification_metrics(truth, predictions, len(labels))
+    results[f'{name}/accuracy'] = metrics['accuracy']
+    results[f'{name}/macro_f1'] = metrics['macro_f1']
+    report[name] = {'accuracy': metrics['accuracy'], 'macro_f1': metrics['macro_f1'], 'examples': len(truth),
+                    'confusion': metrics['confusion'].tolist()}
+  final = 'test' if 'test' in report else 'eval'
+  path = os.path.join(workdir, 'confusion.png')
+  classification.plot_confusion(np.asarray(report[final]['confusion']), labels, path,
+                                f'{title}: {final} accuracy {report[final]["accuracy"]:.3f}, '
+                                f'macro-F1 {report[final]["macro_f1"]:.3f}')
+  with open(os.path.join(workdir, 'classification.json'), 'w') as f:
+    json.dump(report, f, indent=1)
+  print(' '.join(f'{k}={v:.4f}' for k, v in results.items()) + f'  confusion matrix: {path}', flush=True)
+  return {**results, 'images': {'confusion': path}}
+
+
+def split_pair(line: str) -> tuple[str, str | None]:
+  """A predict input line: 'text', or 'text_a<TAB>text_b' for pairs."""
+  a, tab, b = line.partition('\t')
+  return a, (b if tab else None)
+
+
+def predict_labels(logits_fn: Callable, tokenizer, labels: list[str], seq_len: int, lines: list[str],
+                   batch_size: int = 32) -> list[dict]:
+  """{'label', 'probabilities': {name: p}} per input line."""
+  examples = []
+  for line in lines:
+    a, b = split_pair(line)
+    ids_b = tokenizer.encode(b) if b is not None else None
+    tokens, segments, valid = classification.encode_pair(tokenizer.encode(a), ids_b, seq_len, tokenizer.bos_id,
+                                                         tokenizer.eos_id, tokenizer.pad_id)
+    examples.append({'tokens': tokens, 'segments': segments, 'valid': valid})
+  probabilities = jax.nn.softmax(batch_logits(logits_fn, examples, batch_size), -1)
+  return [{'label': labels[int(p.argmax())], 'probabilities': {n: round(float(q), 4) for n, q in zip(labels, p)}}
+          for p in np.asarray(probabilities)]
+
+
+def example_classification_batch(model_config, seq_len: int, batch_size: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(0)
+  return {'tokens': rng.integers(5, model_config.vocab_size, (batch_size, seq_len), dtype=np.int32),
+          'segments': np.zeros((batch_size, seq_len), np.int32), 'valid': np.ones((batch_size, seq_len), bool),
+          'label': rng.integers(0, max(model_config.num_classes, 1), batch_size, dtype=np.int32)}

@@ -1,0 +1,135 @@
+"""What the two translation families share: data, evaluation and prediction.
+
+`TranslationTask` is the base of `train/tasks/transformer.py` and `train/tasks/seq2seq.py`. A
+family adds its model (`build_model`, `loss`, `translate_batch`) and, optionally, attention
+pictures.
+
+Data: data/translation.py (numbers_en_fr, tsv:<path>, tfds:<name>), one joint vocabulary saved in
+the workdir, examples {'source' [S], 'target_in' [T], 'target_out' [T]} padded with the pad id
+(S = T = data.seq_len); training pairs longer than that are dropped, held-out ones truncated.
+
+Evaluation after training, on the test split: sacreBLEU of the detokenized greedy and beam-search
+translations (`test/bleu_greedy`, `test/bleu_beam`, and `test/bleu` = beam), exact matches, and
+the teacher-forced loss and token accuracy over the real target tokens (`test/loss`,
+`test/accuracy`); every translation goes to `translations.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from data import sources, translation
+from models import beam_search
+from train import task as task_lib
+
+SHOWN_TRANSLATIONS = 5
+
+
+class TranslationTask(task_lib.Task):
+  """A translation family; subclasses define the model, `loss` and `translate_batch`."""
+
+  # ------------------------------------------------------------------ data
+  def filter_pairs(self, splits: translation.Splits) -> translation.Splits:
+    """Hook: keep only some pairs of every split (e.g. long inputs). Default: all."""
+    return splits
+
+  def load_data(self, workdir):
+    data = self.config.data
+    splits = self.filter_pairs(translation.load_pairs(data, self.config.seed))
+    tokenizer = translation.get_tokenizer(data, workdir, splits.train)
+    encode = lambda pairs, drop: translation.as_dataset(
+        translation.encode_pairs(tokenizer, pairs, data.seq_len, data.seq_len, drop_long=drop)[0])
+    train = encode(splits.train, True)
+    if not len(train):
+      raise sources.DataError(f'No training pair fits in data.seq_len={data.seq_len} tokens; raise data.seq_len.')
+    self.test_pairs = splits.test
+    datasets = task_lib.Datasets(train=train, eval=encode(splits.validation, False), test=encode(splits.test, False))
+    return task_lib.Prepared(datasets, tokenizer, self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer)))
+
+  def example_batch(self, batch_size):
+    rng = np.random.default_rng(0)
+    shape = (batch_size, self.config.data.seq_len)
+    return {name: rng.integers(4, self.tokenizer.vocab_size, shape, dtype=np.int32)
+            for name in ('source', 'target_in', 'target_out')}
+
+  def summarize(self, metrics):
+    return {**metrics, 'eval/perplexity': float(np.exp(min(metrics['eval/loss'], 50.0)))}
+
+  # ------------------------------------------------------------------ decoding
+  def translate_batch(self, model, source: jax.Array, beam_size: int) -> jax.Array:
+    """Required. [B, S] padded source ids -> [B, T] output ids, EOS-terminated (greedy when beam_size <= 1)."""
+    raise NotImplementedError
+
+  def translate_ids(self, model, source: np.ndarray, beam_size: int) -> list[list[int]]:
+    """[N, S] padded source ids -> N output id lists (without EOS), in batches of one compiled shape."""
+    tok, batch = self.tokenizer, self.eval_batch_size
+    outputs = []
+    for start in range(0, len(source), batch):
+      chunk = source[start:start + batch]
+      padded = np.full((batch, chunk.shape[1]), tok.pad_id, np.int32)
+      padded[:len(chunk)] = chunk
+      tokens = self.translate_batch(model, jnp.asarray(padded), beam_size)
+      outputs.extend(beam_search.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
+    return outputs
+
+  def encode_sources(self, lines: list[str]) -> np.ndarray:
+    seq_len = self.config.data.seq_len
+    arrays, _ = translation.encode_pairs(self.tokenizer, [(line, '') for line in lines], seq_len, seq_len,
+                                         drop_long=False)
+    return arrays['source']
+
+  def predict(self, model, lines, workdir):
+    ids = self.translate_ids(model, self.encode_sources(lines), int(self.config.decode.beam_size))
+    return [self.tokenizer.decode(row) for row in ids]
+
+  # ------------------------------------------------------------------ evaluation
+  def evaluate(self, model, datasets, workdir):
+    import sacrebleu
+    test = datasets.test
+    source = np.stack([test[i]['source'] for i in range(len(test))])
+    references = [target for _, target in self.test_pairs]
+    results, translations, ids = {}, {}, {}
+    for name, beam in (('greedy', 1), ('beam', int(self.config.decode.beam_size))):
+      ids[name] = self.translate_ids(model, source, beam)
+      translations[name] = [self.tokenizer.decode(row) for row in ids[name]]
+      results[f'test/bleu_{name}'] = sacrebleu.corpus_bleu(translations[name], [references]).score
+      results[f'test/exact_match_{name}'] = float(np.mean([h == r for h, r in zip(translations[name], references)]))
+    results['test/bleu'] = results['test/bleu_beam']
+    results.update(self.teacher_forced_metrics(model, test))
+    with open(os.path.join(workdir, 'translations.json'), 'w') as f:
+      json.dump([{'source': s, 'reference': r, 'greedy': g, 'beam': b} for (s, r), g, b in
+                 zip(self.test_pairs, translations['greedy'], translations['beam'])], f, indent=1, ensure_ascii=False)
+    print(f'Test ({len(references)} pairs): BLEU {results["test/bleu"]:.2f} (beam {self.config.decode.beam_size}), '
+          f'{results["test/bleu_greedy"]:.2f} (greedy); exact match {results["test/exact_match_beam"]:.3f}; '
+          f'token accuracy {results["test/accuracy"]:.4f}', flush=True)
+    for (s, r), b in list(zip(self.test_pairs, translations['beam']))[:SHOWN_TRANSLATIONS]:
+      print(f'  {s}\n    -> {b}\n    (reference: {r})', flush=True)
+    images = self.attention_images(model, source, ids['beam'], workdir)
+    if images:
+      results['images'] = images
+      print('Attention heatmaps: ' + ', '.join(images.values()), flush=True)
+    return results
+
+  def teacher_forced_metrics(self, model, examples) -> dict[str, float]:
+    """Loss and accuracy over the real target tokens of every example of `examples`."""
+    step = nnx.jit(lambda m, b: self.loss(m, b, deterministic=True)[1])
+    batch_size, pad = self.eval_batch_size, self.tokenizer.pad_id
+    totals = {}
+    for start in range(0, len(examples), batch_size):
+      rows = [examples[i] for i in range(start, min(start + batch_size, len(examples)))]
+      # Fillers keep one compiled shape; with no real target token they count for nothing.
+      rows += [rows[-1] | {'target_out': np.full_like(rows[-1]['target_out'], pad)}] * (batch_size - len(rows))
+      metrics = step(model, {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]})
+      for name, (total, count) in jax.device_get(metrics).items():
+        previous = totals.get(name, (0.0, 0.0))
+        totals[name] = (previous[0] + float(total), previous[1] + float(count))
+    return {f'test/{name}': total / max(count, 1.0) for name, (total, count) in totals.items()}
+
+  def attention_images(self, model, source: np.ndarray, outputs: list[list[int]], workdir: str) -> dict[str, str]:
+    """Hook: PNG heatmaps of a few test sentences, {image name: path}. Default: none."""
+    return {}
