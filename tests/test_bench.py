@@ -57,7 +57,7 @@ def test_bench_presets_have_the_reference_shapes(preset, expected):
 
 def test_memory_estimate_counts_shards_exactly_and_warns(monkeypatch, capsys):
   from configs import gpt
-  from train.trainer import TrainState
+  from train.state import TrainState
   mesh = jax.make_mesh((1, 8, 1), ('data', 'fsdp', 'tensor'))
   params = {'kernel': jax.ShapeDtypeStruct((64, 256), jnp.float32), 'bias': jax.ShapeDtypeStruct((256,), jnp.float32)}
   shardings = {'kernel': NamedSharding(mesh, P(None, 'fsdp')), 'bias': NamedSharding(mesh, P())}

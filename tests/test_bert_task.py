@@ -1,5 +1,6 @@
 """The BERT family end to end: HF import as a run, features and fill-mask predictions against
 transformers, fine-tuning initialised from another run, the pretraining loss by hand."""
+import dataclasses
 import json
 import os
 
@@ -9,7 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from errors import ConfigError
 from support import with_overrides
+from train import task as task_lib
+from train.checkpoint import load_run
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -47,8 +51,8 @@ def test_imported_run_features_and_fill_mask_match_transformers(hf_bert_dir, tmp
   directory, hf_model, hf_tokenizer = hf_bert_dir
   workdir = str(tmp_path / 'imported')
   import_hf_run(tiny_config(task='pretrain'), directory, workdir)
-  with open(os.path.join(workdir, 'config.json')) as f:
-    saved = json.load(f)['model']
+  with open(os.path.join(workdir, 'model.json')) as f:
+    saved = json.load(f)['fields']
   assert (saved['width'], saved['num_layers'], saved['heads']) == (32, 3, 'pretraining')
 
   lines = ['the cat sat on the mat.', 'hello world!\tthe dog ran']
@@ -81,21 +85,24 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
   data.write_text(''.join(f'{w} film\t{"pos" if w == "good" else "neg"}\n' for w in ['good', 'bad'] * 20))
   config = tiny_config(task='classify', init_from=source, **{'data.source': f'tsv:{data}'})
   task = get_task(config)
-  task.prepare(str(tmp_path / 'finetune'))
-  assert (config.model.width, config.model.num_layers, config.model.num_classes) == (32, 3, 2)
+  before = config.to_dict()
+  model_config = task.prepare(str(tmp_path / 'finetune')).model_config
+  assert config.to_dict() == before  # the sizes were adopted into the model config, not written into config
+  assert (model_config.width, model_config.num_layers, model_config.num_classes) == (32, 3, 2)
+  assert model_config.labels == ('neg', 'pos') and model_config.heads == 'classifier'
   assert task.tokenizer.encode('good film') == hf_tokenizer('good film', add_special_tokens=False)['input_ids']
   model = task.build_model(nnx.Rngs(0))
-  task.init_from(model, source)
+  task.init_from(model, load_run(source).model)
   query = model.encoder.blocks[2].self_attention.query.kernel[...]
   expected = hf_model.bert.encoder.layer[2].attention.self.query.weight.detach().numpy().T
   np.testing.assert_allclose(np.asarray(query), expected, atol=1e-6)
   # More positions than the source (64): its vectors fill the first rows, the rest are new.
   longer = tiny_config(task='classify', init_from=source, **{'data.source': f'tsv:{data}', 'model.max_len': 96})
   long_task = get_task(longer)
-  long_task.prepare(str(tmp_path / 'finetune-long'))
-  assert (longer.model.max_len, longer.model.width) == (96, 32)
+  long_config = long_task.prepare(str(tmp_path / 'finetune-long')).model_config
+  assert (long_config.max_len, long_config.width) == (96, 32)
   long_model = long_task.build_model(nnx.Rngs(0))
-  long_task.init_from(long_model, source)
+  long_task.init_from(long_model, load_run(source).model)
   positions = np.asarray(long_model.encoder.embeddings.position.embedding[...])
   hf_positions = hf_model.bert.embeddings.position_embeddings.weight.detach().numpy()
   assert positions.shape == (96, 32)
@@ -105,9 +112,9 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
                              atol=1e-6)
   mismatched = tiny_config(task='classify', **{'model.width': 16})
   other = get_task(mismatched)
-  other.tokenizer, mismatched.model.num_classes, mismatched.model.vocab_size = task.tokenizer, 2, 0
-  with pytest.raises(ValueError, match='different sizes'):
-    other.init_from(other.build_model(nnx.Rngs(0)), source)
+  other.bind(task_lib.Prepared(None, task.tokenizer, dataclasses.replace(model_config, width=16)))
+  with pytest.raises(ConfigError, match='different sizes'):
+    other.init_from(other.build_model(nnx.Rngs(0)), load_run(source).model)
 
 
 def test_pretraining_loss_by_hand():

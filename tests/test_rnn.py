@@ -181,7 +181,7 @@ def lm_task(sampler, batch_size=4, seq_len=5):
   config.data.seq_len = seq_len
   config.train.batch_size = batch_size
   task = Task(config)
-  task.tokenizer = CharTokenizer('abcdefghij')
+  task.bind_tokenizer(CharTokenizer('abcdefghij'))
   return task
 
 
@@ -218,7 +218,8 @@ def test_trainer_step_carries_and_detaches_the_state():
   """Through the trainer's jitted step: the state after batch k is the model's final state on
   batch k, it starts batch k+1, it is reset by the 'reset' flag, and no gradient crosses it."""
   import optax
-  from train.trainer import make_train_step, TrainState
+  from train.state import TrainState
+  from train.trainer import make_train_step
   task = lm_task('sequential')
   model = task.build_model(nnx.Rngs(params=0, dropout=1))
   graphdef, params, extra = nnx.split(model, nnx.Param, ...)
@@ -252,11 +253,12 @@ def test_trainer_step_carries_and_detaches_the_state():
 
 def test_sequential_sampler_rejects_gradient_accumulation():
   from configs import rnn_lm
-  from configs.validation import ConfigError
+  from errors import ConfigError
+  from train.validation import validate_config
   config = rnn_lm.get_config('tiny')
   config.train.grad_accum = 2
   with pytest.raises(ConfigError, match='grad_accum'):
-    rnn_lm.validate(config)
+    validate_config(config)
 
 
 def test_sampling_a_left_padded_prompt_ignores_the_padding():

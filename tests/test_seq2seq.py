@@ -150,7 +150,7 @@ def seq2seq_task(tmp_path, attention_type='bahdanau', pairs=200):
 def test_loss_ignores_padded_target_positions(tmp_path):
   from train.tasks.seq2seq import Task
   task = Task(seq2seq_task(tmp_path))
-  datasets = task.prepare(str(tmp_path))
+  datasets = task.prepare(str(tmp_path)).datasets
   model = task.build_model(nnx.Rngs(0))
   batch = {k: np.stack([datasets.train[i][k] for i in range(8)]) for k in ('source', 'target_in', 'target_out')}
   loss_fn = nnx.jit(lambda model, batch: task.loss(model, batch, deterministic=True))
@@ -190,7 +190,7 @@ def test_training_end_to_end_writes_bleu_and_attention_picture(tmp_path):
   config.train.checkpoint_every = 4
   results = train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 4
-  for key in ('test_bleu_greedy', 'test_bleu_beam', 'eval/perplexity'):
+  for key in ('test/bleu_greedy', 'test/bleu_beam', 'test/accuracy', 'eval/perplexity'):
     assert np.isfinite(results[key])
   assert (tmp_path / 'run' / 'attention.png').exists()
   assert (tmp_path / 'run' / 'translations.json').exists()

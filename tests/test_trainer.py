@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import support
-from configs.validation import ConfigError
+from errors import ConfigError
 from data.sources import DataError
 from train import checkpoint as ckpt
 from train.trainer import TrainingDiverged, train_and_evaluate

@@ -248,9 +248,9 @@ def test_loss_is_label_smoothed_cross_entropy_over_real_target_tokens(tmp_path):
 def test_bucketed_batches_group_lengths_and_cover_each_window(tmp_path):
   from train.tasks import transformer as task_module
   _, task = tiny_task(tmp_path)
-  datasets = task.prepare(str(tmp_path / 'run'))
+  datasets = task.prepare(str(tmp_path / 'run')).datasets
   batch_size, window = 4, task_module.BUCKET_WINDOW
-  batches = task.train_batches(datasets.train, batch_size, seed=3)
+  batches = task.train_batches(datasets.train, batch_size, seed=3, process_index=0, process_count=1)
   pad = task.tokenizer.pad_id
   seen = []
   for i in range(window):

@@ -41,7 +41,7 @@ import numpy as np
 from train import memory, sharding
 from train import state as state_lib
 from train.optim import make_optimizer
-from train.task import Prepared, get_task
+from train.task import get_task
 from train.trainer import make_train_step
 from train.validation import validate_config
 
@@ -103,8 +103,7 @@ def _timed(fn, reps: int) -> list[float]:
 
 def _bench_task(config):
   task = get_task(config)
-  tokenizer = StandInTokenizer(config.data.vocab_size)
-  task.bind(Prepared(None, tokenizer, task.resolve_model_config(**task.resolved_from_tokenizer(tokenizer))))
+  task.bind_tokenizer(StandInTokenizer(config.data.vocab_size))
   return task
 
 

@@ -100,6 +100,10 @@ class Task:
       values['attention'] = default_attention_implementation()
     return self.model_config_class(**{**values, **resolved})
 
+  def bind_tokenizer(self, tokenizer) -> Prepared:
+    """Bind to `tokenizer` alone, the model config resolved as in training (benchmarks, tests: no data)."""
+    return self.bind(Prepared(None, tokenizer, self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer))))
+
   def legacy_model_config(self, saved_config, tokenizer) -> Any:
     """The model config of a run saved before `model.json` existed, from its `config.json` (which
     then also held the values resolved from the data). Default: resolve as in training."""
