@@ -101,5 +101,5 @@ def test_config_trains_through_the_trainer_and_draws_the_picture(tmp_path):
   config.train.checkpoint_every = 150
   results = train_and_evaluate(config, str(tmp_path))
   assert 4.0 < results['width'] < 6.0  # the leave-one-out optimum of seed 0 is w = 4.93
-  assert results['test_mse_parametric'] < 0.3 * results['test_mse_nonparametric']
+  assert results['test/mse_parametric'] < 0.3 * results['test/mse_nonparametric']
   assert (tmp_path / 'attention_pooling.png').stat().st_size > 10_000

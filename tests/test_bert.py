@@ -31,8 +31,8 @@ def hf_count(**kwargs) -> int:
 def test_encoder_parameter_count_matches_transformers(size):
   from configs.bert import get_config
   config = get_config(size)
-  config = BertConfig(**{k: v for k, v in config.model.items() if k in BertConfig.__dataclass_fields__},
-                      vocab_size=config.data.vocab_size)
+  config = BertConfig(**{**{k: v for k, v in config.model.items() if k in BertConfig.__dataclass_fields__},
+                         'vocab_size': config.data.vocab_size, 'attention': 'xla'})
   assert (config.vocab_size, config.max_len) == (30522, 512)
   ours = count_parameters(nnx.eval_shape(lambda: BertEncoder(config, rngs=nnx.Rngs(0))))
   theirs = hf_count(hidden_size=config.width, num_hidden_layers=config.num_layers,

@@ -76,8 +76,9 @@ def test_trains_on_a_tsv_and_reloads_with_label_names(tmp_path):
   config.train.update(steps=40, lr=3e-3, eval_every=40, checkpoint_every=40)
   workdir = str(tmp_path / 'run')
   results = train_and_evaluate(config, workdir)
-  assert results['test_accuracy'] >= 0.95 and results['test_macro_f1'] >= 0.95
+  assert results['test/accuracy'] >= 0.95 and results['test/macro_f1'] >= 0.95
   assert os.path.exists(os.path.join(workdir, 'confusion.png'))
   run = load_run(workdir)
   predictions = run.predict(['goal goal team match win', 'bank profit shares market'])
   assert [p['label'] for p in predictions] == ['sport', 'money']
+  assert run.model_config.labels == ('money', 'sport')

@@ -16,8 +16,8 @@ from train.tasks.gpt import generate_tokens
 
 def abstract_params(preset):
   config = gpt_configs.get_config(preset)
-  gpt_config = GPT2Config(**{k: v for k, v in config.model.items() if k in GPT2Config.__dataclass_fields__},
-                          vocab_size=config.data.vocab_size)
+  gpt_config = GPT2Config(**{**{k: v for k, v in config.model.items() if k in GPT2Config.__dataclass_fields__},
+                             'vocab_size': config.data.vocab_size, 'attention': 'xla'})
   return count_parameters(nnx.eval_shape(lambda: GPT(gpt_config, rngs=nnx.Rngs(0))))
 
 

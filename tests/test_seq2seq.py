@@ -176,6 +176,7 @@ def test_numbers_filter_keeps_only_large_numbers(tmp_path, monkeypatch):
   config = seq2seq_task(tmp_path)
   config.data.source = 'numbers_en_fr'
   config.data.min_number = 100_000
+  config.data.seq_len = 48
   task = Task(config)
   task.prepare(str(tmp_path))
   assert [s for s, _ in task.test_pairs] == ['one hundred and two thousand', 'two hundred thousandth']

@@ -208,9 +208,16 @@ def test_corrupt_or_mismatched_checkpoint_gets_a_clear_error(fsdp_run, tmp_path)
   workdir, _ = fsdp_run
   copy = str(tmp_path / 'copy')
   shutil.copytree(workdir, copy)
-  mismatched = support.launch(['--config=configs/gpt.py:tiny', '--config.model.width=64', '--mode=eval',
-                               f'--workdir={copy}', f'--config.data.source={json.load(open(f"{copy}/config.json"))["data"]["source"]}'])
-  assert mismatched.returncode == 1 and 'different model config' in mismatched.stderr, mismatched.stderr[-2000:]
+  source = json.load(open(f'{copy}/config.json'))['data']['source']
+  mismatched = support.launch(['--config.model.width=64', '--mode=eval', f'--workdir={copy}'])
+  assert mismatched.returncode == 1 and 'its model has width=32' in mismatched.stderr, mismatched.stderr[-2000:]
+  # Resuming with a config that builds another model names the keys and leaves the run's files alone.
+  saved = {name: open(os.path.join(copy, name)).read() for name in ('config.json', 'model.json')}
+  resumed = support.launch(['--config=configs/gpt.py:tiny', '--config.model.width=64', f'--workdir={copy}',
+                            f'--config.data.source={source}', '--config.train.steps=30'])
+  assert resumed.returncode == 1 and 'holds a model with width=32' in resumed.stderr, resumed.stderr[-2000:]
+  assert 'Traceback' not in resumed.stderr
+  assert saved == {name: open(os.path.join(copy, name)).read() for name in ('config.json', 'model.json')}
   for root, _, files in os.walk(os.path.join(copy, 'checkpoints', '20', 'model')):
     for name in files:
       with open(os.path.join(root, name), 'wb') as f:

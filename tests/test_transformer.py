@@ -262,8 +262,11 @@ def test_bucketed_batches_group_lengths_and_cover_each_window(tmp_path):
     seen.extend(map(tuple, b['source'].tolist()))
   # The window's batches hold each of its examples once, in a seeded order.
   assert len(set(seen)) == len(seen) == batch_size * window
-  np.testing.assert_array_equal(task.train_batches(datasets.train, batch_size, seed=3)[5]['source'],
+  np.testing.assert_array_equal(task.train_batches(datasets.train, batch_size, 3, 0, 1)[5]['source'],
                                 batches[5]['source'])
+  # Two processes read the two halves of the same global batches (same shapes, same order).
+  halves = [task.train_batches(datasets.train, batch_size, 3, index, 2)[5]['source'] for index in (0, 1)]
+  np.testing.assert_array_equal(np.concatenate(halves), batches[5]['source'])
   # Sorting by length inside a window makes batches much more uniform than random ones.
   lengths = lambda b: (b['source'] != pad).sum(1)
   spread = np.mean([np.ptp(lengths(batches[i])) for i in range(window)])

@@ -138,8 +138,26 @@ def run_config(workdir: str, overrides: dict | None = None):
     config = _without(config, [k for k in flatten(config) if k not in known])
   for key, value in (overrides or {}).items():
     _set(config, key, value, workdir)
-  validate_config(_on_these_devices(config))
+    model_config = _with_model_override(model_config, key, value, workdir)
+  config = _on_these_devices(config)
+  validate_config(config)
   return config, model_config
+
+
+def _with_model_override(model_config, key: str, value, workdir: str):
+  """A `model.<field>` override of a reloaded run: runtime fields (attention, dtype, ...) change its
+  model config; fields that fix what the checkpoint holds cannot."""
+  from train.task import RUNTIME_FIELDS
+  section, _, field = key.partition('.')
+  if section != 'model' or field not in {f.name for f in dataclasses.fields(model_config)}:
+    return model_config
+  if field in RUNTIME_FIELDS:
+    return dataclasses.replace(model_config, **{field: value})
+  if getattr(model_config, field) != value:
+    raise CheckpointError(f'--config.{key}={value!r} cannot apply to {workdir}: its model has {field}='
+                          f'{getattr(model_config, field)!r} ({os.path.join(workdir, MODEL_FILE)}). Train a new run '
+                          f'for another model.')
+  return model_config
 
 
 def _without(config, keys):
@@ -173,6 +191,8 @@ def _on_these_devices(config):
     sharding.mesh_shape(config.mesh, jax.device_count())
     return config
   except ValueError:
+    print(f"Note: the run's mesh {dict(config.mesh)} does not fit the {jax.device_count()} devices here; "
+          f'using a data-parallel mesh over all of them.', flush=True)
     config = config.copy_and_resolve_references()
     config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
     return config

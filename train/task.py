@@ -36,6 +36,9 @@ from flax import nnx
 from errors import ConfigError, UserError
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
+# Model-config fields that change how a model computes, not what it holds: a resumed or reloaded
+# run may change them; every other field is fixed by the run's model.json.
+RUNTIME_FIELDS = ('attention', 'dtype', 'dropout', 'attention_dropout', 'remat')
 
 
 @dataclasses.dataclass

@@ -34,7 +34,7 @@ from train import state as state_lib
 from train.metrics import MetricWriter, reduce_metrics
 from train.optim import make_optimizer
 from train.state import StateSpec, TrainState
-from train.task import Prepared, Task, get_task
+from train.task import RUNTIME_FIELDS, Prepared, Task, get_task
 from train.validation import validate_config
 
 
@@ -132,10 +132,6 @@ def setup_run(config, workdir: str, model_config=None) -> Setup:
   if config.init_from:
     setup.state = _init_from(setup, config.init_from)
   return setup
-
-
-# Model-config fields that change how the model computes, not what it holds: a resume may change them.
-RUNTIME_FIELDS = ('attention', 'dtype', 'dropout', 'attention_dropout', 'remat')
 
 
 def _check_same_model(saved, resolved, workdir: str) -> None:
