@@ -1,0 +1,78 @@
+"""One-way data flow: `Task.prepare` never writes into the config, runs save what was built
+(model.json) beside what was asked (config.json), and runs saved before model.json existed still
+reload, evaluate and predict."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from train.checkpoint import load_run
+from train.task import get_task
+from train.trainer import evaluate_run
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'legacy_runs')
+
+
+def family_config(spec):
+  import importlib
+  from support import with_overrides
+  family, preset, overrides = spec
+  return with_overrides(importlib.import_module(f'configs.{family}').get_config(preset), overrides)
+
+
+FAMILIES = [
+    ('gpt', 'tiny', {}),
+    ('rnn_lm', 'tiny', {}),
+    ('transformer', 'tiny', {}),
+    ('seq2seq', 'tiny', {}),
+    ('classifier', 'tiny', {'data.max_examples': 64}),
+    ('bert', 'tiny', {'data.max_examples': 64}),
+    ('bert', 'tiny', {'data.max_examples': 64, 'task': 'classify'}),
+    ('attention_pooling', 'default', {}),
+]
+
+
+@pytest.mark.parametrize('spec', FAMILIES, ids=lambda spec: spec[0] + ('-' + spec[2]['task'] if 'task' in spec[2] else ''))
+def test_prepare_never_writes_into_the_config(spec, tmp_path):
+  config = family_config(spec)
+  before = json.dumps(config.to_dict(), sort_keys=True)
+  task = get_task(config)
+  prepared = task.prepare(str(tmp_path))
+  assert json.dumps(config.to_dict(), sort_keys=True) == before
+  assert type(prepared.model_config) is task.model_config_class
+  assert task.model_config is prepared.model_config
+  assert prepared.model_config.__dataclass_params__.frozen
+
+
+def legacy_copy(name, tmp_path):
+  workdir = str(tmp_path / name)
+  shutil.copytree(os.path.join(FIXTURES, name), workdir)
+  assert not os.path.exists(os.path.join(workdir, 'model.json'))
+  return workdir
+
+
+def test_a_gpt_run_saved_before_model_json_reloads_evaluates_and_predicts(tmp_path):
+  workdir = legacy_copy('gpt_tiny', tmp_path)
+  run = load_run(workdir)
+  assert (run.model_config.vocab_size, run.model_config.width, run.step) == (222, 32, 2)
+  assert run.model_config.vocab_size == run.tokenizer.vocab_size
+  assert len(run.predict(['def '])) == 1
+  results = evaluate_run(workdir)
+  # The same checkpoint on the same held-out windows: the loss that run logged when it was trained.
+  np.testing.assert_allclose(results['eval/loss'], 5.324365854263306, rtol=1e-5)
+
+
+def test_a_classify_run_saved_before_model_json_keeps_its_labels(tmp_path):
+  workdir = legacy_copy('bert_classify_tiny', tmp_path)
+  run = load_run(workdir)
+  assert run.model_config.labels == ('business', 'entertainment', 'politics', 'sports', 'tech')
+  assert run.model_config.heads == 'classifier' and run.model_config.num_classes == 5
+  prediction = run.predict(['shares fell on the stock market'])[0]
+  assert prediction['label'] in run.model_config.labels and set(prediction['probabilities']) == set(
+      run.model_config.labels)
+  results = evaluate_run(workdir)
+  # The accuracies that run reported after training (valid_accuracy / test_accuracy then).
+  np.testing.assert_allclose(results['eval/accuracy'], 0.19369369369369369)
+  np.testing.assert_allclose(results['test/accuracy'], 0.21076233183856502)
