@@ -16,6 +16,8 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.family = family
   c.preset = preset
   c.seed = 0
+  c.rng_impl = 'auto'  # 'auto' (rbg on GPU/TPU, threefry on CPU) | 'threefry' | 'rbg' | 'unsafe_rbg'
+  c.compile_cache = '~/.cache/attention-lineage/jax'  # JAX's persistent compilation cache; '' = off
   c.init_from = ''  # workdir of a run whose parameters initialise this one (fine-tuning)
 
   c.model = ml_collections.ConfigDict()

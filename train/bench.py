@@ -132,7 +132,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   task = _bench_task(config)
   mesh = sharding.make_mesh(config.mesh)
   tx, _ = make_optimizer(config.train)
-  spec = state_lib.state_spec(task.build_model, mesh, tx)
+  spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl), tx)
   estimate = memory.estimate(config, spec.abstract, spec.shardings, mesh)
   batch_size, seq_len = config.train.batch_size, config.data.seq_len
   local = task.example_batch(batch_size // jax.process_count())

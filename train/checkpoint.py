@@ -102,10 +102,23 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(json.load(f))
 
 
-def save_model_config(model_config, workdir: str) -> None:
-  """`model.json`: {'class': the dataclass name, 'fields': its values}."""
+def save_model_config(model_config, rng_impl: str, workdir: str) -> None:
+  """`model.json`: {'class': the dataclass name, 'fields': its values, 'rng_impl': the PRNG of its
+  random streams (the shape of the dropout keys the checkpoints hold)}."""
   with open(os.path.join(workdir, MODEL_FILE), 'w') as f:
-    json.dump({'class': type(model_config).__name__, 'fields': dataclasses.asdict(model_config)}, f, indent=2)
+    json.dump({'class': type(model_config).__name__, 'fields': dataclasses.asdict(model_config),
+               'rng_impl': rng_impl}, f, indent=2)
+
+
+def read_rng_impl(workdir: str) -> str | None:
+  """The PRNG a run's model was built with (None: no run in `workdir`; runs saved before
+  model.json used threefry)."""
+  from train.state import LEGACY_RNG_IMPL
+  path = os.path.join(workdir, MODEL_FILE)
+  if not os.path.exists(path):
+    return LEGACY_RNG_IMPL if os.path.exists(os.path.join(workdir, CONFIG_FILE)) else None
+  with open(path) as f:
+    return json.load(f)['rng_impl']
 
 
 def read_model_config(workdir: str, model_config_class: type):
@@ -128,14 +141,13 @@ def run_config(workdir: str, overrides: dict | None = None):
   checked, and `model.json` (or, for runs saved before model.json, the model config the family
   derives from the old config.json, whose keys that are no longer inputs are dropped)."""
   from train.task import get_task
-  from train.validation import flatten, reference_config, validate_config
+  from train.validation import validate_config
   config = read_config(workdir)
   task = get_task(config)
   model_config = read_model_config(workdir, task.model_config_class)
   if model_config is None:
     model_config = task.legacy_model_config(config, task.load_tokenizer(workdir))
-    known = flatten(reference_config(config))
-    config = _without(config, [k for k in flatten(config) if k not in known])
+  config = _in_current_schema(config)
   for key, value in (overrides or {}).items():
     _set(config, key, value, workdir)
     model_config = _with_model_override(model_config, key, value, workdir)
@@ -160,15 +172,19 @@ def _with_model_override(model_config, key: str, value, workdir: str):
   return model_config
 
 
-def _without(config, keys):
-  config = config.copy_and_resolve_references()
-  with config.unlocked():
-    for key in keys:
+def _in_current_schema(saved):
+  """The family's current schema with the saved values of the keys it still has: keys a run saved
+  that are no longer inputs are dropped, keys added since take their defaults."""
+  from train.validation import flatten, reference_config
+  config = reference_config(saved)
+  known = flatten(config)
+  for key, value in flatten(saved).items():
+    if key in known:
       *parents, leaf = key.split('.')
       target = config
       for parent in parents:
         target = target[parent]
-      del target[leaf]
+      target[leaf] = value
   return config
 
 
@@ -230,7 +246,7 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
     raise CheckpointError(f'No checkpoint in {checkpointer.directory}; train first (python launch.py '
                           f'--config=... --workdir={workdir}).')
   mesh = sharding.make_mesh({'data': -1, 'fsdp': 1, 'tensor': 1})
-  spec = state.state_spec(task.build_model, mesh)
+  spec = state.state_spec(task.build_model, mesh, read_rng_impl(workdir))
   restored = checkpointer.restore(step, restore_target(spec))['model']
   checkpointer.close()
   model = nnx.merge(spec.graphdef, restored['params'], restored['extra'])

@@ -3,6 +3,12 @@
 `state_spec` gives the shapes and shardings without allocating anything (XLA's memory estimate,
 checkpoint restore targets); `init_state` creates the state on the mesh, each array born with its
 sharding (parameters never exist whole on one device).
+
+The model's random streams (parameter init, dropout) use the PRNG implementation `rng_impl`
+(`config.rng_impl`, resolved by `resolve_rng_impl` and saved in the run's model.json, because the
+dropout keys in every checkpoint have its shape). 'threefry' is bit-identical under any sharding;
+'rbg' and 'unsafe_rbg' (XLA's RngBitGenerator) are much cheaper to compile and run on GPU and TPU:
+XLA:GPU compiles GPT-2's threefry initialiser for minutes.
 """
 from __future__ import annotations
 
@@ -14,7 +20,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from errors import ConfigError
 from train import sharding
+
+RNG_IMPLS = {'threefry': 'threefry2x32', 'rbg': 'rbg', 'unsafe_rbg': 'unsafe_rbg'}  # config name -> JAX's
+LEGACY_RNG_IMPL = 'threefry'  # runs saved before config.rng_impl existed
 
 
 @dataclasses.dataclass
@@ -35,28 +45,45 @@ class StateSpec:
   abstract: TrainState  # jax.ShapeDtypeStruct leaves
   shardings: TrainState  # NamedSharding leaves on `mesh`
   mesh: jax.sharding.Mesh
+  rng_impl: str
 
 
-def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int):
+def resolve_rng_impl(name: str) -> str:
+  """'auto': 'rbg' on GPU and TPU, 'threefry' on CPU (sharding-invariant, as the CPU tests compare
+  sharded with single-device runs); otherwise `name`."""
+  if name == 'auto':
+    return 'threefry' if jax.default_backend() == 'cpu' else 'rbg'
+  if name not in RNG_IMPLS:
+    raise ConfigError(f"config.rng_impl={name!r} is not one of {('auto', *RNG_IMPLS)}.")
+  return name
+
+
+def make_rngs(seed: int, rng_impl: str) -> nnx.Rngs:
+  """Parameter stream from `seed`, dropout stream from seed + 1."""
+  impl = RNG_IMPLS[rng_impl]
+  return nnx.Rngs(params=jax.random.key(seed, impl=impl), dropout=jax.random.key(seed + 1, impl=impl))
+
+
+def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rng_impl: str):
   def init() -> TrainState:
-    model = build_model(nnx.Rngs(params=seed, dropout=seed + 1))
+    model = build_model(make_rngs(seed, rng_impl))
     _, params, extra = nnx.split(model, nnx.Param, ...)
     return TrainState(params=params, extra=extra, opt_state=None if tx is None else tx.init(params),
                       step=jnp.zeros((), jnp.int32))
   return init
 
 
-def state_spec(build_model, mesh, tx: optax.GradientTransformation | None = None) -> StateSpec:
+def state_spec(build_model, mesh, rng_impl: str, tx: optax.GradientTransformation | None = None) -> StateSpec:
   """Shapes and shardings of the state of `build_model(rngs)` (optimizer state too when `tx` is given)."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(nnx.Rngs(params=0, dropout=0))))
-  abstract = jax.eval_shape(_init_fn(build_model, tx, 0))
-  return StateSpec(graphdef, abstract, sharding.state_shardings(abstract, mesh), mesh)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(make_rngs(0, rng_impl))))
+  abstract = jax.eval_shape(_init_fn(build_model, tx, 0, rng_impl))
+  return StateSpec(graphdef, abstract, sharding.state_shardings(abstract, mesh), mesh, rng_impl)
 
 
 def init_state(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int) -> TrainState:
   """A freshly initialised state, created sharded on `spec.mesh` (parameters from `seed`, dropout from seed + 1)."""
   with jax.set_mesh(spec.mesh):
-    return jax.jit(_init_fn(build_model, tx, seed), out_shardings=spec.shardings)()
+    return jax.jit(_init_fn(build_model, tx, seed, spec.rng_impl), out_shardings=spec.shardings)()
 
 
 def with_shardings(abstract, shardings):

@@ -174,8 +174,9 @@ class Task:
     """`--mode=predict`: one JSON-serialisable output per input line."""
     raise UserError(f'--mode=predict is not available for family {self.config.family!r}.')
 
-  def import_hf(self, hf_dir: str) -> tuple[Prepared, nnx.Module]:
-    """`--mode=import_hf`: (tokenizer and model config, the model) read from a Hugging Face directory."""
+  def import_hf(self, hf_dir: str, rngs: nnx.Rngs) -> tuple[Prepared, nnx.Module]:
+    """`--mode=import_hf`: (tokenizer and model config, the model) read from a Hugging Face directory;
+    `rngs` initialise what the checkpoint lacks (and the dropout streams)."""
     raise UserError(f'--mode=import_hf is not available for family {self.config.family!r}.')
 
   def init_from(self, model: nnx.Module, source: nnx.Module) -> None:

@@ -29,7 +29,7 @@ from flax import nnx
 
 from errors import UserError
 from train import checkpoint as ckpt
-from train import memory, sharding
+from train import compile_cache, memory, sharding
 from train import state as state_lib
 from train.metrics import MetricWriter, reduce_metrics
 from train.optim import make_optimizer
@@ -110,13 +110,14 @@ class Setup:
     return state_lib.model_of(self.spec, self.state)
 
 
-def setup_run(config, workdir: str, model_config=None) -> Setup:
+def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = None) -> Setup:
   """Mesh, data and a freshly initialised sharded state.
 
   `model_config` (a finished run's model.json, for evaluation) replaces the one the config and
   data resolve to. Training in a workdir that already holds a model checks that the config still
-  resolves to it, so that a resume never restores into a different model.
+  resolves to it, so that a resume never restores into a different model. `rng_impl` likewise.
   """
+  compile_cache.enable(config.compile_cache)
   mesh = sharding.make_mesh(config.mesh)
   task = get_task(config)
   prepared = task.prepare(workdir)
@@ -124,14 +125,26 @@ def setup_run(config, workdir: str, model_config=None) -> Setup:
     prepared = task.bind(dataclasses.replace(prepared, model_config=model_config))
   else:
     _check_same_model(ckpt.read_model_config(workdir, task.model_config_class), prepared.model_config, workdir)
+  rng_impl = rng_impl or _run_rng_impl(config, workdir)
   tx, schedule = make_optimizer(config.train)
-  spec = state_lib.state_spec(task.build_model, mesh, tx)
+  spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
   memory.log_estimate(config, spec.abstract, spec.shardings, mesh)
   state = state_lib.init_state(spec, task.build_model, tx, config.seed)
   setup = Setup(config, task, prepared, mesh, tx, schedule, spec, state)
   if config.init_from:
     setup.state = _init_from(setup, config.init_from)
   return setup
+
+
+def _run_rng_impl(config, workdir: str) -> str:
+  """The PRNG of a new run from `config.rng_impl`; a resumed run keeps the one it was built with."""
+  saved = ckpt.read_rng_impl(workdir)
+  if saved is None:
+    return state_lib.resolve_rng_impl(config.rng_impl)
+  if config.rng_impl not in ('auto', saved):
+    raise ckpt.CheckpointError(f'config.rng_impl={config.rng_impl!r} differs from the {saved!r} that {workdir} was '
+                               f'built with; resume with rng_impl={saved!r} (or auto) or use a fresh --workdir.')
+  return saved
 
 
 def _check_same_model(saved, resolved, workdir: str) -> None:
@@ -363,7 +376,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     start_step = restore_latest(setup, checkpointer, data_iter)
     if jax.process_index() == 0:
       ckpt.save_config(config, workdir)
-      ckpt.save_model_config(setup.prepared.model_config, workdir)
+      ckpt.save_model_config(setup.prepared.model_config, setup.spec.rng_impl, workdir)
     writer = MetricWriter(workdir, config.train.steps, start_step)
     if start_step:
       writer.log(f'Resumed from the checkpoint at step {start_step} in {checkpointer.directory}.')
@@ -389,7 +402,7 @@ def evaluate_run(workdir: str, config_overrides: dict | None = None) -> dict[str
   step = checkpointer.latest_step()
   if step is None:
     raise ckpt.CheckpointError(f'No checkpoint in {checkpointer.directory}; train first or check --workdir.')
-  setup = setup_run(config, workdir, model_config)
+  setup = setup_run(config, workdir, model_config, ckpt.read_rng_impl(workdir))
   restored = checkpointer.restore(step, ckpt.restore_target(setup.spec))['model']
   checkpointer.close()
   setup.state = dataclasses.replace(setup.state, params=restored['params'], extra=restored['extra'])
@@ -410,11 +423,12 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
     raise ckpt.CheckpointError(f'{workdir} already holds checkpoints; import into a fresh --workdir.')
   validate_config(config)
   task = get_task(config)
-  prepared, model = task.import_hf(hf_dir)
+  rng_impl = state_lib.resolve_rng_impl(config.rng_impl)
+  prepared, model = task.import_hf(hf_dir, state_lib.make_rngs(config.seed, rng_impl))
   with _removed_on_failure(workdir):
     prepared.tokenizer.save(workdir)
     ckpt.save_config(config, workdir)
-    ckpt.save_model_config(prepared.model_config, workdir)
+    ckpt.save_model_config(prepared.model_config, rng_impl, workdir)
     _, params, extra = nnx.split(model, nnx.Param, ...)
     tx, _ = make_optimizer(config.train)
     checkpointer = ckpt.Checkpointer(workdir, config.train)

@@ -220,13 +220,13 @@ class Task(task_lib.Task):
           f'({copied} parameters'
           f'{f", positions {old_rows}..{new_rows - 1} new" if old_rows < new_rows else ""}).', flush=True)
 
-  def import_hf(self, hf_dir):
+  def import_hf(self, hf_dir, rngs):
     from models.hf_bert import load_hf_bert
     task = self.config.task
     if task == 'classify':
       raise ConfigError('Import with --config.task=pretrain (or features), then fine-tune with --config.task=classify '
                         '--config.init_from=<the imported workdir>.')
-    model, tokenizer, heads_loaded = load_hf_bert(hf_dir, rngs=nnx.Rngs(params=0, dropout=self.config.seed),
+    model, tokenizer, heads_loaded = load_hf_bert(hf_dir, rngs=rngs,
                                                   dtype=self.config.model.dtype, attention='xla')
     if task == 'features':
       model = model.encoder

@@ -69,7 +69,7 @@ class Task(task_lib.Task):
     return sampling.continue_prompts(self.generate, model, self.tokenizer, lines, self.config.decode,
                                      seed=self.config.seed, max_len=self.model_config.max_len)
 
-  def import_hf(self, hf_dir):
+  def import_hf(self, hf_dir, rngs):
     from models.hf_gpt2 import load_hf_gpt2
     model, tokenizer = load_hf_gpt2(hf_dir, self.config.copy_and_resolve_references())
     return self.bind(task_lib.Prepared(None, tokenizer, model.config)), model
