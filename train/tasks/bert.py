@@ -215,14 +215,13 @@ class Task(task_lib.Task):
           f'{f", positions {old_rows}..{new_rows - 1} new" if old_rows < new_rows else ""}).', flush=True)
 
   def import_hf(self, hf_dir):
-    from models.hf_bert import load_hf_bert
+    from interop.hf_bert import import_bert
     task = self.config.task
     if task == 'classify':
       raise ValueError('Import with --config.task=pretrain (or features), then fine-tune with --config.task=classify '
                        '--config.init_from=<the imported workdir>.')
-    model, self.tokenizer, heads_loaded = load_hf_bert(hf_dir, rngs=nnx.Rngs(params=0, dropout=self.config.seed),
-                                                       dtype=self.config.model.dtype, attention='xla')
-    bert = model.config
+    model, self.tokenizer, bert, heads_loaded = import_bert(hf_dir, rngs=nnx.Rngs(params=0, dropout=self.config.seed),
+                                                            dtype=self.config.model.dtype, attention='xla')
     self.config.model.update({k: getattr(bert, k) for k in ARCHITECTURE_KEYS})
     self.config.model.update(dropout=bert.dropout, attention_dropout=bert.attention_dropout, init_std=bert.init_std,
                              heads=self.heads)

@@ -82,8 +82,14 @@ class Task(task_lib.Task):
     return self.generate(model, lines, seed=self.config.seed)
 
   def import_hf(self, hf_dir):
-    from models.hf_gpt2 import load_hf_gpt2
-    model, self.tokenizer = load_hf_gpt2(hf_dir, self.config)
+    from interop.hf_gpt2 import import_gpt2
+    model, self.tokenizer, gpt = import_gpt2(hf_dir, dtype=self.config.model.dtype,
+                                             rngs=nnx.Rngs(params=0, dropout=self.config.seed))
+    self.config.model.update({k: getattr(gpt, k) for k in ('dropout', 'num_layers', 'num_heads', 'width', 'mlp_ratio',
+                                                           'max_len', 'layer_norm_epsilon', 'vocab_size',
+                                                           'scan_layers')})
+    self.config.data.update(tokenizer='bpe', vocab_size=gpt.vocab_size,
+                            seq_len=min(self.config.data.seq_len, gpt.max_len))
     return model
 
 

@@ -1,0 +1,45 @@
+"""Hugging Face interop: import HF checkpoints as our models, export our models as HF directories.
+
+  from interop.hf_gpt2 import import_gpt2, export_gpt2
+  from interop.hf_bert import import_bert, export_bert
+  from interop import export_run
+  export_run(train.checkpoint.load_run('runs/gpt-...'), 'hf/my-gpt')   # = --mode=export_hf
+
+This package reads and writes files and tokenizers around `models/` (which take arrays only) and
+`data/`; it never imports `train/` or `configs/`, and never reads or writes a run config except
+the reloaded run's own `family` and label names in `export_run`.
+"""
+from __future__ import annotations
+
+import json
+
+from interop.common import HFExportError, check_target
+from interop.hf_bert import export_bert
+from interop.hf_gpt2 import export_gpt2
+
+# Families with a Hugging Face counterpart.
+EXPORTABLE = ('gpt', 'bert')
+
+
+def check_export(family: str, out_dir: str) -> None:
+  """Raise HFExportError unless a run of `family` can be exported into `out_dir`; cheap, so that
+  `--mode=export_hf` calls it before loading the checkpoint."""
+  if family not in EXPORTABLE:
+    raise HFExportError(f'A {family!r} run has no Hugging Face counterpart: export_hf writes runs of the families '
+                        f'{EXPORTABLE}; pass the --workdir of one of those.')
+  check_target(out_dir)
+
+
+def export_run(run, out_dir: str) -> dict:
+  """Export a reloaded run (anything with `.model`, `.tokenizer` and `.config` holding `family`
+  and, for BERT classifiers, `data.labels`: a JSON list of class names) into `out_dir`.
+
+  GPT runs become GPT2LMHeadModel directories; BERT runs BertForPreTraining (pretrain),
+  BertForSequenceClassification (classify) or BertModel (features) ones. Returns the exporter's
+  summary.
+  """
+  check_export(run.config.family, out_dir)
+  if run.config.family == 'gpt':
+    return export_gpt2(run.model, run.tokenizer, out_dir)
+  labels = run.config.data.get('labels') or '[]'
+  return export_bert(run.model, run.tokenizer, out_dir, labels=json.loads(labels))
