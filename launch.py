@@ -1,10 +1,11 @@
-"""The one launcher: train, evaluate, predict with, or import any model family.
+"""The one launcher: train, evaluate, predict with, import or export any model family.
 
   python launch.py                                            # the default main job (configs/default.py)
   python launch.py --config=configs/gpt.py:tiny --config.train.steps=50 --workdir=runs/try
   python launch.py --mode=eval --workdir=runs/try             # metrics of the latest checkpoint
   echo 'def main():' | python launch.py --mode=predict --workdir=runs/try --input=-
   python launch.py --config=configs/gpt.py:gpt2 --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2
+  python launch.py --mode=export_hf --workdir=runs/try --hf_dir=hf/try   # GPT/BERT run -> transformers directory
   python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
 
@@ -25,6 +26,8 @@ import time
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from errors import UserError
 
 
 def _flag_value(argv, name: str) -> str | None:
@@ -56,10 +59,11 @@ ARGV = _with_config_file(sys.argv)
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].', lock_config=True,
                                 sys_argv=ARGV)
 flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config>-<preset>-<timestamp>).')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf', 'bench'], 'What to do.')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf', 'export_hf', 'bench'], 'What to do.')
 flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - for stdin.')
 flags.DEFINE_string('output', None, 'predict: also write the outputs here, one JSON value per line.')
-flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory.')
+flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory; export_hf: the new directory to '
+                    'write (config.json, model.safetensors, tokenizer files).')
 flags.DEFINE_integer('bench_steps', 10, 'bench: timed train steps (after 2 warm-up steps).')
 flags.DEFINE_bool('bench_decode', True, 'bench: also time cached decoding (generative families).')
 flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of 3 more steps to this directory.')
@@ -157,6 +161,14 @@ def main(argv):
       raise app.UsageError('--mode=import_hf needs --hf_dir=DIR (config.json + weights).')
     results = trainer.import_hf_run(FLAGS.config, FLAGS.hf_dir, workdir)
     print(json.dumps({'mode': 'import_hf', 'workdir': workdir, **_jsonable(results)}), flush=True)
+  elif mode == 'export_hf':
+    if not FLAGS.hf_dir:
+      raise app.UsageError('--mode=export_hf needs --hf_dir=DIR (a new directory to write).')
+    from interop import check_export, export_run
+    from train.checkpoint import read_config
+    check_export(read_config(workdir).family, FLAGS.hf_dir)  # before the checkpoint loads
+    results = export_run(load_run(workdir), FLAGS.hf_dir)
+    print(json.dumps({'mode': 'export_hf', 'workdir': workdir, 'hf_dir': FLAGS.hf_dir, **results}), flush=True)
   elif mode == 'bench':
     if FLAGS.bench_steps < 1:
       raise app.UsageError(f'--bench_steps={FLAGS.bench_steps}: time at least 1 step.')

@@ -8,7 +8,7 @@ bias), next-sentence prediction (2-way on the pooled vector) and sequence classi
 
 `BertConfig` defaults are BERT-base; with vocabulary 30,522 and 512 positions `BertEncoder` has
 109,482,240 parameters, exactly `transformers.BertModel`'s (large: 335,141,888). Parameter names
-follow the structure of Hugging Face's BERT closely enough for `models.hf_bert` to map them one
+follow the structure of Hugging Face's BERT closely enough for `interop.hf_bert` to map them one
 to one.
 
 Shape legend: B batch, L length, E width, V vocabulary, P masked positions, C classes.

@@ -73,13 +73,13 @@ def hf_outputs(model, tokens, segments, valid):
 
 @pytest.mark.parametrize('weights_file', ['model.safetensors', 'pytorch_model.bin'])
 def test_import_pretraining_checkpoint_matches_transformers(tmp_path, weights_file):
-  from models.hf_bert import load_hf_bert
+  from interop.hf_bert import import_bert
   hf = random_hf_bert(transformers.BertForPreTraining)
   hf.save_pretrained(tmp_path)
   if weights_file == 'pytorch_model.bin':
     (tmp_path / 'model.safetensors').unlink()
     torch.save(hf.state_dict(), tmp_path / 'pytorch_model.bin')
-  model, _, heads = load_hf_bert(str(tmp_path), rngs=nnx.Rngs(0), tokenizer=False)
+  model, _, _, heads = import_bert(str(tmp_path), tokenizer=False)
   assert heads
   tokens, segments, valid = inputs()
   expected = hf_outputs(hf, tokens, segments, valid)
@@ -100,10 +100,10 @@ def test_import_pretraining_checkpoint_matches_transformers(tmp_path, weights_fi
 
 
 def test_import_encoder_only_checkpoint(tmp_path):
-  from models.hf_bert import load_hf_bert
+  from interop.hf_bert import import_bert
   hf = random_hf_bert(transformers.BertModel, seed=1)
   hf.save_pretrained(tmp_path)
-  model, _, heads = load_hf_bert(str(tmp_path), rngs=nnx.Rngs(0), tokenizer=False)
+  model, _, _, heads = import_bert(str(tmp_path), tokenizer=False)
   assert not heads
   tokens, segments, valid = inputs(1)
   expected = hf_outputs(hf, tokens, segments, valid)
@@ -113,12 +113,12 @@ def test_import_encoder_only_checkpoint(tmp_path):
 
 
 def test_import_rejects_mismatched_config(tmp_path):
-  from models.hf_bert import load_hf_bert
+  from interop.hf_bert import import_bert
   random_hf_bert(transformers.BertModel).save_pretrained(tmp_path)
   config = (tmp_path / 'config.json').read_text().replace('"intermediate_size": 48', '"intermediate_size": 64')
   (tmp_path / 'config.json').write_text(config)
   with pytest.raises(ValueError, match='Shape mismatch'):
-    load_hf_bert(str(tmp_path), rngs=nnx.Rngs(0), tokenizer=False)
+    import_bert(str(tmp_path), tokenizer=False)
 
 
 def write_vocab(path):
@@ -135,7 +135,7 @@ def write_vocab(path):
 
 @pytest.mark.parametrize('lowercase', [True, False])
 def test_wordpiece_from_vocab_matches_bert_tokenizer_fast(tmp_path, lowercase):
-  from models.hf_bert import read_hf_tokenizer, wordpiece_from_vocab
+  from interop.hf_bert import read_hf_tokenizer, wordpiece_from_vocab
   vocab = write_vocab(tmp_path / 'vocab.txt')
   reference = transformers.BertTokenizerFast.from_pretrained(str(tmp_path), do_lower_case=lowercase)
   ours = wordpiece_from_vocab(vocab, lowercase=lowercase)

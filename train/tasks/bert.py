@@ -221,13 +221,13 @@ class Task(task_lib.Task):
           f'{f", positions {old_rows}..{new_rows - 1} new" if old_rows < new_rows else ""}).', flush=True)
 
   def import_hf(self, hf_dir, rngs):
-    from models.hf_bert import load_hf_bert
+    from interop.hf_bert import import_bert
     task = self.config.task
     if task == 'classify':
       raise ConfigError('Import with --config.task=pretrain (or features), then fine-tune with --config.task=classify '
                         '--config.init_from=<the imported workdir>.')
-    model, tokenizer, heads_loaded = load_hf_bert(hf_dir, rngs=rngs,
-                                                  dtype=self.config.model.dtype, attention='xla')
+    model, tokenizer, bert, heads_loaded = import_bert(hf_dir, rngs=rngs, dtype=self.config.model.dtype,
+                                                       attention='xla')
     if task == 'features':
       model = model.encoder
     elif not heads_loaded:

@@ -70,9 +70,9 @@ class Task(task_lib.Task):
                                      seed=self.config.seed, max_len=self.model_config.max_len)
 
   def import_hf(self, hf_dir, rngs):
-    from models.hf_gpt2 import load_hf_gpt2
-    model, tokenizer = load_hf_gpt2(hf_dir, self.config.copy_and_resolve_references())
-    return self.bind(task_lib.Prepared(None, tokenizer, model.config)), model
+    from interop.hf_gpt2 import import_gpt2
+    imported = import_gpt2(hf_dir, dtype=self.config.model.dtype, rngs=rngs)
+    return self.bind(task_lib.Prepared(None, imported.tokenizer, imported.config)), imported.model
 
 
 @nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))

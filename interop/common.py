@@ -1,0 +1,253 @@
+"""What the Hugging Face importers and exporters share: one table of tensor names per family,
+reading and writing weight files, tokenizer files and the atomic output directory.
+
+A family describes its tensors once, as a list of `TensorName`s: the HF name, the path(s) of the
+parameter(s) in our model's `nnx.to_pure_dict(nnx.state(model, nnx.Param))`, and whether HF
+stores the matrix transposed. `load_tensors` (import) and `to_hf_tensors` (export) both read
+that list, so the two directions cannot drift apart, and both check that it covers every
+parameter of the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tokenizers
+from flax import nnx
+from tokenizers import decoders, pre_tokenizers
+
+from data.tokenizers import BOS, EOS, PAD, UNK, CharTokenizer, HFTokenizer
+from errors import UserError
+
+ParamPath = tuple  # keys into a pure-dict parameter state: ('blocks', 0, 'mlp', 'up', 'kernel')
+
+
+class HFExportError(UserError):
+  """An export that cannot work (the target directory is taken, the family has no HF class)."""
+
+
+class TensorName(NamedTuple):
+  """One HF tensor. `ours` holds one parameter path, or several whose arrays sit side by side on
+  the last axis of the HF tensor (GPT-2's fused query/key/value); `transpose`: HF stores the
+  matrix as [out, in] (torch.nn.Linear) while `nnx.Linear.kernel` is [in, out]."""
+  hf: str
+  ours: tuple[ParamPath, ...]
+  transpose: bool = False
+
+
+def linear_names(hf: str, ours: ParamPath, *, transpose: bool) -> list[TensorName]:
+  return [TensorName(f'{hf}.weight', (ours + ('kernel',),), transpose), TensorName(f'{hf}.bias', (ours + ('bias',),))]
+
+
+def layer_norm_names(hf: str, ours: ParamPath) -> list[TensorName]:
+  return [TensorName(f'{hf}.weight', (ours + ('scale',),)), TensorName(f'{hf}.bias', (ours + ('bias',),))]
+
+
+def _leaf_paths(tree: dict, prefix: ParamPath = ()) -> Iterator[ParamPath]:
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _leaf_paths(value, prefix + (key,))
+    else:
+      yield prefix + (key,)
+
+
+def _get(tree: dict, path: ParamPath):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree: dict, path: ParamPath, value) -> None:
+  _get(tree, path[:-1])[path[-1]] = value
+
+
+def _check_covers(params: dict, names: list[TensorName]) -> None:
+  """The table names every parameter exactly once (a model change must update the table)."""
+  named = [path for name in names for path in name.ours]
+  missing = set(_leaf_paths(params)) - set(named)
+  unknown = set(named) - set(_leaf_paths(params))
+  if missing or unknown or len(named) != len(set(named)):
+    raise ValueError(f'The HF tensor table does not match the model: parameters without an HF name '
+                     f'{sorted(map(str, missing))[:3]}, names of no parameter {sorted(map(str, unknown))[:3]}.')
+
+
+def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list[TensorName]) -> set[str]:
+  """Copy HF `tensors` into every parameter of `module` in place; returns the HF names used."""
+  state = nnx.state(module, nnx.Param)
+  params = nnx.to_pure_dict(state)
+  _check_covers(params, names)
+  for name in names:
+    if name.hf not in tensors:
+      raise ValueError(f'The checkpoint lacks {name.hf!r}; does config.json describe this checkpoint?')
+    targets = [_get(params, path) for path in name.ours]
+    shape = targets[0].shape[:-1] + (sum(t.shape[-1] for t in targets),)
+    value = np.asarray(tensors[name.hf])
+    expected = shape[::-1] if name.transpose else shape
+    if value.shape != expected:
+      raise ValueError(f'Shape mismatch for {name.hf}: checkpoint {value.shape} vs model {expected}; is config.json '
+                       f'right?')
+    value = value.T if name.transpose else value
+    for path, target, part in zip(name.ours, targets, np.split(value, len(targets), axis=-1)):
+      _set(params, path, jnp.asarray(part, target.dtype))
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(module, state)
+  return {name.hf for name in names}
+
+
+def numpy_params(model: nnx.Module) -> dict:
+  """The model's parameters as a pure dict of host NumPy arrays, gathered from however they are
+  sharded over this process's devices."""
+  return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def to_hf_tensors(params: dict, names: list[TensorName]) -> dict[str, np.ndarray]:
+  """{HF name: array in HF's layout} from a `numpy_params` dict."""
+  _check_covers(params, names)
+  tensors = {}
+  for name in names:
+    parts = [np.asarray(_get(params, path)) for path in name.ours]
+    value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    # safetensors writes an array's buffer as is: a transposed view must be made contiguous first.
+    tensors[name.hf] = np.ascontiguousarray(value.T if name.transpose else value)
+  return tensors
+
+
+def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
+  """Every tensor of the checkpoint in `hf_dir` as float32 NumPy: model.safetensors, or
+  pytorch_model.bin (needs torch), or their sharded `.index.json` forms."""
+  files = [os.path.join(hf_dir, name) for name in ('model.safetensors', 'pytorch_model.bin')]
+  for index_name in ('model.safetensors.index.json', 'pytorch_model.bin.index.json'):
+    index = os.path.join(hf_dir, index_name)
+    if os.path.exists(index):
+      with open(index) as f:
+        shards = sorted(set(json.load(f)['weight_map'].values()))
+      files.insert(0, [os.path.join(hf_dir, s) for s in shards])
+  for candidate in files:
+    paths = candidate if isinstance(candidate, list) else [candidate]
+    if all(os.path.exists(p) for p in paths):
+      tensors = {}
+      for path in paths:
+        tensors.update(_read_tensor_file(path))
+      return tensors
+  raise FileNotFoundError(f'No weights in {hf_dir}: expected model.safetensors or pytorch_model.bin '
+                          f'(or their sharded .index.json forms).')
+
+
+def _read_tensor_file(path: str) -> dict[str, np.ndarray]:
+  if path.endswith('.safetensors'):
+    from safetensors.numpy import load_file
+    return {k: np.asarray(v, np.float32) for k, v in load_file(path).items()}
+  try:
+    import torch
+  except ImportError as e:
+    raise ImportError(f'{path} is a PyTorch file and reading it needs torch (pip install torch), or convert '
+                      f'the checkpoint to model.safetensors.') from e
+  state = torch.load(path, map_location='cpu', weights_only=True)
+  return {k: v.float().numpy() for k, v in state.items()}
+
+
+def read_hf_config(hf_dir: str, model_type: str) -> dict:
+  """config.json of `hf_dir`, checked to describe a `model_type` model."""
+  path = os.path.join(hf_dir, 'config.json')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path} not found: --hf_dir must be a Hugging Face {model_type} directory.')
+  with open(path) as f:
+    hf = json.load(f)
+  if hf.get('model_type') not in (None, model_type):
+    raise ValueError(f"{path} describes a {hf.get('model_type')!r} model, not {model_type!r}; use that family's "
+                     f"config.")
+  return hf
+
+
+def fields_from_hf(hf: dict, keys: tuple[tuple[str, str, object], ...], what: str) -> dict:
+  """{our field: value} from HF config.json entries; `keys` holds (HF key, our field, default),
+  default None meaning the key is required."""
+  missing = [key for key, _, default in keys if default is None and key not in hf]
+  if missing:
+    raise ValueError(f'{what} config.json lacks {missing}; is it a complete Hugging Face config?')
+  return {field: hf.get(key, default) for key, field, default in keys}
+
+
+def fields_to_hf(config, keys: tuple[tuple[str, str, object], ...]) -> dict:
+  """The inverse of `fields_from_hf`: {HF key: value} from our config dataclass."""
+  return {key: getattr(config, field) for key, field, _ in keys}
+
+
+def check_target(out_dir: str) -> None:
+  """An export writes a new directory: `out_dir` must not exist, or be an empty directory."""
+  if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+    raise HFExportError(f'The export target {out_dir} already exists and is not empty; pass a new --hf_dir '
+                        f'(or delete that directory first).')
+
+
+@contextlib.contextmanager
+def output_directory(out_dir: str) -> Iterator[str]:
+  """A fresh directory to write an export into, renamed to `out_dir` when the block succeeds
+  and deleted when it fails, so `out_dir` is either complete or absent."""
+  check_target(out_dir)
+  out_dir = os.path.abspath(out_dir)
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  # Next to the target, so that the final rename stays on one filesystem (and is atomic).
+  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', suffix='.partial', dir=parent)
+  try:
+    yield staging
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's directory is private (0700); give it the usual mode
+    os.replace(staging, out_dir)  # also replaces an empty out_dir
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+
+
+def write_json(directory: str, name: str, value: dict) -> None:
+  with open(os.path.join(directory, name), 'w') as f:
+    json.dump(value, f, indent=2, sort_keys=True)
+    f.write('\n')
+
+
+def write_safetensors(directory: str, tensors: dict[str, np.ndarray]) -> None:
+  from safetensors.numpy import save_file
+  # transformers 4.x refuses a checkpoint whose metadata does not name its format.
+  save_file(tensors, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+
+
+def char_to_hf(tokenizer: CharTokenizer) -> tokenizers.Tokenizer:
+  """A character-level tokenizer as a `tokenizers` WordLevel model giving the same ids: every
+  character is one pre-token, the decoder concatenates them."""
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({c: i for i, c in enumerate(tokenizer.vocab)},
+                                                             unk_token=UNK))
+  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r'[\s\S]'), behavior='isolated')
+  backend.decoder = decoders.Fuse()
+  backend.add_special_tokens([PAD, BOS, EOS, UNK])  # skipped when decoding, as CharTokenizer.decode does
+  return backend
+
+
+def write_tokenizer(directory: str, tokenizer, *, special_tokens: dict[str, int | None], max_len: int,
+                    model_input_names: list[str]) -> None:
+  """tokenizer.json and tokenizer_config.json, which `transformers.AutoTokenizer` loads as is.
+
+  special_tokens: {'bos_token': id, ...}; entries with id None are left out.
+  """
+  if isinstance(tokenizer, HFTokenizer):
+    backend = tokenizer.tokenizer
+  elif isinstance(tokenizer, CharTokenizer):
+    backend = char_to_hf(tokenizer)
+  else:
+    raise HFExportError(f'A {type(tokenizer).__name__} has no Hugging Face form; export a run with a char, bpe or '
+                        f'wordpiece tokenizer.')
+  backend.save(os.path.join(directory, 'tokenizer.json'))
+  # 'PreTrainedTokenizerFast' (TokenizersBackend in transformers 5) reads tokenizer.json verbatim;
+  # a model-specific class (BertTokenizer) would rebuild the pipeline from its own defaults.
+  write_json(directory, 'tokenizer_config.json', {
+      'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': max_len,
+      'clean_up_tokenization_spaces': False, 'model_input_names': model_input_names,
+      **{name: tokenizer.id_to_token(i) for name, i in special_tokens.items() if i is not None}})
