@@ -95,7 +95,6 @@ def maybe_initialize_distributed() -> None:
 
 
 def read_lines(path: str) -> list[str]:
-  from errors import UserError
   if path == '-':
     return [line.rstrip('\n') for line in sys.stdin]
   if not os.path.exists(path):
@@ -122,7 +121,6 @@ def main(argv):
     return
   maybe_initialize_distributed()
   import jax
-  from errors import UserError
   from train import trainer
   from train.checkpoint import load_run
   config_arg = FLAGS['config'].config_filename if hasattr(FLAGS['config'], 'config_filename') else 'default'
@@ -240,7 +238,6 @@ def parse_flags(argv):
 
 def run_main(argv):
   """User mistakes (errors.UserError) end with one message and exit status 1, not a traceback."""
-  from errors import UserError
   try:
     main(argv)
   except UserError as e:
