@@ -73,7 +73,7 @@ def get_config(preset: str = 'default'):
   c.data.source_lang = ''  # TFDS language keys; '' = from the dataset name ('de-en': de -> en)
   c.data.target_lang = ''
   c.data.tokenizer = 'bpe'  # one joint vocabulary for both languages
-  c.data.bucket_width = 8  # training batches of similar lengths, cut to a multiple of this; 0 = off
+  c.data.min_bucket_len = 16  # batches of similar lengths padded to 16, 24, 32, 48, ... <= seq_len; 0 = off
   c.model.attention = 'auto'  # 'auto' (jax_nn on GPU, else xla) | 'xla' | 'jax_nn'
   c.model.width = 512
   c.model.num_heads = 8

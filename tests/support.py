@@ -41,9 +41,10 @@ def tiny_gpt_config(source: str, **overrides):
   return with_overrides(config, overrides)
 
 
-def launch(args, devices: int = 1, timeout: int = 300, **popen):
+def launch(args, devices: int = 1, timeout: int = 300, env_overrides: dict | None = None, **popen):
   """Run launch.py in a fresh process with `devices` fake CPU devices."""
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}', JAX_PLATFORMS='cpu')
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}', JAX_PLATFORMS='cpu',
+             **(env_overrides or {}))
   command = [sys.executable, os.path.join(REPO, 'launch.py'), *args]
   if popen:
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

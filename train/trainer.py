@@ -29,7 +29,7 @@ from flax import nnx
 
 from errors import UserError
 from train import checkpoint as ckpt
-from train import compile_cache, memory, sharding
+from train import compilation, memory, sharding
 from train import state as state_lib
 from train.metrics import MetricWriter, reduce_metrics
 from train.optim import make_optimizer
@@ -117,7 +117,7 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   data resolve to. Training in a workdir that already holds a model checks that the config still
   resolves to it, so that a resume never restores into a different model. `rng_impl` likewise.
   """
-  compile_cache.enable(config.compile_cache)
+  compilation.enable_cache(config.compile_cache)
   mesh = sharding.make_mesh(config.mesh)
   task = get_task(config)
   prepared = task.prepare(workdir)
@@ -298,6 +298,8 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
                        out_shardings=(setup.spec.shardings, None), donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(setup.task, setup.spec.graphdef))
   logger, watcher = StepLogger(setup, writer, checkpointer, start_step), PreemptionWatcher()
+  compiled_before = compilation.compiled('train_step')
+  compiles = lambda: compilation.compiled('train_step') - compiled_before
   save = lambda at, metrics=None: checkpointer.save(at, {'params': setup.state.params, 'extra': setup.state.extra},
                                                      setup.state.opt_state, data_iter.get_state(), metrics)
   last_eval, step = {}, start_step
@@ -309,7 +311,7 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
           save(step)
           checkpointer.wait()
           writer.log(f'SIGTERM: saved step {step} to {checkpointer.directory}; rerun the same command to resume.')
-          return {'step': step, 'preempted': True, **last_eval}
+          return {'step': step, 'preempted': True, 'train/compiles': compiles(), **last_eval}
         local = next(data_iter)
         setup.state, (scalars, metrics) = train_step(setup.state, sharding.global_batch(local, setup.mesh))
         step += 1
@@ -328,7 +330,9 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
     checkpointer.wait()
   finally:
     watcher.restore()
-  return {'step': step, **last_eval}
+    # Every distinct batch shape builds the train step once: few shapes are the data pipeline's job.
+    writer.log(f'The train step was compiled {compiles()} time(s). ' + (compilation.cache_summary() or ''))
+  return {'step': step, 'train/compiles': compiles(), **last_eval}
 
 
 def _tokens_in(batch: dict[str, np.ndarray]) -> int:

@@ -2,8 +2,11 @@
 
 Data and evaluation are shared with the RNN seq2seq family (train/translation.py). Training
 batches group examples of similar length (windows of BUCKET_WINDOW batches sorted by length) and
-cut the padding to a multiple of data.bucket_width, so few shapes are compiled and little compute
-goes to padding.
+cut the padding of source and target to one shared length from a short geometric list
+(`bucket_lengths`: 16, 24, 32, 48, 64, ... up to data.seq_len), so that a whole run compiles the
+train step a handful of times (each distinct batch shape is one XLA compilation) and little compute
+goes to padding. Cutting source and target separately to multiples of 8, as before, gave up to
+(seq_len / 8)^2 shapes: hundreds at seq_len 128, each compiled.
 
 Loss: label-smoothed cross-entropy (train.label_smoothing) with teacher forcing; loss and
 accuracy are averaged over the real target tokens (target_out != pad).
@@ -32,14 +35,23 @@ BUCKET_WINDOW = 16  # batches sorted together by length
 MAX_LEN_OFFSET = 10  # outputs may have decode.max_len_ratio * source length + this many tokens
 
 
-def trim(batch: dict[str, np.ndarray], pad_id: int, width: int) -> dict[str, np.ndarray]:
-  """Drop trailing all-padding columns, keeping source and target lengths multiples of `width`."""
-  def kept_length(array):
-    used = int((array != pad_id).sum(axis=1).max())
-    return min(array.shape[1], max(width, -(-used // width) * width))
-  source, target = kept_length(batch['source']), kept_length(batch['target_out'])
-  return {'source': batch['source'][:, :source], 'target_in': batch['target_in'][:, :target],
-          'target_out': batch['target_out'][:, :target]}
+def bucket_lengths(seq_len: int, smallest: int) -> list[int]:
+  """The padded lengths a batch may have: smallest, then powers of two and 1.5 times them (16, 24,
+  32, 48, 64, 96, ...) below seq_len, then seq_len. Few shapes (7 up to 128), and a batch carries at
+  most 50% padding beyond its longest example."""
+  lengths, n = [], smallest
+  while n < seq_len:
+    lengths.append(n)
+    n = n * 3 // 2 if n & (n - 1) == 0 else 2 ** n.bit_length()  # a power of two -> x1.5 -> the next power of two
+  return lengths + [seq_len]
+
+
+def trim(batch: dict[str, np.ndarray], pad_id: int, buckets: list[int]) -> dict[str, np.ndarray]:
+  """Drop trailing all-padding columns: source and target both keep the smallest bucket length that
+  holds every real token of either, so the compiled shapes are the buckets, not their pairs."""
+  used = max(int((batch[name] != pad_id).sum(axis=1).max()) for name in ('source', 'target_out'))
+  kept = next(length for length in buckets if length >= used)
+  return {name: array[:, :kept] for name, array in batch.items()}
 
 
 class BucketedBatches(grain.MapDataset):
@@ -50,9 +62,9 @@ class BucketedBatches(grain.MapDataset):
   trainer's checkpointed iterator position stays valid.
   """
 
-  def __init__(self, windows: grain.MapDataset, batch_size: int, pad_id: int, width: int, seed: int):
+  def __init__(self, windows: grain.MapDataset, batch_size: int, pad_id: int, buckets: list[int], seed: int):
     super().__init__(windows)
-    self._windows, self._batch_size, self._pad_id, self._width, self._seed = windows, batch_size, pad_id, width, seed
+    self._windows, self._batch_size, self._pad_id, self._buckets, self._seed = windows, batch_size, pad_id, buckets, seed
     # Batches are read in order, so one loaded window serves BUCKET_WINDOW consecutive batches.
     self._sorted_window = functools.lru_cache(maxsize=2)(self._load_sorted_window)
 
@@ -73,7 +85,7 @@ class BucketedBatches(grain.MapDataset):
     window_index, position = divmod(index, BUCKET_WINDOW)
     window, slots = self._sorted_window(window_index)
     rows = slice(slots[position] * self._batch_size, (slots[position] + 1) * self._batch_size)
-    return trim({k: v[rows] for k, v in window.items()}, self._pad_id, self._width)
+    return trim({k: v[rows] for k, v in window.items()}, self._pad_id, self._buckets)
 
 
 def validate(config):
@@ -90,14 +102,15 @@ class Task(TranslationTask):
             'max_len': max_decode_len(self.config.decode.max_len_ratio, self.config.data.seq_len)}
 
   def train_batches(self, examples, batch_size, seed, process_index, process_count):
-    width = self.config.data.bucket_width
-    if not width:
+    smallest = self.config.data.min_bucket_len
+    if not smallest:
       return super().train_batches(examples, batch_size, seed, process_index, process_count)
+    buckets = bucket_lengths(self.config.data.seq_len, smallest)
     # Every process builds the same global batches and keeps its rows of each.
     windows = examples.shuffle(seed=seed).repeat().batch(batch_size * BUCKET_WINDOW, drop_remainder=True)
     local = batch_size // process_count
     rows = slice(process_index * local, (process_index + 1) * local)
-    return BucketedBatches(windows, batch_size, self.tokenizer.pad_id, width, seed).map(
+    return BucketedBatches(windows, batch_size, self.tokenizer.pad_id, buckets, seed).map(
         lambda batch: {k: v[rows] for k, v in batch.items()})
 
   # ------------------------------------------------------------------ model

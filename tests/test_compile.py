@@ -1,0 +1,82 @@
+"""Start-up and compilation: few train-step shapes on variable-length data, the persistent
+compilation cache across runs, and the PRNG switch keeping resumes bit-exact."""
+import json
+import os
+
+import jax
+import numpy as np
+
+import support
+from train import checkpoint as ckpt
+from train.trainer import train_and_evaluate
+
+
+def variable_length_pairs(path, count=800, seed=0):
+  """Source/target pairs of 1 to 40 words: lengths spread over the whole range."""
+  rng = np.random.default_rng(seed)
+  words = support.WORDS
+  lines = []
+  for _ in range(count):
+    n = int(rng.integers(1, 41))
+    source = [words[i] for i in rng.integers(0, len(words), n)]
+    lines.append(' '.join(source) + '\t' + ' '.join(reversed(source)))
+  path.write_text('\n'.join(lines) + '\n')
+  return f'tsv:{path}'
+
+
+def test_a_variable_length_corpus_compiles_the_train_step_at_most_8_times(tmp_path):
+  from configs.transformer import get_config
+  from train.tasks.transformer import bucket_lengths
+  config = support.with_overrides(get_config('tiny'), {
+      'data.source': variable_length_pairs(tmp_path / 'pairs.tsv'), 'data.seq_len': 96, 'data.max_examples': 0,
+      'data.vocab_size': 120, 'train.steps': 48, 'train.batch_size': 8, 'train.eval_every': 48,
+      'train.checkpoint_every': 48, 'decode.beam_size': 1, 'pictures.count': 0, 'train.eval_batch_size': 16})
+  workdir = str(tmp_path / 'run')
+  results = train_and_evaluate(config, workdir)
+  buckets = bucket_lengths(96, 16)
+  assert buckets == [16, 24, 32, 48, 64, 96]
+  # The batches really vary (several buckets are used) and each bucket compiles once.
+  assert 3 <= results['train/compiles'] <= len(buckets) <= 8, results['train/compiles']
+
+
+def test_a_repeated_run_reads_its_compilations_from_the_persistent_cache(tmp_path):
+  cache = str(tmp_path / 'cache')
+  args = ['--config=configs/gpt.py:tiny', f'--config.data.source={support.write_corpus(str(tmp_path / "corpus"))}',
+          f'--config.compile_cache={cache}', '--config.train.steps=4', '--config.train.eval_every=4',
+          '--config.train.checkpoint_every=4']
+  env = {'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+  first = support.launch(args + [f'--workdir={tmp_path}/first'], env_overrides=env)
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert ' 0 hits' in first.stdout + first.stderr and os.listdir(cache)
+  second = support.launch(args + [f'--workdir={tmp_path}/second'], env_overrides=env)
+  assert second.returncode == 0, second.stderr[-2000:]
+  log = second.stdout + second.stderr
+  hits = int(log.split(' hits')[0].rsplit(' ', 1)[-1])
+  assert hits >= 2, log[-2000:]  # at least the train and eval steps
+  assert support.last_json(first.stdout)['eval/loss'] == support.last_json(second.stdout)['eval/loss']
+
+
+def test_rbg_runs_resume_bit_exactly(tmp_path):
+  corpus = support.write_corpus(str(tmp_path / 'corpus'))
+  overrides = {'rng_impl': 'rbg', 'model.dropout': 0.2, 'train.eval_every': 3, 'train.checkpoint_every': 3,
+               'train.log_every': 1}
+  straight = str(tmp_path / 'straight')
+  train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 6}), straight)
+  resumed = str(tmp_path / 'resumed')
+  train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 3}), resumed)
+  train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 6}), resumed)
+  with open(os.path.join(resumed, 'model.json')) as f:
+    assert json.load(f)['rng_impl'] == 'rbg'
+  a, b = ckpt.load_run(straight).model, ckpt.load_run(resumed).model
+  from flax import nnx
+  leaves = lambda model: jax.tree.leaves(nnx.state(model))
+  keys = [x for x in leaves(a) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  assert keys and all(str(k.dtype) == 'key<rbg>' for k in keys)
+  for x, y in zip(leaves(a), leaves(b)):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # A resume that asks for another PRNG than the run was built with is refused.
+  result = support.launch(['--config=configs/gpt.py:tiny', f'--config.data.source={corpus}', '--config.rng_impl=threefry',
+                           '--config.train.steps=9', f'--workdir={resumed}'])
+  assert result.returncode == 1 and "built with; resume with rng_impl='rbg'" in result.stderr
