@@ -60,6 +60,7 @@ def get_config(preset: str = 'default'):
   c.model.layer_norm_epsilon = 1e-5
   c.model.scan_layers = False  # one nnx.scan over stacked blocks: compile time flat in depth
   c.model.remat = 'none'  # 'none' | 'dots' | 'full': recompute activations in the backward pass
+  c.train.loss_chunk_tokens = 2048  # cross-entropy this many tokens at a time (no [B, L, V] logits); 0 = at once
   c.decode.temperature = 0.8
   c.decode.top_k = 40
   return apply_preset(c, PRESETS)

@@ -2,8 +2,11 @@
 across gradient-accumulation micro-batches, devices and eval batches (see train/task.py)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -29,3 +32,87 @@ def classification_loss(logits: jax.Array, labels: jax.Array, label_smoothing: f
   count = jnp.asarray(labels.shape[0], jnp.float32)
   correct = (jnp.argmax(logits, -1) == labels).sum().astype(jnp.float32)
   return per_example.mean(), {'loss': (per_example.sum(), count), 'accuracy': (correct, count)}
+
+
+def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax.Array,
+                    weights: jax.Array | None = None, label_smoothing: float = 0.0, chunk_tokens: int = 2048):
+  """`lm_loss` of the logits hidden @ output_embedding.T, computed `chunk_tokens` tokens at a time.
+
+  No [B, L, V] logits tensor exists, in the forward or the backward pass: each chunk's logits are
+  made in the compute dtype and reduced in float32 to its loss and accuracy sums, and the gradients
+  with respect to the chunk's hidden states and the output embedding are taken right there (the
+  softmax minus the smoothed targets), so nothing is recomputed and the largest temporary is
+  [chunk_tokens, V] float32.
+
+  Args:
+    hidden: [B, L, E] final hidden states (compute dtype).
+    output_embedding: [V, E] the output layer (GPT's tied token embedding).
+    targets: [B, L] int; weights: [B, L] (default ones).
+  Returns:
+    (mean loss, {'loss', 'accuracy': (sum, count)}), as `lm_loss`.
+  """
+  batch, length, width = hidden.shape
+  tokens = batch * length
+  weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+  chunk = min(chunk_tokens, tokens)
+  chunks = -(-tokens // chunk)
+  pad = chunks * chunk - tokens  # padded tokens have weight 0
+  flat = lambda x: jnp.pad(x.reshape(tokens, *x.shape[2:]), [(0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
+      chunks, chunk, *x.shape[2:])
+  total, correct = _chunked_sums(flat(hidden), output_embedding.astype(hidden.dtype), flat(targets), flat(weights),
+                                 label_smoothing)
+  count = weights.sum()
+  return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': (correct, count)}
+
+
+def _chunk_forward(h, table, t, w, label_smoothing):
+  """One chunk: (loss sum, correct sum, d loss / d logits [chunk, V] float32)."""
+  logits = (h @ table.T).astype(jnp.float32)
+  log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+  nll = log_normalizer - picked
+  target = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
+  if label_smoothing:  # cross-entropy against (1 - eps) one-hot + eps / V uniform
+    nll = (1 - label_smoothing) * nll + label_smoothing * (log_normalizer - logits.mean(-1))
+    target = (1 - label_smoothing) * target + label_smoothing / logits.shape[-1]
+  correct = (jnp.argmax(logits, -1) == t).astype(jnp.float32)
+  d_logits = (jnp.exp(logits - log_normalizer[:, None]) - target) * w[:, None]
+  return (nll * w).sum(), (correct * w).sum(), d_logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing):
+  """(loss sum, correct sum) over [C, chunk, E] hidden states; see `chunked_lm_loss`. Without a
+  gradient (evaluation) only the sums are computed."""
+  def step(carry, chunk_inputs):
+    loss, correct, _ = _chunk_forward(chunk_inputs[0], table, *chunk_inputs[1:], label_smoothing)
+    return (carry[0] + loss, carry[1] + correct), None
+
+  zero = jnp.zeros((), jnp.float32)
+  sums, _ = jax.lax.scan(step, (zero, zero), (hidden_chunks, target_chunks, weight_chunks))
+  return sums
+
+
+def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing):
+  def step(carry, chunk_inputs):
+    loss_sum, correct_sum, d_table = carry
+    h, t, w = chunk_inputs
+    loss, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing)
+    d_hidden = (d_logits.astype(h.dtype) @ table).astype(h.dtype)
+    d_table = d_table + d_logits.T @ h.astype(jnp.float32)
+    return (loss_sum + loss, correct_sum + correct, d_table), d_hidden
+
+  zero = jnp.zeros((), jnp.float32)
+  (loss, correct, d_table), d_hidden = jax.lax.scan(
+      step, (zero, zero, jnp.zeros(table.shape, jnp.float32)), (hidden_chunks, target_chunks, weight_chunks))
+  return (loss, correct), (d_hidden, d_table.astype(table.dtype), target_chunks, weight_chunks)
+
+
+def _chunked_sums_bwd(label_smoothing, residuals, cotangents):
+  d_hidden, d_table, target_chunks, weight_chunks = residuals
+  scale = cotangents[0]  # the accuracy sum has no gradient
+  return ((scale * d_hidden).astype(d_hidden.dtype), (scale * d_table).astype(d_table.dtype),
+          np.zeros(target_chunks.shape, jax.dtypes.float0), jnp.zeros_like(weight_chunks))
+
+
+_chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)

@@ -11,7 +11,7 @@ from models import decoding
 from models.gpt import GPT, REMAT_POLICIES, GPT2Config
 from train import sampling
 from train import task as task_lib
-from train.losses import lm_loss
+from train.losses import chunked_lm_loss, lm_loss
 
 
 def validate(config):
@@ -42,8 +42,13 @@ class Task(task_lib.Task):
 
   def loss(self, model, batch, *, deterministic):
     tokens = batch['tokens']
-    logits, _ = model(tokens[:, :-1], deterministic=deterministic)
-    return lm_loss(logits, tokens[:, 1:])
+    chunk = self.config.train.loss_chunk_tokens
+    if not chunk:
+      logits, _ = model(tokens[:, :-1], deterministic=deterministic)
+      return lm_loss(logits, tokens[:, 1:])
+    # The tied output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
+    hidden, _ = model(tokens[:, :-1], deterministic=deterministic, return_hidden=True)
+    return chunked_lm_loss(hidden, model.token_embedding.embedding[...], tokens[:, 1:], chunk_tokens=chunk)
 
   def summarize(self, metrics):
     return {**metrics, 'eval/perplexity': float(np.exp(min(metrics['eval/loss'], 50.0)))}
