@@ -20,7 +20,7 @@ training runs. Ends with one JSON line:
   datasheet_tflops, mfu_datasheet   TPU / GPU only: the vendor's dense peak for the dtype
   decode_tokens_per_s               {batch: new tokens/s} of greedy cached generation (prompt 16,
                                     `decode.max_new_tokens` new, prefill included) for families
-                                    with `generate_tokens`; null otherwise or with decode=False
+                                    whose model module has `generate`; null otherwise or with decode=False
   peak_rss_mb                       the process's peak resident memory
   memory                            XLA's compiled buffer sizes per device next to train/memory.py's
                                     estimate (arguments, outputs, temporaries)
@@ -110,8 +110,8 @@ def _bench_task(config):
 
 def _decode_speed(config, task, model, new_tokens: int) -> dict[str, float] | None:
   """{batch: new tokens per second} of greedy generation, or None for non-generative families."""
-  generate_tokens = getattr(importlib.import_module(f'train.tasks.{config.family}'), 'generate_tokens', None)
-  if generate_tokens is None:
+  generate = getattr(importlib.import_module(type(model).__module__), 'generate', None)
+  if generate is None:
     return None
   model.eval()
   speeds = {}
@@ -119,8 +119,8 @@ def _decode_speed(config, task, model, new_tokens: int) -> dict[str, float] | No
     prompt = jnp.asarray(np.random.default_rng(batch).integers(4, task.tokenizer.vocab_size, (batch, DECODE_PROMPT)),
                          jnp.int32)
     valid = jnp.ones(prompt.shape, bool)
-    run = lambda: generate_tokens(model, prompt, valid, jax.random.key(0), max_new_tokens=new_tokens, temperature=0.0,
-                                  top_k=0, top_p=1.0, eos_id=None, pad_id=0)
+    run = lambda: generate(model, prompt, valid, jax.random.key(0), max_new_tokens=new_tokens, temperature=0.0,
+                           top_k=0, top_p=1.0, eos_id=None, pad_id=0)
     jax.block_until_ready(run())  # compile
     speeds[str(batch)] = batch * new_tokens / statistics.median(_timed(run, 3))
   return speeds

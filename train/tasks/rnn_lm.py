@@ -29,7 +29,7 @@ from flax import nnx
 from data import sources
 from data.lm import get_tokenizer, split_documents
 from models import decoding
-from models.rnn_lm import RNNLM, RNNLMConfig
+from models.rnn_lm import RNNLM, RNNLMConfig, generate
 from train import task as task_lib
 from train.losses import lm_loss
 
@@ -107,17 +107,6 @@ def stream_perplexity(model: RNNLM, stream: np.ndarray, num_rows: int, seq_len: 
   return float(np.exp(total / count))
 
 
-@nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))
-def generate_tokens(model: RNNLM, tokens, valid, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id):
-  """Continue left-padded prompts [B, P] with the shared sampler; the RNN state is its cache."""
-  def step_fn(step_tokens, positions, key_valid, state, index):
-    mask = jax.lax.dynamic_slice_in_dim(key_valid, index, step_tokens.shape[1], axis=1)
-    return model(step_tokens, state, mask)
-  return decoding.generate(step_fn, model.initial_state(tokens.shape[0]), tokens, valid, rng,
-                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           eos_id=eos_id, pad_id=pad_id)
-
-
 class Task(task_lib.Task):
 
   def __init__(self, config):
@@ -180,10 +169,10 @@ class Task(task_lib.Task):
     settings = self.config.decode
     encoded = [self.tokenizer.encode(p) or [self.tokenizer.eos_id] for p in prompts]
     tokens, valid = decoding.left_pad(encoded, self.tokenizer.pad_id)
-    out, lengths = generate_tokens(model, tokens, valid, jax.random.key(seed),
-                                   max_new_tokens=settings.max_new_tokens, temperature=float(settings.temperature),
-                                   top_k=int(settings.top_k), top_p=float(settings.top_p),
-                                   eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+    out, lengths = generate(model, tokens, valid, jax.random.key(seed),
+                            max_new_tokens=settings.max_new_tokens, temperature=float(settings.temperature),
+                            top_k=int(settings.top_k), top_p=float(settings.top_p),
+                            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
     out, lengths = np.asarray(out), np.asarray(lengths)
     return [self.tokenizer.decode(row[:n]) for row, n in zip(out, lengths)]
 

@@ -7,7 +7,7 @@ Data: data/translation.py (numbers_en_fr, tsv:<path>, tfds:<name>), one joint vo
 is the bottleneck that attention removes.
 
 Loss: token cross-entropy over the real target positions only (target_out != pad). After
-training, `evaluate` translates the test split with greedy and beam search (models/beam_search.py),
+training, `evaluate` translates the test split with greedy and beam search (models/decoding.py),
 scores both with sacreBLEU, writes the translations, and for the Bahdanau model draws the
 attention weights (target x source) of a few test sentences.
 """
@@ -17,15 +17,13 @@ import json
 import os
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from data import sources
 from data import translation
-from models import beam_search
-from models.seq2seq import Seq2Seq, Seq2SeqConfig
+from models import decoding
+from models.seq2seq import Seq2Seq, Seq2SeqConfig, translate
 from train import task as task_lib
 from train.losses import lm_loss
 
@@ -68,25 +66,6 @@ def english_number(text: str) -> int | None:
 
 def keep_numbers_at_least(pairs, minimum: int):
   return [(s, t) for s, t in pairs if (english_number(s) or 0) >= minimum]
-
-
-def translate_batch(model: Seq2Seq, source: jax.Array, *, bos_id: int, eos_id: int, pad_id: int, max_len: int,
-                    beam_size: int, alpha: float, max_len_ratio: float) -> jax.Array:
-  """source [B, S] (padded) -> [B, max_len] output tokens, EOS-terminated (greedy when beam_size == 1)."""
-  source_valid = source != pad_id
-  state = model.encode(source, source_valid)
-  limits = beam_search.max_lengths_for(source_valid.sum(-1), max_len_ratio, 10, max_len)
-  bos = jnp.full((source.shape[0],), bos_id, jnp.int32)
-  if beam_size == 1:
-    return beam_search.greedy_search(model.decode_step, state, bos, max_len=max_len, eos_id=eos_id, pad_id=pad_id,
-                                     max_lengths=limits).tokens
-  result = beam_search.beam_search(model.decode_step, state, bos, beam_size=beam_size, max_len=max_len,
-                                   eos_id=eos_id, pad_id=pad_id, alpha=alpha, max_lengths=limits)
-  return result.tokens[:, 0]
-
-
-_translate = nnx.jit(translate_batch, static_argnames=('bos_id', 'eos_id', 'pad_id', 'max_len', 'beam_size', 'alpha',
-                                                       'max_len_ratio'))
 
 
 class Task(task_lib.Task):
@@ -141,10 +120,10 @@ class Task(task_lib.Task):
       chunk = source[start:start + batch]
       padded = np.full((batch, chunk.shape[1]), tok.pad_id, np.int32)  # one compiled shape
       padded[:len(chunk)] = chunk
-      tokens = _translate(model, jnp.asarray(padded), bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                          max_len=self.config.data.seq_len, beam_size=beam_size,
-                          alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio))
-      outputs.extend(beam_search.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
+      tokens, _ = translate(model, jnp.asarray(padded), bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                            max_len=self.config.data.seq_len, beam_size=beam_size,
+                            alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio))
+      outputs.extend(decoding.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
     return outputs
 
   def translate(self, model, source: np.ndarray, beam_size: int) -> list[str]:

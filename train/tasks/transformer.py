@@ -10,7 +10,7 @@ Loss: label-smoothed cross-entropy (train.label_smoothing) with teacher forcing;
 accuracy are averaged over the real target tokens (target_out != pad).
 
 After training, `evaluate` translates the test split with greedy and beam search
-(models/beam_search.py through the decoder's KV cache), reports sacreBLEU on detokenized text,
+(models/decoding.py through the decoder's KV cache), reports sacreBLEU on detokenized text,
 teacher-forced token accuracy and exact matches, prints a few translations, writes all of them
 to translations.json and draws attention heatmaps (cross-attention and decoder self-attention,
 one panel per head of `pictures.layer`) as PNG files returned under 'images'.
@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from data import sources, translation
-from models import beam_search
+from models import decoding
 from models.attention import default_attention_implementation, record_attention_weights
 from models.transformer import Transformer, TransformerConfig, translate
 from train import pictures
@@ -155,7 +155,7 @@ class Task(task_lib.Task):
       tokens, _ = translate(model, jnp.asarray(padded), bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=beam_size,
                             alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio),
                             max_len_offset=MAX_LEN_OFFSET)
-      outputs.extend(beam_search.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
+      outputs.extend(decoding.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
     return outputs, [tok.decode(ids) for ids in outputs]
 
   def token_accuracy(self, model, examples) -> dict[str, float]:
