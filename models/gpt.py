@@ -13,6 +13,8 @@ Two switches for depth and size (as in MaxText):
                projection matmuls and recomputes the rest (attention scores, softmax, GELU, norms) in
                the backward pass; 'full' saves only each block's input.
 
+`generate` continues prompts through the shared decoding loop (models/decoding.py).
+
 Shape legend: B batch, L length, E width, V vocabulary, L_max cache length.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import decoding
 from models.attention import make_attention_mask
 from models.layers import TransformerBlock
 
@@ -148,6 +151,39 @@ class GPT(nnx.Module):
       shape = (self.config.num_layers, batch, self.config.num_heads, max_len, self.config.width // self.config.num_heads)
       return {'self': {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}}
     return [{'self': block.self_attention.init_cache(batch, max_len, dtype)} for block in self.blocks]
+
+
+@nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))
+def generate(model: GPT, tokens: jax.Array, valid: jax.Array, rng: jax.Array, *, max_new_tokens: int,
+             temperature: float, top_k: int, top_p: float, eos_id: int | None, pad_id: int
+             ) -> tuple[jax.Array, jax.Array]:
+  """Compiled cached continuation of prompts with models/decoding.py (temperature 0: greedy).
+
+  Args:
+    tokens: [B, P] prompt ids, left-padded (`decoding.left_pad`); valid: [B, P] bool, False on
+      the padding. P + max_new_tokens must not exceed config.max_len.
+  Returns:
+    (tokens [B, N]: new tokens, pad_id after a row's EOS; lengths [B]: new tokens up to and
+    including EOS), N = max_new_tokens.
+  """
+  batch, prompt_len = tokens.shape
+  # The tied output matrix, transposed once out here: inside the loop XLA re-copies the [V, E]
+  # embedding into [E, V] at every step (measured: 0.7 ms of a 3.2 ms batch-1 bench step).
+  head = model.token_embedding.embedding[...].T
+
+  def step_fn(step_tokens, cache, index):
+    # Positions count real tokens only: a row's first real token is position 0 whatever its padding.
+    positions = jnp.maximum(index + jnp.arange(step_tokens.shape[1])[None, :] - cache['padding'][:, None], 0)
+    hidden, layers = model(step_tokens, positions=positions, key_valid=cache['key_valid'], cache=cache['layers'],
+                           cache_index=index, return_hidden=True)
+    return (hidden @ head.astype(hidden.dtype)).astype(jnp.float32), {**cache, 'layers': layers}
+
+  cache = {'layers': model.init_cache(batch, prompt_len + max_new_tokens),
+           'key_valid': jnp.concatenate([valid, jnp.ones((batch, max_new_tokens), bool)], axis=1),  # [B, P + N]
+           'padding': prompt_len - jnp.sum(valid, axis=1, dtype=jnp.int32)}  # [B] left-padding length
+  result = decoding.decode(step_fn, cache, tokens, rng, max_len=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                           temperature=temperature, top_k=top_k, top_p=top_p)
+  return result.tokens, result.lengths
 
 
 def count_parameters(model: nnx.Module) -> int:

@@ -4,6 +4,8 @@ For training by sequential partitioning (truncated backpropagation through time)
 hold the hidden state carried from one batch to the next in a `CarriedState` variable, which the
 trainer keeps with the rest of the non-parameter model state (and checkpoints).
 
+`generate` continues prompts through the shared decoding loop (models/decoding.py).
+
 Shape legend: B batch, T time, E embedding, H hidden, L layers, V vocabulary.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import decoding
 from models.rnn import StackedRNN
 
 
@@ -61,3 +64,31 @@ class RNNLM(nnx.Module):
     outputs, state = self.rnn(x, state, mask, deterministic=deterministic)
     outputs = self.dropout(outputs, deterministic=deterministic)
     return self.output(outputs).astype(jnp.float32), state
+
+
+@nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))
+def generate(model: RNNLM, tokens: jax.Array, valid: jax.Array, rng: jax.Array, *, max_new_tokens: int,
+             temperature: float, top_k: int, top_p: float, eos_id: int | None, pad_id: int
+             ) -> tuple[jax.Array, jax.Array]:
+  """Compiled continuation of prompts with models/decoding.py (temperature 0: greedy).
+
+  Args:
+    tokens: [B, P] prompt ids, left-padded (`decoding.left_pad`); valid: [B, P] bool, False on
+      the padding, whose steps leave the RNN state unchanged.
+  Returns:
+    (tokens [B, N]: new tokens, pad_id after a row's EOS; lengths [B]: new tokens up to and
+    including EOS), N = max_new_tokens.
+  """
+  batch, _ = tokens.shape
+
+  def step_fn(step_tokens, cache, index):
+    mask = jax.lax.dynamic_slice_in_dim(cache['valid'], index, step_tokens.shape[1], axis=1)
+    logits, state = model(step_tokens, cache['state'], mask)
+    return logits, {**cache, 'state': state}
+
+  # The RNN state is the whole memory; 'valid' [B, P + N] masks the prompt's padding.
+  cache = {'state': model.initial_state(batch),
+           'valid': jnp.concatenate([valid, jnp.ones((batch, max_new_tokens), bool)], axis=1)}
+  result = decoding.decode(step_fn, cache, tokens, rng, max_len=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                           temperature=temperature, top_k=top_k, top_p=top_p)
+  return result.tokens, result.lengths

@@ -10,7 +10,8 @@ Decoder: multi-layer GRU started from the encoder's final state. Each step reads
                               top-layer state over all encoder outputs, masked to the real source
                               tokens (models.attention.AdditiveAttention).
 Training (teacher forcing) and decoding run the same `_step`, under `jax.lax.scan` for a whole
-target and once per call in `decode_step`, the step function of models/beam_search.py.
+target and over the tokens of each call in `decode_step`, the step function of models/decoding.py,
+through which `translate` decodes greedily or with beam search.
 
 Shape legend: B batch, S source length, T target length, E embedding, H hidden, L layers,
 V target vocabulary.
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import decoding
 from models.attention import AdditiveAttention
 from models.rnn import StackedRNN
 
@@ -88,10 +90,14 @@ class Seq2Seq(nnx.Module):
     return out, {**state, 'hidden': hidden}, weights
 
   def decode_step(self, tokens: jax.Array, state: dict[str, jax.Array], index: Any = None):
-    """Beam-search step: tokens [N, 1] -> (logits [N, V] float32, new state). `index` is unused:
-    the recurrent state already knows the position."""
-    out, state, _ = self._step(self.tgt_embedding(tokens[:, 0]), state)
-    return self.output(out).astype(jnp.float32), state
+    """The `step_fn` of models/decoding.py: tokens [N, T] -> (logits [N, T, V] float32, new state).
+    `index` is unused: the recurrent state already knows the position."""
+    def body(state, embedded_t):
+      out, state, _ = self._step(embedded_t, state)
+      return state, out
+
+    state, outputs = jax.lax.scan(body, state, jnp.swapaxes(self.tgt_embedding(tokens), 0, 1))
+    return self.output(jnp.swapaxes(outputs, 0, 1)).astype(jnp.float32), state
 
   def __call__(self, src: jax.Array, src_valid: jax.Array, tgt_in: jax.Array, *, deterministic: bool = True):
     """Teacher forcing: tgt_in [B, T] (BOS + target without its last token)
@@ -110,3 +116,27 @@ class Seq2Seq(nnx.Module):
     outputs = self.dropout(jnp.swapaxes(outputs, 0, 1), deterministic=deterministic)
     logits = self.output(outputs).astype(jnp.float32)
     return logits, (None if weights is None else jnp.swapaxes(weights, 0, 1))
+
+
+@nnx.jit(static_argnames=('bos_id', 'eos_id', 'pad_id', 'max_len', 'beam_size', 'alpha', 'max_len_ratio',
+                          'max_len_offset'))
+def translate(model: Seq2Seq, source: jax.Array, *, bos_id: int, eos_id: int, pad_id: int, max_len: int,
+              beam_size: int, alpha: float, max_len_ratio: float, max_len_offset: int = 10
+              ) -> tuple[jax.Array, jax.Array]:
+  """Compiled batched decoding: [B, S] padded source ids -> ([B, max_len] best output ids, [B] scores).
+
+  Output rows end with EOS and are padded with pad_id; each row may generate at most
+  max_len_ratio * (its source length) + max_len_offset tokens (and max_len). beam_size <= 1
+  decodes greedily (the score is then the log-probability, without length penalty).
+  """
+  source_valid = source != pad_id
+  state = model.encode(source, source_valid)
+  limits = decoding.max_lengths_for(source_valid.sum(-1), max_len_ratio, max_len_offset, max_len)
+  bos = jnp.full((source.shape[0], 1), bos_id, jnp.int32)
+  if beam_size <= 1:
+    result = decoding.decode(model.decode_step, state, bos, max_len=max_len, eos_id=eos_id, pad_id=pad_id,
+                             max_lengths=limits)
+    return result.tokens, result.logprobs
+  result = decoding.beam_search(model.decode_step, state, bos, beam_size=beam_size, max_len=max_len, eos_id=eos_id,
+                                pad_id=pad_id, alpha=alpha, max_lengths=limits)
+  return result.tokens[:, 0], result.scores[:, 0]

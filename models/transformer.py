@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import beam_search
+from models import decoding
 from models.attention import make_attention_mask
 from models.layers import TransformerBlock, sinusoidal_positions
 
@@ -147,8 +147,8 @@ class Transformer(nnx.Module):
   def init_cache(self, source: jax.Array, memory: jax.Array, max_len: int) -> dict[str, Any]:
     """Decoding state for `decode(..., cache=, cache_index=)`; every leaf is batch-leading.
 
-    {'source_valid': [B, S] bool, 'layers': [{'self': {'k','v': [B, T_max, H, D]},
-                                               'cross': {'k','v': [B, S, H, D]}}] per decoder layer}.
+    {'source_valid': [B, S] bool, 'layers': [{'self': {'k','v': [B, H, T_max, D]},
+                                               'cross': {'k','v': [B, H, S, D]}}] per decoder layer}.
     The cross-attention keys/values of `memory` are projected once here.
     """
     dtype = jnp.dtype(self.config.dtype)
@@ -157,13 +157,12 @@ class Transformer(nnx.Module):
     return {'source_valid': source != self.config.pad_id, 'layers': layers}
 
   def decode_step(self, tokens: jax.Array, cache: dict, index: jax.Array | int) -> tuple[jax.Array, dict]:
-    """One cached decoding step, the `step_fn` of models/beam_search.
+    """One cached decoding step, the `step_fn` of models/decoding.py.
 
-    tokens: [N, 1] ids at position `index`; cache: from `init_cache` (N = B, or B * beams after
-    tiling). Returns ([N, V] next-token logits, updated cache).
+    tokens: [N, T] ids at positions index.. (BOS at 0); cache: from `init_cache` (N = B, or
+    B * beams after tiling). Returns ([N, T, V] next-token logits, updated cache).
     """
-    logits, cache = self.decode(tokens, None, cache['source_valid'], cache=cache, cache_index=index)
-    return logits[:, 0], cache
+    return self.decode(tokens, None, cache['source_valid'], cache=cache, cache_index=index)
 
 
 @nnx.jit(static_argnames=('bos_id', 'eos_id', 'beam_size', 'alpha', 'max_len_ratio', 'max_len_offset'))
@@ -180,16 +179,16 @@ def translate(model: Transformer, source: jax.Array, *, bos_id: int, eos_id: int
   config = model.config
   max_len = min(config.max_len, int(max_len_ratio * source.shape[1]) + max_len_offset)
   source_lengths = jnp.sum(source != config.pad_id, axis=1)
-  limits = beam_search.max_lengths_for(source_lengths, max_len_ratio, max_len_offset, max_len)
+  limits = decoding.max_lengths_for(source_lengths, max_len_ratio, max_len_offset, max_len)
   memory = model.encode(source)
   cache = model.init_cache(source, memory, max_len)
-  bos = jnp.full((source.shape[0],), bos_id, jnp.int32)
+  bos = jnp.full((source.shape[0], 1), bos_id, jnp.int32)
   if beam_size <= 1:
-    result = beam_search.greedy_search(model.decode_step, cache, bos, max_len=max_len, eos_id=eos_id,
-                                       pad_id=config.pad_id, max_lengths=limits)
+    result = decoding.decode(model.decode_step, cache, bos, max_len=max_len, eos_id=eos_id, pad_id=config.pad_id,
+                             max_lengths=limits)
     return result.tokens, result.logprobs
-  result = beam_search.beam_search(model.decode_step, cache, bos, beam_size=beam_size, max_len=max_len,
-                                   eos_id=eos_id, pad_id=config.pad_id, alpha=alpha, max_lengths=limits)
+  result = decoding.beam_search(model.decode_step, cache, bos, beam_size=beam_size, max_len=max_len, eos_id=eos_id,
+                                pad_id=config.pad_id, alpha=alpha, max_lengths=limits)
   return result.tokens[:, 0], result.scores[:, 0]
 
 

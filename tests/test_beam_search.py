@@ -1,4 +1,4 @@
-"""Greedy and beam search (models/beam_search.py) on a synthetic model with a reference in NumPy.
+"""Greedy and beam search (models/decoding.py) on a synthetic model with a reference in NumPy.
 
 The toy model's next-token logits depend on the previous token, the position and a running
 count kept in the cache, so a beam search that reordered its cache wrongly would report
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import beam_search
+from models import decoding
 
 VOCAB, BOS, EOS, PAD, COUNTED = 7, 2, 1, 0, 3
 MAX_LEN = 8
@@ -36,7 +36,7 @@ def toy_step(params):
     last = tokens[:, 0]
     count = cache['count'] + (last == COUNTED)
     logits = params['table'][last] + params['drift'][index] + count[:, None] * params['bonus']
-    return logits[:, None, :], {'count': count}  # [N, 1, V] logits are accepted too
+    return logits[:, None, :], {'count': count}
   return step_fn
 
 
@@ -75,10 +75,10 @@ def run_both(params, limits, beam_size, alpha):
   """(greedy, beam) results for len(limits) rows; compiled once per shape, beam size and alpha."""
   step_fn, batch = toy_step(params), limits.shape[0]
   cache = {'count': jnp.zeros((batch,), jnp.int32)}
-  bos = jnp.full((batch,), BOS, jnp.int32)
-  greedy = beam_search.greedy_search(step_fn, cache, bos, max_len=MAX_LEN, eos_id=EOS, max_lengths=limits)
-  beam = beam_search.beam_search(step_fn, cache, bos, beam_size=beam_size, max_len=MAX_LEN, eos_id=EOS,
-                                 alpha=alpha, max_lengths=limits)
+  bos = jnp.full((batch, 1), BOS, jnp.int32)
+  greedy = decoding.decode(step_fn, cache, bos, max_len=MAX_LEN, eos_id=EOS, max_lengths=limits)
+  beam = decoding.beam_search(step_fn, cache, bos, beam_size=beam_size, max_len=MAX_LEN, eos_id=EOS,
+                              alpha=alpha, max_lengths=limits)
   return greedy, beam
 
 
@@ -138,14 +138,14 @@ def test_short_poor_hypotheses_do_not_end_the_search():
   def step_fn(tokens, cache, index):
     deviated = cache['deviated'] | ((index > 0) & (tokens[:, 0] != good[jnp.maximum(index - 1, 0)]))
     target = jnp.where(deviated, EOS, good[jnp.minimum(index, 5)])
-    return 10.0 * jax.nn.one_hot(target, VOCAB), {'deviated': deviated}
+    return 10.0 * jax.nn.one_hot(target, VOCAB)[:, None], {'deviated': deviated}
 
   cache = {'deviated': jnp.zeros((2,), bool)}
-  bos = jnp.full((2,), BOS, jnp.int32)
-  greedy = beam_search.greedy_search(step_fn, cache, bos, max_len=MAX_LEN, eos_id=EOS)
+  bos = jnp.full((2, 1), BOS, jnp.int32)
+  greedy = decoding.decode(step_fn, cache, bos, max_len=MAX_LEN, eos_id=EOS)
   assert hypothesis(greedy.tokens[0]) == good.tolist()
   for alpha in (0.0, 0.6):
-    beam = beam_search.beam_search(step_fn, cache, bos, beam_size=3, max_len=MAX_LEN, eos_id=EOS, alpha=alpha)
+    beam = decoding.beam_search(step_fn, cache, bos, beam_size=3, max_len=MAX_LEN, eos_id=EOS, alpha=alpha)
     np.testing.assert_array_equal(beam.tokens[:, 0], greedy.tokens)
 
 
@@ -163,15 +163,15 @@ def test_wide_beam_finds_the_exhaustive_optimum():
 
 
 def test_max_lengths_for_source_lengths():
-  limits = beam_search.max_lengths_for(jnp.array([0, 4, 100]), 1.5, 2, 20)
+  limits = decoding.max_lengths_for(jnp.array([0, 4, 100]), 1.5, 2, 20)
   np.testing.assert_array_equal(limits, [2, 8, 20])
 
 
 def test_gather_beams_reorders_rows():
   tree = {'x': jnp.arange(6)[:, None] * jnp.ones((6, 2))}  # B=2, K=3
-  reordered = beam_search.gather_beams(tree, jnp.array([[2, 2, 0], [1, 0, 0]]), 3)
+  reordered = decoding.gather_beams(tree, jnp.array([[2, 2, 0], [1, 0, 0]]), 3)
   np.testing.assert_array_equal(reordered['x'][:, 0], [2, 2, 0, 4, 3, 3])
 
 
 def test_strip_cuts_at_eos():
-  assert beam_search.strip(np.array([[5, 6, EOS, 0], [4, 4, 4, 4]]), EOS) == [[5, 6], [4, 4, 4, 4]]
+  assert decoding.strip(np.array([[5, 6, EOS, 0], [4, 4, 4, 4]]), EOS) == [[5, 6], [4, 4, 4, 4]]

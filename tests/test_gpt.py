@@ -10,8 +10,7 @@ from flax import nnx
 
 from configs import gpt as gpt_configs
 from models import decoding
-from models.gpt import GPT, GPT2Config, count_parameters
-from train.tasks.gpt import generate_tokens
+from models.gpt import GPT, GPT2Config, count_parameters, generate
 
 
 def abstract_params(preset):
@@ -49,8 +48,8 @@ def test_cached_batched_decoding_equals_recomputing_the_prefix():
   model = small_gpt()
   prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [12, 13, 14]]
   tokens, valid = decoding.left_pad(prompts, pad_id=0)
-  out, lengths = generate_tokens(model, tokens, valid, jax.random.key(0), max_new_tokens=10, temperature=0.0,
-                                 top_k=0, top_p=1.0, eos_id=None, pad_id=0)
+  out, lengths = generate(model, tokens, valid, jax.random.key(0), max_new_tokens=10, temperature=0.0,
+                          top_k=0, top_p=1.0, eos_id=None, pad_id=0)
   for row, prompt in zip(np.asarray(out), prompts):
     assert list(row) == greedy_without_cache(model, prompt, 10)
   assert list(np.asarray(lengths)) == [10, 10, 10]
@@ -62,8 +61,8 @@ def test_eos_stops_a_row_and_pads_after_it():
   free = greedy_without_cache(model, prompt[0], 6)
   eos = free[2]
   tokens, valid = decoding.left_pad(prompt, pad_id=0)
-  out, lengths = generate_tokens(model, tokens, valid, jax.random.key(0), max_new_tokens=6, temperature=0.0,
-                                 top_k=0, top_p=1.0, eos_id=eos, pad_id=0)
+  out, lengths = generate(model, tokens, valid, jax.random.key(0), max_new_tokens=6, temperature=0.0,
+                          top_k=0, top_p=1.0, eos_id=eos, pad_id=0)
   first_eos = free.index(eos)
   assert list(np.asarray(out)[0][:first_eos + 1]) == free[:first_eos + 1]
   assert np.all(np.asarray(out)[0][first_eos + 1:] == 0)

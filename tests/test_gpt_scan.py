@@ -9,9 +9,8 @@ import pytest
 from flax import nnx
 
 import support
-from models.gpt import GPT, GPT2Config
+from models.gpt import GPT, GPT2Config, generate
 from train.losses import lm_loss
-from train.tasks.gpt import generate_tokens
 
 CONFIG = GPT2Config(vocab_size=61, max_len=32, num_layers=3, num_heads=2, width=16, dropout=0.0)
 
@@ -77,8 +76,8 @@ def test_cached_greedy_decoding_matches_between_layouts():
   plain, scanned = twin_models()
   prompt = tokens(batch=2, length=5, seed=3)
   valid = jnp.ones(prompt.shape, bool).at[0, :2].set(False)  # a left-padded row
-  outputs = [np.asarray(generate_tokens(m, prompt, valid, jax.random.key(0), max_new_tokens=8, temperature=0.0, top_k=0,
-                                        top_p=1.0, eos_id=None, pad_id=0)[0]) for m in (plain, scanned)]
+  outputs = [np.asarray(generate(m, prompt, valid, jax.random.key(0), max_new_tokens=8, temperature=0.0, top_k=0,
+                                 top_p=1.0, eos_id=None, pad_id=0)[0]) for m in (plain, scanned)]
   np.testing.assert_array_equal(outputs[0], outputs[1])
   cache = scanned.init_cache(2, 13)
   assert cache['self']['k'].shape == (3, 2, 2, 13, 8)

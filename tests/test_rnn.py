@@ -263,16 +263,16 @@ def test_sequential_sampler_rejects_gradient_accumulation():
 
 def test_sampling_a_left_padded_prompt_ignores_the_padding():
   """The shared sampler pads prompts on the left; padded steps must not change the RNN state."""
-  from train.tasks.rnn_lm import generate_tokens
+  from models.rnn_lm import generate
   task = lm_task('random')
   model = task.build_model(nnx.Rngs(0))
   prompts = [[5, 6, 7, 8], [9, 10]]
   from models.decoding import left_pad
   tokens, valid = left_pad(prompts, 0)
-  out, _ = generate_tokens(model, tokens, valid, jax.random.key(0), max_new_tokens=4, temperature=0.0, top_k=0,
-                           top_p=1.0, eos_id=None, pad_id=0)
-  alone, _ = generate_tokens(model, jnp.asarray([prompts[1]]), jnp.ones((1, 2), bool), jax.random.key(0),
-                             max_new_tokens=4, temperature=0.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0)
+  out, _ = generate(model, tokens, valid, jax.random.key(0), max_new_tokens=4, temperature=0.0, top_k=0,
+                    top_p=1.0, eos_id=None, pad_id=0)
+  alone, _ = generate(model, jnp.asarray([prompts[1]]), jnp.ones((1, 2), bool), jax.random.key(0),
+                      max_new_tokens=4, temperature=0.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0)
   np.testing.assert_array_equal(out[1], alone[0])
   # Greedy continuation equals the argmax of the model run on the growing sequence.
   sequence = list(prompts[1])

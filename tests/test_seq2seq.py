@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import beam_search
+from models import decoding
 from models.rnn import run_cell
 from models.seq2seq import Seq2Seq, Seq2SeqConfig
 
@@ -84,7 +84,7 @@ def test_step_decoding_equals_teacher_forcing(attention_type):
   state = model.encode(src, src_valid)
   for t in range(T):
     step_logits, state = model.decode_step(tgt_in[:, t:t + 1], state, t)
-    np.testing.assert_allclose(step_logits, logits[:, t], atol=1e-5)
+    np.testing.assert_allclose(step_logits[:, 0], logits[:, t], atol=1e-5)
 
 
 def test_dropout_is_off_when_deterministic_and_on_in_training():
@@ -101,8 +101,8 @@ def test_beam_search_reorders_the_state_correctly():
   model = make('bahdanau', seed=3)
   src, src_valid, _ = inputs(1)
   bos, eos = 1, 2
-  result = beam_search.beam_search(model.decode_step, model.encode(src, src_valid), jnp.full((B,), bos),
-                                   beam_size=3, max_len=6, eos_id=eos, alpha=0.0)
+  result = decoding.beam_search(model.decode_step, model.encode(src, src_valid), jnp.full((B, 1), bos),
+                                beam_size=3, max_len=6, eos_id=eos, alpha=0.0)
   best = np.asarray(result.tokens[:, 0])  # [B, 6]: tokens, EOS, then padding
   length = 1 + np.argmax(best == eos, axis=1)
   tgt_in = jnp.asarray(np.concatenate([np.full((B, 1), bos), best[:, :-1]], axis=1))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import beam_search
+from models import decoding
 from models.layers import sinusoidal_positions
 from models.transformer import Transformer, TransformerConfig, count_parameters, parameter_count, translate
 
@@ -46,7 +46,7 @@ def test_cached_decoding_equals_full_forward(overrides):
   step = nnx.jit(Transformer.decode_step)
   for index in range(target.shape[1]):
     logits, cache = step(model, target[:, index:index + 1], cache, index)
-    np.testing.assert_allclose(logits, full[:, index], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[:, 0], full[:, index], atol=1e-5, rtol=1e-5)
 
 
 def test_padded_source_positions_change_no_logit():
@@ -124,7 +124,7 @@ def peaky_model(seed):
 
 def teacher_forced_logprob(model, source, tokens):
   """Per row: sum of log p(token) over the tokens up to EOS, from one uncached forward pass."""
-  rows = [row + [EOS] for row in beam_search.strip(tokens, EOS)]
+  rows = [row + [EOS] for row in decoding.strip(tokens, EOS)]
   target_in = np.full((len(rows), max(map(len, rows))), PAD, np.int32)
   for r, row in enumerate(rows):
     target_in[r, :len(row)] = [BOS] + row[:-1]
@@ -134,7 +134,7 @@ def teacher_forced_logprob(model, source, tokens):
 
 
 def test_translate_beam_scores_are_exact_and_beat_greedy():
-  # (beam size 1 == greedy is tested on a toy model in test_beam_search.py)
+  # (beam size 1 == greedy is tested on a toy model in test_beam_search.py and on every family in test_decoding.py)
   model = peaky_model(5)
   source, _ = batch(5, rows=6)
   kwargs = dict(bos_id=BOS, eos_id=EOS, max_len_ratio=1.0, max_len_offset=4)
@@ -142,10 +142,10 @@ def test_translate_beam_scores_are_exact_and_beat_greedy():
   beam, beam_scores = translate(model, source, beam_size=4, alpha=0.6, **kwargs)
   # Scores are re-derived from the uncached model, so cache reordering errors would show here.
   logprob, lengths = teacher_forced_logprob(model, source, beam)
-  np.testing.assert_allclose(beam_scores, logprob / beam_search.length_penalty(lengths, 0.6), rtol=1e-4)
+  np.testing.assert_allclose(beam_scores, logprob / decoding.length_penalty(lengths, 0.6), rtol=1e-4)
   greedy_rescored, greedy_lengths = teacher_forced_logprob(model, source, greedy)
   np.testing.assert_allclose(greedy_logprob, greedy_rescored, rtol=1e-4)
-  greedy_scores = greedy_rescored / beam_search.length_penalty(greedy_lengths, 0.6)
+  greedy_scores = greedy_rescored / decoding.length_penalty(greedy_lengths, 0.6)
   assert np.all(np.asarray(beam_scores) >= greedy_scores - 1e-4)
   assert not np.array_equal(beam, greedy), 'the test should exercise a case where beam search differs'
 

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from data import sources, translation
-from models import beam_search
+from models import decoding
 from train import task as task_lib
 
 SHOWN_TRANSLATIONS = 5
@@ -74,7 +74,7 @@ class TranslationTask(task_lib.Task):
       padded = np.full((batch, chunk.shape[1]), tok.pad_id, np.int32)
       padded[:len(chunk)] = chunk
       tokens = self.translate_batch(model, jnp.asarray(padded), beam_size)
-      outputs.extend(beam_search.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
+      outputs.extend(decoding.strip(np.asarray(tokens)[:len(chunk)], tok.eos_id))
     return outputs
 
   def encode_sources(self, lines: list[str]) -> np.ndarray:

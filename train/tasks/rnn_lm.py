@@ -26,7 +26,7 @@ from flax import nnx
 from data import sources
 from errors import ConfigError
 from data.lm import get_tokenizer, split_documents
-from models import decoding
+from models import rnn_lm as rnn_lm_model
 from models.rnn_lm import RNNLM, RNNLMConfig
 from train import sampling
 from train import task as task_lib
@@ -106,17 +106,6 @@ def stream_perplexity(model: RNNLM, stream: np.ndarray, num_rows: int, seq_len: 
   return float(np.exp(total / count))
 
 
-@nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))
-def generate_tokens(model: RNNLM, tokens, valid, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id):
-  """Continue left-padded prompts [B, P] with the shared sampler; the RNN state is its cache."""
-  def step_fn(step_tokens, positions, key_valid, state, index):
-    mask = jax.lax.dynamic_slice_in_dim(key_valid, index, step_tokens.shape[1], axis=1)
-    return model(step_tokens, state, mask)
-  return decoding.generate(step_fn, model.initial_state(tokens.shape[0]), tokens, valid, rng,
-                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           eos_id=eos_id, pad_id=pad_id)
-
-
 def validate(config):
   if config.data.sampler not in SAMPLERS:
     raise ConfigError(f'config.data.sampler={config.data.sampler!r}: use one of {SAMPLERS}.')
@@ -134,9 +123,7 @@ class Task(task_lib.Task):
   def sequential(self) -> bool:
     return self.config.data.sampler == 'sequential'
 
-  @property
-  def generate(self):
-    return generate_tokens
+  generate = staticmethod(rnn_lm_model.generate)
 
   def load_data(self, workdir):
     data, train = self.config.data, self.config.train

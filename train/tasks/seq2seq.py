@@ -14,16 +14,13 @@ from __future__ import annotations
 import os
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from data import sources
 from data import translation
 from errors import ConfigError
-from models import beam_search
-from models.seq2seq import ATTENTION_TYPES, Seq2Seq, Seq2SeqConfig
+from models.seq2seq import ATTENTION_TYPES, Seq2Seq, Seq2SeqConfig, translate
 from train import pictures
 from train.losses import lm_loss
 from train.translation import TranslationTask
@@ -69,25 +66,6 @@ def keep_numbers_at_least(pairs, minimum: int):
   return [(s, t) for s, t in pairs if (english_number(s) or 0) >= minimum]
 
 
-def translate_batch(model: Seq2Seq, source: jax.Array, *, bos_id: int, eos_id: int, pad_id: int, max_len: int,
-                    beam_size: int, alpha: float, max_len_ratio: float) -> jax.Array:
-  """source [B, S] (padded) -> [B, max_len] output tokens, EOS-terminated (greedy when beam_size == 1)."""
-  source_valid = source != pad_id
-  state = model.encode(source, source_valid)
-  limits = beam_search.max_lengths_for(source_valid.sum(-1), max_len_ratio, 10, max_len)
-  bos = jnp.full((source.shape[0],), bos_id, jnp.int32)
-  if beam_size == 1:
-    return beam_search.greedy_search(model.decode_step, state, bos, max_len=max_len, eos_id=eos_id, pad_id=pad_id,
-                                     max_lengths=limits).tokens
-  result = beam_search.beam_search(model.decode_step, state, bos, beam_size=beam_size, max_len=max_len,
-                                   eos_id=eos_id, pad_id=pad_id, alpha=alpha, max_lengths=limits)
-  return result.tokens[:, 0]
-
-
-_translate = nnx.jit(translate_batch, static_argnames=('bos_id', 'eos_id', 'pad_id', 'max_len', 'beam_size', 'alpha',
-                                                       'max_len_ratio'))
-
-
 def validate(config):
   if config.model.attention_type not in ATTENTION_TYPES:
     raise ConfigError(f'config.model.attention_type={config.model.attention_type!r}: use one of {ATTENTION_TYPES}.')
@@ -121,9 +99,10 @@ class Task(TranslationTask):
 
   def translate_batch(self, model, source, beam_size):
     tok, decode = self.tokenizer, self.config.decode
-    return _translate(model, source, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                      max_len=self.config.data.seq_len, beam_size=max(beam_size, 1),
-                      alpha=float(decode.length_penalty), max_len_ratio=float(decode.max_len_ratio))
+    tokens, _ = translate(model, source, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                          max_len=self.config.data.seq_len, beam_size=beam_size, alpha=float(decode.length_penalty),
+                          max_len_ratio=float(decode.max_len_ratio))
+    return tokens
 
   # ------------------------------------------------------------------ pictures
   def attention_images(self, model, source, outputs, workdir):
