@@ -191,7 +191,6 @@ def _jsonable(value):
 
 def _unknown_override(argv) -> str | None:
   """The message for the first `--config.<key>=` override whose key the config file lacks."""
-  import difflib
   import importlib.util
   spec_arg = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), 'configs/default.py')
   path, _, preset = spec_arg.partition(':')
@@ -199,17 +198,15 @@ def _unknown_override(argv) -> str | None:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config(preset) if preset else module.get_config()
-  from train.validation import flatten
+  from train.validation import flatten, unknown_key_message
   known = flatten(config)
   for arg in argv:
     if arg.startswith('--config.'):
       key = arg[len('--config.'):].split('=', 1)[0]
       if key not in known and not any(k.startswith(key + '.') for k in known):
-        close = difflib.get_close_matches(key, list(known), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ''
         where = (f'{os.path.join(preset, "config.json")} (the run being reloaded)' if path == 'configs/run.py'
                  else f'{path} and configs/base.py')
-        return f"Unknown config key '{key}'.{hint} Valid keys are listed in {where}."
+        return unknown_key_message(key, known, where)
   return None
 
 

@@ -42,14 +42,17 @@ def reference_config(config) -> ml_collections.ConfigDict:
   return module.get_config(preset)
 
 
+def unknown_key_message(key: str, known, where: str) -> str:
+  close = difflib.get_close_matches(key, list(known), n=1)
+  hint = f" Did you mean '{close[0]}'?" if close else ''
+  return f"Unknown config key '{key}'.{hint} Valid keys are listed in {where}."
+
+
 def check_keys_and_types(config, reference) -> None:
   given, expected = flatten(config), flatten(reference)
   for key, value in given.items():
     if key not in expected:
-      close = difflib.get_close_matches(key, list(expected), n=1)
-      hint = f" Did you mean '{close[0]}'?" if close else ''
-      raise ConfigError(f"Unknown config key '{key}'.{hint} Valid keys are listed in configs/{config.family}.py "
-                        f'and configs/base.py.')
+      raise ConfigError(unknown_key_message(key, expected, f'configs/{config.family}.py and configs/base.py'))
     want = type(expected[key])
     if expected[key] is None or value is None:
       continue
