@@ -10,6 +10,9 @@ training runs. Ends with one JSON line:
 
   model, params, batch, seq_len     what ran
   compile_s                         lowering + XLA compilation of the train step
+  init_s                            compiling and running the sharded initialiser (`rng_impl`: the PRNG)
+  attention_kernel                  the attention the compiled train step runs, read from its HLO
+                                    (fused cuDNN / Pallas kernels are custom calls; else XLA einsum)
   step_ms, tokens_per_s             median over the timed steps (tokens = batch x seq_len)
   step_cpu_ms                       this process's CPU time per step, all threads (less sensitive than
                                     wall time to other jobs on a shared machine)
@@ -24,7 +27,9 @@ training runs. Ends with one JSON line:
                                     with a `Task.generate`; null otherwise or with decode=False
   peak_rss_mb                       the process's peak resident memory
   memory                            XLA's compiled buffer sizes per device next to train/memory.py's
-                                    estimate (arguments, outputs, temporaries)
+                                    estimate (arguments, outputs, temporaries: e.g. GPT's chunked
+                                    cross-entropy, train.loss_chunk_tokens, keeps [B, L, V] float32
+                                    logits out of them)
 """
 from __future__ import annotations
 
@@ -136,7 +141,9 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   estimate = memory.estimate(config, spec.abstract, spec.shardings, mesh)
   batch_size, seq_len = config.train.batch_size, config.data.seq_len
   local = task.example_batch(batch_size // jax.process_count())
-  state = state_lib.init_state(spec, task.build_model, tx, config.seed)
+  start = time.perf_counter()
+  state = jax.block_until_ready(state_lib.init_state(spec, task.build_model, tx, config.seed))
+  init_s = time.perf_counter() - start
   with jax.set_mesh(mesh):
     batch = sharding.global_batch(local, mesh)
     step_fn = jax.jit(make_train_step(task, spec.graphdef, tx, config.train.grad_accum),
@@ -146,22 +153,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     ceiling_before = matmul_tflops(config.model.dtype)
-    for _ in range(warmup):
-      state, (scalars, _) = compiled(state, batch)
-    jax.block_until_ready(scalars)
-    times = []
-    cpu_start = time.process_time()
-    for _ in range(steps):
-      begin = time.perf_counter()
-      state, (scalars, _) = compiled(state, batch)
-      float(scalars['loss'])  # wait for the step, as a training loop logging the loss would
-      times.append(time.perf_counter() - begin)
-    cpu_per_step = (time.process_time() - cpu_start) / steps
-    if profile_dir:
-      with jax.profiler.trace(profile_dir):
-        for _ in range(3):
-          state, (scalars, _) = compiled(state, batch)
-        float(scalars['loss'])
+    state, scalars, times, cpu_per_step = _time_steps(compiled, state, batch, steps, warmup, profile_dir)
     ceiling = (ceiling_before + matmul_tflops(config.model.dtype)) / 2
     model = state_lib.model_of(spec, state)
     new_tokens = min(config.decode.max_new_tokens, _max_new(config, model))
@@ -178,7 +170,8 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'batch': batch_size, 'seq_len': seq_len, 'tokens_per_s': round(tokens_per_s, 1),
       'step_ms': round(1000 * step_s, 2), 'step_ms_min_max': [round(1000 * min(times), 2), round(1000 * max(times), 2)],
       'step_cpu_ms': round(1000 * cpu_per_step, 2),
-      'compile_s': round(compile_s, 2), 'model_flops_per_token': flops,
+      'compile_s': round(compile_s, 2), 'init_s': round(init_s, 2), 'rng_impl': spec.rng_impl,
+      'model_flops_per_token': flops,
       'achieved_tflops': None if achieved is None else round(achieved, 4),
       'matmul_tflops': round(ceiling, 4), 'mfu': None if achieved is None else round(achieved / ceiling, 4),
       'datasheet_tflops': peak, 'mfu_datasheet': None if achieved is None or not peak else round(achieved / peak, 4),
@@ -187,9 +180,40 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
                  'estimate_mb': estimate.as_mb()},
       'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
-      'attention': getattr(task.model_config, 'attention', None), 'scan_layers': config.model.get('scan_layers'),
+      'attention': getattr(task.model_config, 'attention', None),
+      'attention_kernel': attention_kernel(compiled.as_text()), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }
+
+
+def _time_steps(compiled, state, batch, steps: int, warmup: int, profile_dir: str | None):
+  """(state, last scalars, wall seconds per timed step, CPU seconds per step)."""
+  for _ in range(warmup):
+    state, (scalars, _) = compiled(state, batch)
+  jax.block_until_ready(scalars)
+  times = []
+  cpu_start = time.process_time()
+  for _ in range(steps):
+    begin = time.perf_counter()
+    state, (scalars, _) = compiled(state, batch)
+    float(scalars['loss'])  # wait for the step, as a training loop logging the loss would
+    times.append(time.perf_counter() - begin)
+  cpu_per_step = (time.process_time() - cpu_start) / steps
+  if profile_dir:
+    with jax.profiler.trace(profile_dir):
+      for _ in range(3):
+        state, (scalars, _) = compiled(state, batch)
+      float(scalars['loss'])
+  return state, scalars, times, cpu_per_step
+
+
+def attention_kernel(hlo_text: str) -> str:
+  """Which attention the compiled program runs, read from its HLO: fused kernels are custom calls."""
+  if '__cudnn$fmha' in hlo_text:
+    return 'cudnn fused attention'
+  if 'tpu_custom_call' in hlo_text:
+    return 'pallas kernel (tpu_custom_call)'
+  return 'xla (einsum + softmax)'
 
 
 def _max_new(config, model) -> int:
