@@ -4,7 +4,7 @@ Commands (CPU, 2 cores):
   python launch.py --config=configs/rnn_lm.py                 # GRU, sequential partitioning
   python launch.py --config=configs/rnn_lm.py:random          # the same budget, random sampling
 Expected result (measured, 1,500 steps = 3.1M characters, one pass over the data, about 4-6 minutes):
-                      eval/perplexity (windows from a zero state)   stream_perplexity (state carried)
+                      eval/perplexity (windows from a zero state)   eval/stream_perplexity (state carried)
   default (sequential)                 4.28                                    3.68
   random                               3.92                                    3.70
 Read as a stateful model (the held-out stream with the state carried, what sequential
@@ -21,7 +21,7 @@ Presets:
   tiny      tests: seconds
 
 Both samplers read the same token stream for the same number of steps. Metrics: eval/perplexity
-on held-out windows read from a zero state, and stream_perplexity on the held-out stream read
+on held-out windows read from a zero state, and eval/stream_perplexity on the held-out stream read
 with the state carried across windows. Gradients are clipped to global norm train.grad_clip.
 Other data: --config.data.source=text:'/path/*.txt'. Sampler: --config.data.sampler=random|sequential.
 """

@@ -12,7 +12,7 @@ The training documents become one token stream (documents joined by EOS). `data.
 
 Both samplers read the same tokens, so the same `train.steps` is the same budget. Evaluation:
 the trainer's eval/loss and eval/perplexity are on held-out windows, each from a zero state;
-`evaluate` adds 'stream_perplexity', the held-out stream read sequentially with the state carried
+`evaluate` adds 'eval/stream_perplexity', the held-out stream read sequentially with the state carried
 throughout, and samples continuations of `decode.prompts`.
 """
 from __future__ import annotations
