@@ -48,7 +48,7 @@ def classification_datasets(task: task_lib.Task, workdir: str, tokenizer=None) -
     tokenizer.save(workdir)
   task.tokenizer = tokenizer
   encode = lambda part: grain.MapDataset.source(
-      classification.encode_examples(splits[part], tokenizer, labels, config.data.seq_len))
+      classification.encode_examples(splits[part], tokenizer, labels, config.data.seq_len, split=part))
   return task_lib.Datasets(train=encode('train'), eval=encode('valid'), test=encode('test'))
 
 

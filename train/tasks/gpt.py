@@ -19,8 +19,8 @@ from train.losses import lm_loss
 class Task(task_lib.Task):
 
   def prepare(self, workdir):
-    self.tokenizer, train, evaluation = lm_datasets(self.config.data, workdir, self.config.seed)
-    return task_lib.Datasets(train=train, eval=evaluation)
+    self.tokenizer, train, evaluation, test = lm_datasets(self.config.data, workdir, self.config.seed)
+    return task_lib.Datasets(train=train, eval=evaluation, test=test)
 
   def model_config(self) -> GPT2Config:
     from models.attention import default_attention_implementation

@@ -128,7 +128,7 @@ class Task(task_lib.Task):
 
   def prepare(self, workdir):
     data, train = self.config.data, self.config.train
-    train_docs, eval_docs = split_documents(data, self.config.seed)
+    train_docs, eval_docs, _ = split_documents(data, self.config.seed)
     self.tokenizer = get_tokenizer(data, workdir, (text for _, text in train_docs))
     train_stream = token_stream(train_docs, self.tokenizer, data.max_examples * data.seq_len + 1)
     eval_batch = train.eval_batch_size or train.batch_size

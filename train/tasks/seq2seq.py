@@ -101,11 +101,11 @@ class Task(task_lib.Task):
       splits = translation.Splits(*(keep_numbers_at_least(pairs, data.min_number)
                                     for pairs in (splits.train, splits.validation, splits.test)))
     self.tokenizer = translation.get_tokenizer(data, workdir, splits.train)
-    encode = lambda pairs, drop: translation.encode_pairs(self.tokenizer, pairs, data.seq_len, data.seq_len,
-                                                          drop_long=drop)
-    train, _ = encode(splits.train, True)
-    validation, _ = encode(splits.validation, False)
-    test, _ = encode(splits.test, False)
+    encode = lambda pairs, split: translation.encode_pairs(self.tokenizer, pairs, data.seq_len, data.seq_len,
+                                                           drop_long=split == 'train', split=split)
+    train, _ = encode(splits.train, 'train')
+    validation, _ = encode(splits.validation, 'valid')
+    test, _ = encode(splits.test, 'test')
     self.test_pairs = splits.test
     as_dataset = translation.as_dataset
     return task_lib.Datasets(train=as_dataset(train), eval=as_dataset(validation), test=as_dataset(test))

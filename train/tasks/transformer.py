@@ -92,14 +92,14 @@ class Task(task_lib.Task):
     data = self.config.data
     self.splits = translation.load_pairs(data, self.config.seed)
     self.tokenizer = translation.get_tokenizer(data, workdir, self.splits.train)
-    encode = lambda pairs, drop: translation.encode_pairs(self.tokenizer, pairs, data.seq_len, data.seq_len,
-                                                          drop_long=drop)[0]
-    train = encode(self.splits.train, True)
+    encode = lambda pairs, split: translation.encode_pairs(self.tokenizer, pairs, data.seq_len, data.seq_len,
+                                                           drop_long=split == 'train', split=split)[0]
+    train = encode(self.splits.train, 'train')
     if not len(train['source']):
       raise sources.DataError(f'No training pair fits in data.seq_len={data.seq_len} tokens; raise data.seq_len.')
     as_dataset = translation.as_dataset
-    return task_lib.Datasets(train=as_dataset(train), eval=as_dataset(encode(self.splits.validation, False)),
-                             test=as_dataset(encode(self.splits.test, False)))
+    return task_lib.Datasets(train=as_dataset(train), eval=as_dataset(encode(self.splits.validation, 'valid')),
+                             test=as_dataset(encode(self.splits.test, 'test')))
 
   def train_batches(self, examples, batch_size, seed):
     width = self.config.data.bucket_width
