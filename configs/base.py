@@ -24,9 +24,17 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
   c.model.dropout = 0.1
 
+  # Splits (the rule, for every family; details in data/sources.py): a source named for a split is
+  # used whole (a file, a glob, a TFDS split); a split not named is carved out of `source` by a
+  # deterministic hash split (or its own held-out data: numbers_en_fr, TFDS translation sets), and
+  # `source` trains on the rest. Only `source`: train/valid/test all out of it. `source` +
+  # `eval_source`: source trains whole, eval_source is validation and test. `source` +
+  # `test_source`: validation out of source, test_source is test. All three: each whole.
   c.data = ml_collections.ConfigDict()
-  c.data.source = ''  # 'tfds:<name>[:<split>]', 'text:<glob>', 'tsv:<path>' or a built-in name
-  c.data.eval_source = ''  # '' = a deterministic held-out split of `source`
+  c.data.source = ''  # training: 'tfds:<name>[:<split>]', 'text:<glob>', 'tsv:<path>' or a built-in name
+  c.data.eval_source = ''  # validation (evaluated during training, picks the best checkpoint); '' = out of `source`
+  c.data.test_source = ''  # the final evaluation; '' = the eval_source data (out of `source` when that is '' too)
+  c.data.max_malformed_fraction = 0.01  # tsv: malformed lines are skipped and counted; above this share, an error
   c.data.seq_len = 128
   c.data.tokenizer = 'bpe'  # 'char' | 'bpe' | 'wordpiece'
   c.data.vocab_size = 8192

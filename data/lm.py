@@ -2,7 +2,8 @@
 
 Each example is {'tokens': int32 [seq_len + 1]}: inputs are tokens[:-1], targets tokens[1:].
 Documents are joined with the tokenizer's EOS id so a window may span a document boundary, as in
-GPT-2 training. Train and eval come from disjoint documents.
+GPT-2 training. Splits follow the rule of data/sources.py; validation is held out of data.source
+by disjoint documents.
 """
 from __future__ import annotations
 
@@ -41,21 +42,36 @@ def read_documents(source: str, default_split: str = 'train') -> list[tuple[str,
                           f'tfds:<name>[:<split>].')
 
 
-def split_documents(data_config, seed: int):
-  """(train documents, eval documents): `data.eval_source`, or a deterministic held-out split."""
-  train_docs = read_documents(data_config.source)
-  if data_config.eval_source:
-    return train_docs, read_documents(data_config.eval_source, default_split='validation')
-  if len(train_docs) == 1:  # one file: hold out its tail
-    key, text = train_docs[0]
+def _carve(documents: list[tuple[str, str]], source: str, held_out: tuple[str, ...],
+           seed: int) -> dict[str, sources.Part]:
+  """The training documents and, when 'valid' is in `held_out`, EVAL_FRACTION of them by a hash
+  of their keys (of a single document: its tail). LM families hold out one split (no 'test')."""
+  Part = sources.Part
+  if 'valid' not in held_out:
+    return {'train': Part(documents, f'{source}, whole (data.source)')}
+  if len(documents) == 1:  # one file: hold out its tail
+    key, text = documents[0]
     cut = int(len(text) * (1 - EVAL_FRACTION))
-    return [(key, text[:cut])], [(key + ':eval', text[cut:])]
-  train_idx, eval_idx = sources.deterministic_split([k for k, _ in train_docs], [1 - EVAL_FRACTION, EVAL_FRACTION],
+    return {'train': Part([(key, text[:cut])], f'{source}, the first {1 - EVAL_FRACTION:.0%} of the text'),
+            'valid': Part([(key + ':eval', text[cut:])], f'{source}, the last {EVAL_FRACTION:.0%} of the text')}
+  train_idx, eval_idx = sources.deterministic_split([k for k, _ in documents], [1 - EVAL_FRACTION, EVAL_FRACTION],
                                                     seed)
   if not eval_idx:
     eval_idx = train_idx[-1:]
     train_idx = train_idx[:-1]
-  return [train_docs[i] for i in train_idx], [train_docs[i] for i in eval_idx]
+  return {'train': Part([documents[i] for i in train_idx], f'{source}, the documents not held out'),
+          'valid': Part([documents[i] for i in eval_idx], f'{source}, a {EVAL_FRACTION:.0%} hash split')}
+
+
+def split_documents(data_config, seed: int):
+  """(train, valid, test) documents by the rule of data/sources.py (data.source, data.eval_source,
+  data.test_source); test is the valid list itself unless data.test_source names one. Prints one
+  line per split."""
+  parts = sources.split_roles(
+      data_config, lambda source, held_out: _carve(read_documents(source), source, held_out, seed),
+      lambda source, role: read_documents(source, default_split=sources.TFDS_SPLITS[role]))
+  sources.report_splits(parts, 'documents')
+  return tuple(parts[role].examples for role in sources.ROLES)
 
 
 def get_tokenizer(data_config, workdir: str, train_texts) -> Tokenizer:
@@ -73,8 +89,13 @@ def get_tokenizer(data_config, workdir: str, train_texts) -> Tokenizer:
   return tokenizer
 
 
-def pack(documents: list[tuple[str, str]], tokenizer: Tokenizer, seq_len: int, max_examples: int = 0) -> np.ndarray:
-  """Tokenize, join with EOS and cut into [N, seq_len + 1] windows (the ragged tail is dropped)."""
+def pack(documents: list[tuple[str, str]], tokenizer: Tokenizer, seq_len: int, max_examples: int = 0,
+         split: str = '') -> np.ndarray:
+  """Tokenize, join with EOS and cut into [N, seq_len + 1] windows.
+
+  The ragged tail (fewer tokens than a window) is dropped; with a `split` name, one line says how
+  many tokens that is (a warning above sources.WARN_FRACTION of the split's tokens).
+  """
   separator = tokenizer.eos_id
   ids = tokenizer.encode_batch([text for _, text in documents])
   stream = []
@@ -83,19 +104,27 @@ def pack(documents: list[tuple[str, str]], tokenizer: Tokenizer, seq_len: int, m
     stream.append(separator)
   window = seq_len + 1
   count = len(stream) // window
-  if max_examples:
-    count = min(count, max_examples)
   if count == 0:
     raise sources.DataError(f'The data has {len(stream)} tokens, fewer than one sequence of data.seq_len + 1 = '
                             f'{window}; use more text or a smaller data.seq_len.')
+  if split:
+    line = (f'{split} split: {count} windows of {window} tokens; the last {len(stream) - count * window} of '
+            f'{len(stream)} tokens are dropped (less than a window).')
+    print(f'WARNING: {line}' if len(stream) - count * window > sources.WARN_FRACTION * len(stream) else line,
+          flush=True)
+  if max_examples:
+    count = min(count, max_examples)
   return np.asarray(stream[: count * window], dtype=np.int32).reshape(count, window)
 
 
 def lm_datasets(data_config, workdir: str, seed: int):
-  """(tokenizer, train MapDataset, eval MapDataset) of {'tokens': int32 [seq_len + 1]} examples."""
-  train_docs, eval_docs = split_documents(data_config, seed)
+  """(tokenizer, train, valid, test MapDatasets) of {'tokens': int32 [seq_len + 1]} examples; test
+  is the valid dataset itself unless data.test_source names other documents."""
+  train_docs, eval_docs, test_docs = split_documents(data_config, seed)
   tokenizer = get_tokenizer(data_config, workdir, (text for _, text in train_docs))
-  train = pack(train_docs, tokenizer, data_config.seq_len, data_config.max_examples)
-  evaluation = pack(eval_docs, tokenizer, data_config.seq_len)
+  train = pack(train_docs, tokenizer, data_config.seq_len, data_config.max_examples, split='train')
   as_dataset = lambda windows: grain.MapDataset.source(windows).map(lambda w: {'tokens': w})
-  return tokenizer, as_dataset(train), as_dataset(evaluation)
+  evaluation = as_dataset(pack(eval_docs, tokenizer, data_config.seq_len, split='valid'))
+  test = evaluation if test_docs is eval_docs else as_dataset(pack(test_docs, tokenizer, data_config.seq_len,
+                                                                   split='test'))
+  return tokenizer, as_dataset(train), evaluation, test

@@ -6,22 +6,49 @@
   pystdlib                the Python standard library's own sources, an offline LM corpus
   <other built-in name>   families register their own (numbers_en_fr, bbc_news)
 
+The split rule, the same for every family (`split_roles`):
+  data.source       training data
+  data.eval_source  validation: evaluated during training, picks the best checkpoint
+  data.test_source  the final evaluation; '' = the eval_source data
+A source named for a split is used whole: a file, a glob, or a TFDS split (`tfds:<name>` alone
+reads the split `validation` for eval_source and `test` for test_source). What is not named is
+carved out of data.source, which then trains on the rest only:
+  source only             train, validation and test all come out of it
+  source + eval_source    source trains whole; validation and test are eval_source
+  source + test_source    validation comes out of source; test is test_source
+  all three               each used whole
+Carving is a deterministic hash split, stable across runs and machines, except for sources with
+their own held-out data (numbers_en_fr, the validation/test splits of a TFDS translation set).
+Families with a single held-out split (gpt, rnn_lm, BERT pretraining; none runs a test
+evaluation) carve validation only: their test split is the validation split unless named.
+Each family prints one line per split at the start of a run: its size and where it came from.
+
 Every reader fails with one message naming the source and the fix: no files matched, empty or
-undecodable data, an unknown TFDS name.
+undecodable data (naming the file and line), an unknown TFDS name. Malformed tsv lines are skipped
+and counted, up to data.max_malformed_fraction of the file.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob as globlib
 import hashlib
 import os
 import sysconfig
-from typing import Sequence
+from typing import Callable, Sequence
 
 from errors import UserError
 
 
 class DataError(UserError):
   """Bad data input (missing path, empty or undecodable data); the message names the fix."""
+
+
+ROLES = ('train', 'valid', 'test')
+# The TFDS split a `tfds:<name>` source without one reads, by the role it is named for.
+TFDS_SPLITS = {'train': 'train', 'valid': 'validation', 'test': 'test'}
+# Examples cut or dropped to fit data.seq_len: a warning above this share of a split.
+WARN_FRACTION = 0.01
+MAX_MALFORMED_FRACTION = 0.01  # the default of data.max_malformed_fraction
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -46,16 +73,64 @@ def read_text_files(pattern: str) -> list[tuple[str, str]]:
   documents = []
   for path in paths:
     with open(path, 'rb') as f:
-      raw = f.read()
-    try:
-      text = raw.decode('utf-8')
-    except UnicodeDecodeError as e:
-      raise DataError(f'{path} is not UTF-8 text ({e}); convert it or remove it from the glob.') from e
+      text = decode_utf8(f.read(), path)
     if text.strip():
       documents.append((os.path.relpath(os.path.abspath(path), root), text))
   if not documents:
     raise DataError(f'text:{pattern} matched only empty files; nothing to train on.')
   return documents
+
+
+def decode_utf8(raw: bytes, path: str) -> str:
+  """The text of a file's bytes (a leading byte-order mark dropped), or a DataError naming the line."""
+  try:
+    return raw.decode('utf-8').removeprefix('\ufeff')
+  except UnicodeDecodeError as e:
+    line = raw.count(b'\n', 0, e.start) + 1
+    column = e.start - raw.rfind(b'\n', 0, e.start)
+    raise DataError(f'{path}:{line}: byte {column} of the line (0x{raw[e.start]:02x}) is not UTF-8; data files '
+                    f'must be UTF-8: convert it (e.g. iconv -f cp1252 -t utf-8) or fix that line.') from e
+
+
+def read_lines(path: str, form: str) -> tuple[list[tuple[int, str]], str]:
+  """([(line number, line)] of the non-blank lines of a UTF-8 file, its expanded path); `form`
+  names the expected lines (e.g. 'source<TAB>target') for the message when the file is missing.
+
+  Lines end at '\n' (or '\r\n') only: str.splitlines() also breaks at form feeds, U+2028 and
+  other separators that occur inside real messages, which cuts a record in two and misnumbers
+  every line after it.
+  """
+  path = os.path.expanduser(path)
+  if not os.path.isfile(path):
+    raise DataError(f'tsv:{path} does not exist; give the path of a file of {form} lines.')
+  with open(path, 'rb') as f:
+    text = decode_utf8(f.read(), path)
+  return [(number, line.removesuffix('\r')) for number, line in enumerate(text.split('\n'), 1)
+          if line.strip()], path
+
+
+def max_malformed_fraction(data_config) -> float:
+  """data.max_malformed_fraction, checked (configs saved before the key existed get the default)."""
+  fraction = data_config.get('max_malformed_fraction', MAX_MALFORMED_FRACTION)
+  if not 0 <= fraction <= 1:
+    raise DataError(f'data.max_malformed_fraction={fraction} must be in [0, 1] (0 = stop at the first '
+                    f'malformed line).')
+  return fraction
+
+
+def check_malformed(name: str, malformed: list[tuple[int, str]], lines: int, max_fraction: float) -> None:
+  """Print how many of a file's `lines` non-blank lines were skipped as malformed ((line number,
+  reason) each) and the first few; a DataError when they are more than `max_fraction` of them."""
+  if not malformed:
+    return
+  shown = '; '.join(f'line {number}: {reason}' for number, reason in malformed[:3])
+  if len(malformed) > 3:
+    shown += f'; ... ({len(malformed) - 3} more)'
+  if len(malformed) > max_fraction * lines:
+    raise DataError(f'{name}: {len(malformed)} of {lines} lines are malformed, more than '
+                    f'data.max_malformed_fraction={max_fraction:g} ({shown}). Fix those lines, or raise '
+                    f'data.max_malformed_fraction to skip them.')
+  print(f'{name}: skipped {len(malformed)} malformed of {lines} lines ({shown}).', flush=True)
 
 
 def pystdlib_files() -> list[tuple[str, str]]:
@@ -117,3 +192,60 @@ def deterministic_split(keys: Sequence[str], fractions: Sequence[float], seed: i
     part = next((i for i, b in enumerate(bounds) if u < b), len(bounds) - 1)
     parts[part].append(index)
   return parts
+
+
+# ----------------------------------------------------------------------------- the split rule
+@dataclasses.dataclass
+class Part:
+  """The examples of one split and where they came from (for the split report)."""
+  examples: list
+  origin: str
+
+
+def split_roles(data_config, carve: Callable[[str, tuple[str, ...]], dict[str, Part]],
+                read_whole: Callable[[str, str], list]) -> dict[str, Part]:
+  """The split rule of the module docstring, for one family's readers.
+
+  Args:
+    carve(source, held_out): data.source's parts: 'train' and each role of `held_out` (a tuple
+      of 'valid', 'test'; empty when both are named) carved out of it. A family that holds out a
+      single split returns no 'test': the test split is then the validation split.
+    read_whole(source, role): the examples of a source named for `role`, used whole.
+  Returns:
+    {'train', 'valid', 'test'} -> Part.
+  """
+  eval_source = data_config.get('eval_source', '')
+  test_source = data_config.get('test_source', '')
+  named = {'valid': eval_source, 'test': test_source or eval_source}
+  parts = carve(data_config.source, tuple(role for role in ROLES[1:] if not named[role]))
+  if eval_source:
+    parts['valid'] = Part(read_whole(eval_source, 'valid'), f'{eval_source}, whole (data.eval_source)')
+  if test_source:
+    parts['test'] = Part(read_whole(test_source, 'test'), f'{test_source}, whole (data.test_source)')
+  elif 'test' not in parts:
+    why = 'data.test_source is empty' if eval_source else 'this family holds out one split'
+    parts['test'] = Part(parts['valid'].examples, f'the valid split ({why})')
+  return parts
+
+
+def cap_train(parts: dict[str, Part], max_examples: int) -> None:
+  """Keep the first `max_examples` (data.max_examples; 0 = all) training examples, in place."""
+  train = parts['train']
+  if max_examples and len(train.examples) > max_examples:
+    parts['train'] = Part(train.examples[:max_examples], f'{train.origin}, first {max_examples} (data.max_examples)')
+
+
+def report_splits(parts: dict[str, Part], unit: str) -> None:
+  """One line per split: its size in `unit` (a plural: 'pairs') and where it came from."""
+  for role in ROLES:
+    count = len(parts[role].examples)
+    print(f'{role} split: {count} {unit if count != 1 else unit[:-1]} from {parts[role].origin}', flush=True)
+
+
+def report_fit(split: str, unit: str, total: int, cut: int, action: str, limit: str) -> None:
+  """One line on the `cut` of `total` examples of a split that exceed `limit` and were `action`
+  ('dropped', 'truncated'); a warning when they are more than WARN_FRACTION of the split."""
+  line = f'{split} split: {cut} of {total} {unit} ({cut / max(total, 1):.1%}) are longer than {limit}: {action}.'
+  if cut > WARN_FRACTION * total:
+    line = f'WARNING: {line} Raise data.seq_len to keep them whole.'
+  print(line, flush=True)

@@ -3,11 +3,15 @@
 Sources (`data.source`):
   numbers_en_fr            built-in and offline: English number words -> French number words
                            (num2words), generated deterministically from the seed
-  tsv:<path>               one `source<TAB>target` pair per line; split 90/5/5 by a hash of the line
+  tsv:<path>               one `source<TAB>target` pair per line (UTF-8; malformed lines are
+                           skipped, up to data.max_malformed_fraction); held-out pairs are a
+                           90/5/5 split by a hash of the line
   tfds:<name>[:<split>]    a TFDS translation set, e.g. tfds:wmt14_translate/de-en; the language
                            pair is read from the name ('de-en': German -> English) unless
-                           data.source_lang / data.target_lang say otherwise
-`data.eval_source` (same syntax) replaces the validation and test pairs.
+                           data.source_lang / data.target_lang say otherwise; held-out pairs are
+                           its validation and test splits
+`data.eval_source` and `data.test_source` (same syntax) name the validation and test pairs, used
+whole; the rule is in data/sources.py.
 
 Every example is a dict of int32 arrays, padded with the tokenizer's pad id:
   source      [S]  source ids + EOS
@@ -112,28 +116,25 @@ def numbers_en_fr(seed: int = 0, sizes: tuple[int, int, int] = NUMBERS_SIZES) ->
 
 
 # ----------------------------------------------------------------------------- files and TFDS
-def read_tsv(path: str) -> list[Pair]:
-  """`source<TAB>target` lines -> pairs; blank lines are skipped, anything else malformed is an error."""
-  path = os.path.expanduser(path)
-  if not os.path.isfile(path):
-    raise sources.DataError(f'tsv:{path} does not exist; give the path of a file with one '
-                            f'source<TAB>target pair per line.')
-  pairs = []
-  with open(path, encoding='utf-8', errors='strict') as f:
-    try:
-      lines = f.read().splitlines()
-    except UnicodeDecodeError as e:
-      raise sources.DataError(f'tsv:{path} is not UTF-8 ({e}); convert it first.') from e
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
-    fields = line.split('\t')
-    if len(fields) != 2 or not fields[0].strip() or not fields[1].strip():
-      raise sources.DataError(f'tsv:{path} line {number} is not "source<TAB>target" '
-                              f'({len(fields)} tab-separated fields): {line[:80]!r}.')
-    pairs.append((fields[0].strip(), fields[1].strip()))
+def read_tsv(path: str, max_malformed_fraction: float = sources.MAX_MALFORMED_FRACTION) -> list[Pair]:
+  """`source<TAB>target` lines -> pairs, both sides stripped; blank lines are skipped.
+
+  Malformed lines (not two fields, an empty side) are skipped and counted, or stop the run with a
+  DataError when they are more than `max_malformed_fraction` of the non-blank lines.
+  """
+  lines, path = sources.read_lines(path, 'source<TAB>target')
+  pairs, malformed = [], []
+  for number, line in lines:
+    fields = [field.strip() for field in line.split('\t')]
+    if len(fields) != 2:
+      malformed.append((number, f'{len(fields)} tab-separated fields, not source<TAB>target'))
+    elif not fields[0] or not fields[1]:
+      malformed.append((number, f'empty {"source" if not fields[0] else "target"}'))
+    else:
+      pairs.append((fields[0], fields[1]))
+  sources.check_malformed(f'tsv:{path}', malformed, len(lines), max_malformed_fraction)
   if not pairs:
-    raise sources.DataError(f'tsv:{path} holds no pairs.')
+    raise sources.DataError(f'tsv:{path} holds no pairs; give a file of source<TAB>target lines.')
   return pairs
 
 
@@ -165,41 +166,77 @@ def tfds_pairs(name: str, split: str, source_lang: str, target_lang: str) -> lis
   return pairs
 
 
-def _read(source: str, data_config, seed: int) -> Splits:
+def _numbers(data_config, seed: int, train: bool) -> Splits:
+  """numbers_en_fr sized by data.max_examples (generating is the slow part: num2words); without
+  `train`, only the held-out pairs (the same ones: draws that hash to training are skipped)."""
+  size = data_config.max_examples or NUMBERS_SIZES[0]
+  held_out = min(NUMBERS_SIZES[1], max(100, size // 10))
+  return numbers_en_fr(seed, (size if train else 0, held_out, held_out))
+
+
+def _unknown(source: str) -> sources.DataError:
+  return sources.DataError(f'Unknown translation source {source!r}: use numbers_en_fr, tsv:<path> or '
+                           f'tfds:<name>[:<split>] (e.g. tfds:wmt14_translate/de-en).')
+
+
+def _carve(source: str, held_out: tuple[str, ...], data_config, seed: int) -> dict[str, sources.Part]:
+  """data.source's training pairs and the held-out roles in `held_out` (see sources.split_roles)."""
   kind, argument = sources.parse_source(source)
+  Part = sources.Part
   if kind == 'numbers_en_fr':
-    # Generating is the slow part (num2words), so data.max_examples also shrinks what is generated.
-    train = data_config.max_examples or NUMBERS_SIZES[0]
-    held_out = min(NUMBERS_SIZES[1], max(100, train // 10))
-    return numbers_en_fr(seed, (train, held_out, held_out))
+    numbers = _numbers(data_config, seed, train=True)
+    origin = f'numbers_en_fr (generated from seed {seed})'
+    own = {'valid': numbers.validation, 'test': numbers.test}
+    return {'train': Part(numbers.train, origin), **{role: Part(own[role], origin) for role in held_out}}
   if kind == 'tsv':
-    pairs = read_tsv(argument)
-    parts = sources.deterministic_split([f'{s}\t{t}' for s, t in pairs], TSV_FRACTIONS, seed)
-    train, validation, test = ([pairs[i] for i in part] for part in parts)
-    if not validation or not test:
-      raise sources.DataError(f'tsv:{argument} has {len(pairs)} pairs, too few to hold out validation and '
-                              f'test pairs; add more or set data.eval_source.')
-    return Splits(train, validation, test)
+    pairs = read_tsv(argument, sources.max_malformed_fraction(data_config))
+    if not held_out:
+      return {'train': Part(pairs, f'{source}, whole (data.source)')}
+    parts = dict(zip(sources.ROLES, sources.deterministic_split([f'{s}\t{t}' for s, t in pairs], TSV_FRACTIONS,
+                                                                 seed)))
+    if any(not parts[role] for role in held_out):
+      raise sources.DataError(f'{source} has {len(pairs)} pairs, too few to hold out validation and test pairs; '
+                              f'add more or name them with data.eval_source / data.test_source.')
+    # A split named elsewhere gives its share back to training.
+    train = sorted(i for role in sources.ROLES if role == 'train' or role not in held_out for i in parts[role])
+    shares = dict(zip(sources.ROLES, TSV_FRACTIONS))
+    result = {'train': Part([pairs[i] for i in train], f'{source}, the pairs not held out')}
+    for role in held_out:
+      result[role] = Part([pairs[i] for i in parts[role]], f'{source}, a {shares[role]:.0%} hash split')
+    return result
   if kind == 'tfds':
     name, split = sources.split_tfds_source(argument, 'train')
     languages = language_pair(name, data_config)
-    if split != 'train':  # an explicit split is what the caller wants for every role
-      pairs = tfds_pairs(name, split, *languages)
-      return Splits(pairs, pairs, pairs)
-    return Splits(*(tfds_pairs(name, s, *languages) for s in ('train', 'validation', 'test')))
-  raise sources.DataError(f'Unknown translation source {source!r}: use numbers_en_fr, tsv:<path> or '
-                          f'tfds:<name>[:<split>] (e.g. tfds:wmt14_translate/de-en).')
+    result = {'train': Part(tfds_pairs(name, split, *languages), f'tfds:{name}:{split}')}
+    for role in held_out:
+      result[role] = Part(tfds_pairs(name, sources.TFDS_SPLITS[role], *languages),
+                          f'tfds:{name}:{sources.TFDS_SPLITS[role]}')
+    return result
+  raise _unknown(source)
+
+
+def _read_whole(source: str, role: str, data_config, seed: int) -> list[Pair]:
+  """The pairs of a source named for `role` ('valid' or 'test'); a built-in gives its own split."""
+  kind, argument = sources.parse_source(source)
+  if kind == 'numbers_en_fr':
+    numbers = _numbers(data_config, seed, train=False)
+    return numbers.validation if role == 'valid' else numbers.test
+  if kind == 'tsv':
+    return read_tsv(argument, sources.max_malformed_fraction(data_config))
+  if kind == 'tfds':
+    name, split = sources.split_tfds_source(argument, sources.TFDS_SPLITS[role])
+    return tfds_pairs(name, split, *language_pair(name, data_config))
+  raise _unknown(source)
 
 
 def load_pairs(data_config, seed: int) -> Splits:
-  """The raw pairs named by data.source (and data.eval_source); data.max_examples caps training."""
-  splits = _read(data_config.source, data_config, seed)
-  if data_config.eval_source:
-    held_out = _read(data_config.eval_source, data_config, seed)
-    splits = Splits(splits.train, held_out.test, held_out.test)
-  if data_config.max_examples:
-    splits.train = splits.train[: data_config.max_examples]
-  return splits
+  """The raw pairs of each split by the rule of data/sources.py (data.source, data.eval_source,
+  data.test_source); data.max_examples caps training. Prints one line per split."""
+  parts = sources.split_roles(data_config, lambda source, held_out: _carve(source, held_out, data_config, seed),
+                              lambda source, role: _read_whole(source, role, data_config, seed))
+  sources.cap_train(parts, data_config.max_examples)
+  sources.report_splits(parts, 'pairs')
+  return Splits(parts['train'].examples, parts['valid'].examples, parts['test'].examples)
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -218,13 +255,15 @@ def get_tokenizer(data_config, workdir: str, train_pairs: list[Pair]) -> Tokeniz
 
 
 def encode_pairs(tokenizer: Tokenizer, pairs: list[Pair], source_len: int, target_len: int, *,
-                 drop_long: bool) -> tuple[dict[str, np.ndarray], np.ndarray]:
+                 drop_long: bool, split: str = '') -> tuple[dict[str, np.ndarray], np.ndarray]:
   """Tokenize and pad pairs into the example arrays described in the module docstring.
 
   Args:
     source_len / target_len: S and T; EOS (and BOS) take one position each.
     drop_long: drop pairs that do not fit (training); otherwise truncate them, keeping EOS,
       so every pair keeps its row (evaluation against references).
+    split: the split's name ('train', 'valid', 'test'): prints how many pairs did not fit
+      (sources.report_fit); '' prints nothing (predictions).
   Returns:
     ({'source': [N, S], 'target_in': [N, T], 'target_out': [N, T]} int32, [N] indices of the kept
     pairs in `pairs`).
@@ -232,8 +271,11 @@ def encode_pairs(tokenizer: Tokenizer, pairs: list[Pair], source_len: int, targe
   pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
   source_ids = tokenizer.encode_batch([s for s, _ in pairs])
   target_ids = tokenizer.encode_batch([t for _, t in pairs])
-  kept = [i for i in range(len(pairs))
-          if not drop_long or (len(source_ids[i]) < source_len and len(target_ids[i]) < target_len)]
+  fits = [len(source_ids[i]) < source_len and len(target_ids[i]) < target_len for i in range(len(pairs))]
+  kept = [i for i in range(len(pairs)) if fits[i] or not drop_long]
+  if split:
+    sources.report_fit(split, 'pairs', len(pairs), fits.count(False), 'dropped' if drop_long else 'truncated',
+                       f'{source_len - 1} source / {target_len - 1} target tokens (data.seq_len)')
   arrays = {name: np.full((len(kept), length), pad, np.int32)
             for name, length in (('source', source_len), ('target_in', target_len), ('target_out', target_len))}
   for row, i in enumerate(kept):

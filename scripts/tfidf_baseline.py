@@ -2,6 +2,7 @@
 
   python scripts/tfidf_baseline.py                      # bbc_news
   python scripts/tfidf_baseline.py --source=tsv:data.tsv
+  python scripts/tfidf_baseline.py --source=tsv:train.tsv --eval_source=tsv:valid.tsv --test_source=tsv:test.tsv
 
 Fits on the train split (C chosen on the valid split) and prints one JSON line with test
 accuracy and macro-F1, the reference the Transformer classifier and BERT are compared with.
@@ -21,11 +22,11 @@ import numpy as np  # noqa: E402
 from data.classification import classification_metrics, label_names, load_splits  # noqa: E402
 
 
-def run(source: str = 'bbc_news', eval_source: str = '') -> dict:
+def run(source: str = 'bbc_news', eval_source: str = '', test_source: str = '') -> dict:
   from sklearn.feature_extraction.text import TfidfVectorizer
   from sklearn.linear_model import LogisticRegression
-  data_config = ml_collections.ConfigDict(dict(source=source, eval_source=eval_source, max_examples=0,
-                                               text_field='text', label_field='label'))
+  data_config = ml_collections.ConfigDict(dict(source=source, eval_source=eval_source, test_source=test_source,
+                                               max_examples=0, text_field='text', label_field='label'))
   splits = load_splits(data_config)
   labels = label_names(splits['train'])
   texts = {name: [e.text if e.text_b is None else f'{e.text} {e.text_b}' for e in part]
@@ -51,5 +52,6 @@ if __name__ == '__main__':
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--source', default='bbc_news')
   parser.add_argument('--eval_source', default='')
+  parser.add_argument('--test_source', default='')
   args = parser.parse_args()
-  print(json.dumps(run(args.source, args.eval_source)))
+  print(json.dumps(run(args.source, args.eval_source, args.test_source)))

@@ -135,7 +135,8 @@ def test_tsv_reader_and_pair_encoding(tmp_path, tokenizer):
   assert first['tokens'][0] == tokenizer.bos_id and (first['tokens'] == tokenizer.eos_id).sum() == 2
   bad = tmp_path / 'bad.tsv'
   bad.write_text('one\ttwo\tlabel\nonly one field\n')
-  with pytest.raises(DataError, match='bad.tsv:2 has 1 tab-separated fields'):
+  with pytest.raises(DataError, match='1 of 2 lines are malformed.*line 2: 1 tab-separated fields, not '
+                                     'text_a<TAB>text_b<TAB>label like most lines'):
     classification.read_tsv(str(bad))
 
 
@@ -167,8 +168,8 @@ def test_few_documents_still_hold_one_out_for_eval(tmp_path, monkeypatch):
   # Every key hashed to train: the last document is held out instead of failing.
   monkeypatch.setattr(bert_data.sources, 'deterministic_split', lambda keys, fractions, seed=0: [[0, 1, 2], []])
   config = ml_collections.ConfigDict({'source': 'text:x', 'eval_source': ''})
-  train, held = bert_data.pretraining_documents(config)
-  assert train == [documents[0][1], documents[1][1]] and held == [documents[2][1]]
+  train, held, test = bert_data.pretraining_documents(config)
+  assert train == [documents[0][1], documents[1][1]] and held == [documents[2][1]] and test is held
   documents[:] = documents[:2]
   monkeypatch.setattr(bert_data.sources, 'deterministic_split', lambda keys, fractions, seed=0: [[0, 1], []])
   with pytest.raises(DataError, match='needs several'):

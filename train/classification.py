@@ -35,7 +35,7 @@ def classification_data(data_config, workdir: str, tokenizer=None) -> tuple[task
   if len(labels) < 2:
     raise DataError(f'The training data has {len(labels)} label(s) {list(labels)}; a classifier needs at least 2.')
   encode = lambda part: grain.MapDataset.source(
-      classification.encode_examples(splits[part], tokenizer, list(labels), data_config.seq_len))
+      classification.encode_examples(splits[part], tokenizer, list(labels), data_config.seq_len, split=part))
   return task_lib.Datasets(train=encode('train'), eval=encode('valid'), test=encode('test')), tokenizer, labels
 
 

@@ -42,13 +42,13 @@ class TranslationTask(task_lib.Task):
     data = self.config.data
     splits = self.filter_pairs(translation.load_pairs(data, self.config.seed))
     tokenizer = translation.get_tokenizer(data, workdir, splits.train)
-    encode = lambda pairs, drop: translation.as_dataset(
-        translation.encode_pairs(tokenizer, pairs, data.seq_len, data.seq_len, drop_long=drop)[0])
-    train = encode(splits.train, True)
+    encode = lambda pairs, split: translation.as_dataset(translation.encode_pairs(
+        tokenizer, pairs, data.seq_len, data.seq_len, drop_long=split == 'train', split=split)[0])
+    train = encode(splits.train, 'train')
     if not len(train):
       raise sources.DataError(f'No training pair fits in data.seq_len={data.seq_len} tokens; raise data.seq_len.')
     self.test_pairs = splits.test
-    datasets = task_lib.Datasets(train=train, eval=encode(splits.validation, False), test=encode(splits.test, False))
+    datasets = task_lib.Datasets(train=train, eval=encode(splits.validation, 'valid'), test=encode(splits.test, 'test'))
     return task_lib.Prepared(datasets, tokenizer, self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer)))
 
   def example_batch(self, batch_size):

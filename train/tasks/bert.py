@@ -139,7 +139,7 @@ class Task(task_lib.Task):
 
   def _pretraining_datasets(self, workdir, tokenizer):
     data, seed = self.config.data, self.config.seed
-    train_texts, eval_texts = bert_data.pretraining_documents(data)
+    train_texts, eval_texts, _ = bert_data.pretraining_documents(data)
     if tokenizer is None:
       tokenizer = get_tokenizer(data, workdir, train_texts)
     else:

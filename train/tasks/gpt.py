@@ -26,8 +26,8 @@ class Task(task_lib.Task):
   generate = staticmethod(gpt_model.generate)
 
   def load_data(self, workdir):
-    tokenizer, train, evaluation = lm_datasets(self.config.data, workdir, self.config.seed)
-    return task_lib.Prepared(task_lib.Datasets(train=train, eval=evaluation), tokenizer,
+    tokenizer, train, evaluation, test = lm_datasets(self.config.data, workdir, self.config.seed)
+    return task_lib.Prepared(task_lib.Datasets(train=train, eval=evaluation, test=test), tokenizer,
                              self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer)))
 
   def resolved_from_tokenizer(self, tokenizer):

@@ -127,7 +127,7 @@ class Task(task_lib.Task):
 
   def load_data(self, workdir):
     data, train = self.config.data, self.config.train
-    train_docs, eval_docs = split_documents(data, self.config.seed)
+    train_docs, eval_docs, _ = split_documents(data, self.config.seed)
     tokenizer = get_tokenizer(data, workdir, (text for _, text in train_docs))
     train_stream = token_stream(train_docs, tokenizer, data.max_examples * data.seq_len + 1)
     eval_tokens = train.eval_steps * self.eval_batch_size * data.seq_len + 1 if train.eval_steps else 0
