@@ -83,3 +83,22 @@ def test_memory_estimate_counts_shards_exactly_and_warns(monkeypatch, capsys):
 def test_datasheet_peaks_by_device_kind():
   assert datasheet_tflops('TPU v4', 'bfloat16') == 275.0 and datasheet_tflops('TPU v5 lite', 'float32') == 197.0
   assert datasheet_tflops('NVIDIA H100 80GB HBM3', 'float32') == 494.7 and datasheet_tflops('cpu', 'float32') is None
+
+
+@pytest.mark.parametrize('family', ['bert', 'transformer'])
+def test_bench_runs_every_family_with_the_model_training_builds(family):
+  """The stand-in tokenizer goes through the same Task.bind seam as training: BERT's bench model has
+  its pretraining heads, and the parameter count is the trained model's for the same vocabulary."""
+  import importlib
+  from flax import nnx
+  from train.bench import StandInTokenizer, run_benchmark
+  from train.task import get_task
+  config = importlib.import_module(f'configs.{family}').get_config('tiny')
+  out = run_benchmark(config, steps=1, warmup=1, decode=False)
+  assert np.isfinite(out['final_loss']) and out['attention_kernel'] == 'xla (einsum + softmax)'
+  task = get_task(config)
+  task.bind_tokenizer(StandInTokenizer(config.data.vocab_size))
+  model = task.build_model(nnx.Rngs(0))
+  assert out['params'] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  if family == 'bert':
+    assert task.model_config.heads == 'pretraining'

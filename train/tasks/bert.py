@@ -93,17 +93,17 @@ class Task(task_lib.Task):
     tokenizer = source[1] if source else None
     if task == 'classify':
       datasets, tokenizer, labels = classification.classification_data(self.config.data, workdir, tokenizer)
-      resolved = {'heads': HEADS[task], 'num_classes': len(labels), 'labels': labels}
+      resolved = {'num_classes': len(labels), 'labels': labels}
     else:
       datasets, tokenizer = self._pretraining_datasets(workdir, tokenizer)
-      resolved = {'heads': HEADS[task]}
+      resolved = {}
     model_config = self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer), **resolved)
     if source:
       model_config = self._with_source_architecture(model_config, source[0])
     return task_lib.Prepared(datasets, tokenizer, model_config)
 
   def resolved_from_tokenizer(self, tokenizer):
-    return {'vocab_size': self.config.model.vocab_size or tokenizer.vocab_size}
+    return {'vocab_size': self.config.model.vocab_size or tokenizer.vocab_size, 'heads': HEADS[self.config.task]}
 
   def legacy_model_config(self, saved_config, tokenizer):
     heads = saved_config.model.get('heads') or HEADS[saved_config.task]
