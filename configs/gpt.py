@@ -13,8 +13,9 @@ Presets:
   gpt2         GPT-2 small, exactly 124,439,808 parameters (vocab 50,257, 1,024 positions)
   gpt2-medium  GPT-2 medium, 354,823,168 parameters
   bench        the reference benchmark shapes (6 layers, 384 wide, 6 heads, vocab 8,192, batch 8 x 256);
-               measured on 2 CPU cores: 1,502 train tokens/s (0.71x HF GPT-2), greedy decoding 378 / 1,133
-               new tokens/s at batch 1 / 8 (1.46x / 1.28x HF generate); README 'Speed' has the table
+               measured on 2 CPU cores: 1,265-1,277 train tokens/s (0.87x HF GPT-2 in the same runs), greedy
+               decoding 221-257 / 1,244-1,311 new tokens/s at batch 1 / 8 (1.79x / 2.13x HF generate);
+               README 'Speed' has the table
 
 Other data: --config.data.source=text:'/path/*.txt' or tfds:<name>[:<split>] (a 'text' feature).
 """
