@@ -1,0 +1,47 @@
+"""The chunked cross-entropy equals the plain one: values, metrics and gradients."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from train.losses import chunked_lm_loss, lm_loss
+
+
+@pytest.mark.parametrize('label_smoothing', [0.0, 0.1])
+@pytest.mark.parametrize('chunk', [4, 5, 1000])  # several chunks, a ragged last chunk, one chunk
+def test_chunked_cross_entropy_equals_the_plain_one(label_smoothing, chunk):
+  keys = jax.random.split(jax.random.key(0), 4)
+  hidden = jax.random.normal(keys[0], (3, 7, 16))
+  table = jax.random.normal(keys[1], (50, 16))
+  targets = jax.random.randint(keys[2], (3, 7), 0, 50)
+  weights = (jax.random.uniform(keys[3], (3, 7)) > 0.3).astype(jnp.float32)
+  plain = lambda h, w: lm_loss(h @ w.T, targets, weights, label_smoothing)
+  chunked = lambda h, w: chunked_lm_loss(h, w, targets, weights, label_smoothing, chunk_tokens=chunk)
+  (loss, metrics), (loss_c, metrics_c) = plain(hidden, table), chunked(hidden, table)
+  np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
+  for name in ('loss', 'accuracy'):
+    np.testing.assert_allclose(np.asarray(metrics_c[name]), np.asarray(metrics[name]), rtol=1e-6)
+  grads = jax.grad(lambda h, w: plain(h, w)[0], argnums=(0, 1))(hidden, table)
+  grads_c = jax.grad(lambda h, w: chunked(h, w)[0], argnums=(0, 1))(hidden, table)
+  for g, g_c in zip(grads, grads_c):
+    np.testing.assert_allclose(g_c, g, atol=1e-6)
+
+
+def test_gpt_task_loss_is_the_same_chunked_or_not():
+  from configs import gpt
+  from data.tokenizers import CharTokenizer
+  from train.task import get_task
+  losses = []
+  for chunk in (0, 24):
+    config = gpt.get_config('tiny')
+    config.train.loss_chunk_tokens = chunk
+    task = get_task(config)
+    task.bind_tokenizer(CharTokenizer('abcdefghijklmnop'))
+    model = task.build_model(nnx.Rngs(0))
+    batch = {k: jnp.asarray(v) for k, v in task.example_batch(4).items()}
+    loss_fn = lambda m: task.loss(m, batch, deterministic=True)[0]
+    losses.append((loss_fn(model), nnx.grad(loss_fn)(model)))
+  np.testing.assert_allclose(losses[1][0], losses[0][0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(losses[0][1]), jax.tree.leaves(losses[1][1])):
+    np.testing.assert_allclose(b, a, atol=1e-6)
