@@ -64,10 +64,18 @@ class Tokenizer:
     return [self.encode(t) for t in texts]
 
   def save(self, directory: str) -> None:
+    """Write the meta file, then tokenizer.json, each complete under its name at once (written
+    aside, then renamed): the processes of a multi-host run prepare the same workdir together, and
+    one that finds tokenizer.json must find both files whole."""
     os.makedirs(directory, exist_ok=True)
-    self._save(os.path.join(directory, TOKENIZER_FILE))
-    with open(os.path.join(directory, META_FILE), 'w') as f:
+    suffix = f'.{os.getpid()}.tmp'
+    meta = os.path.join(directory, META_FILE)
+    with open(meta + suffix, 'w') as f:
       json.dump({'kind': self.kind}, f)
+    os.replace(meta + suffix, meta)
+    path = os.path.join(directory, TOKENIZER_FILE)
+    self._save(path + suffix)
+    os.replace(path + suffix, path)
 
 
 class CharTokenizer(Tokenizer):
