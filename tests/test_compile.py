@@ -29,8 +29,8 @@ def test_a_variable_length_corpus_compiles_the_train_step_at_most_8_times(tmp_pa
   from train.tasks.transformer import bucket_lengths
   config = support.with_overrides(get_config('tiny'), {
       'data.source': variable_length_pairs(tmp_path / 'pairs.tsv'), 'data.seq_len': 96, 'data.max_examples': 0,
-      'data.vocab_size': 120, 'train.steps': 48, 'train.batch_size': 8, 'train.eval_every': 48,
-      'train.checkpoint_every': 48, 'decode.beam_size': 1, 'pictures.count': 0, 'train.eval_batch_size': 16})
+      'data.vocab_size': 120, 'train.steps': 32, 'train.batch_size': 8, 'train.eval_every': 32,
+      'train.checkpoint_every': 32, 'decode.beam_size': 1, 'pictures.count': 0, 'train.eval_batch_size': 16})
   workdir = str(tmp_path / 'run')
   results = train_and_evaluate(config, workdir)
   buckets = bucket_lengths(96, 16)

@@ -31,12 +31,17 @@ class Task(task_lib.Task):
 
   def load_data(self, workdir):
     datasets, tokenizer, labels = classification_data(self.config.data, workdir)
-    model_config = self.resolve_model_config(vocab_size=tokenizer.vocab_size, num_classes=len(labels), labels=labels)
+    model_config = self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer), num_classes=len(labels),
+                                             labels=labels)
     return task_lib.Prepared(datasets, tokenizer, model_config)
+
+  def resolved_from_tokenizer(self, tokenizer):
+    return {'vocab_size': tokenizer.vocab_size}
 
   def legacy_model_config(self, saved_config, tokenizer):
     labels = tuple(json.loads(saved_config.data.labels))
-    return self.resolve_model_config(vocab_size=tokenizer.vocab_size, num_classes=len(labels), labels=labels)
+    return self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer), num_classes=len(labels),
+                                     labels=labels)
 
   def build_model(self, rngs):
     return TransformerClassifier(self.model_config, rngs=rngs)
