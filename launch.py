@@ -240,6 +240,9 @@ def run_main(argv):
   except UserError as e:
     print(f'error: {e}', file=sys.stderr, flush=True)
     sys.exit(1)
+  except KeyboardInterrupt:  # Ctrl-C (or SIGTERM during setup): the trainer kept what was complete
+    print('Interrupted.', file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 if __name__ == '__main__':

@@ -63,8 +63,15 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.train.keep_checkpoints = 3  # the latest K, plus the best by `best_metric`
   c.train.best_metric = 'eval/loss'
   c.train.best_mode = 'min'
+  c.train.final_eval_from = 'best'  # 'best' (by best_metric) | 'last': the checkpoint the final evaluation scores
+  c.train.early_stopping_patience = 0  # stop after this many evaluations without a better best_metric; 0 = off
+  c.train.max_minutes = 0.0  # wall-clock budget (resumes included): save and evaluate when spent; 0 = none
   c.train.log_every = 10
   c.train.async_checkpoints = True
+
+  c.logging = ml_collections.ConfigDict()
+  c.logging.wandb_project = ''  # log to Weights & Biases as well as TensorBoard; '' = off
+  c.logging.wandb_entity = ''  # W&B team or user; '' = your default entity
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1 = all devices not used by the other axes

@@ -20,23 +20,37 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import sys
 from typing import Any
 
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
+BROKEN_DIR = 'checkpoints_broken'  # checkpoints that failed to restore, moved aside by a resume
 CONFIG_FILE = 'config.json'
 MODEL_FILE = 'model.json'
 
 
 class CheckpointError(UserError):
   """A missing, corrupt or incompatible checkpoint; the message names the fix."""
+
+
+class _NoMissingMetricsWarning(logging.Filter):
+  """Steps saved between evaluations (and on preemption) have no metrics by design."""
+
+  def filter(self, record):
+    return 'did not provide metrics' not in record.getMessage()
+
+
+logging.getLogger('absl').addFilter(_NoMissingMetricsWarning())
 
 
 class Checkpointer:
@@ -47,13 +61,18 @@ class Checkpointer:
     policies = []
     best_metric, best_mode = 'eval/loss', 'min'
     if train_config is not None:
-      policies.append(ocp.checkpoint_managers.LatestN(n=train_config.keep_checkpoints))
       best_metric, best_mode = train_config.best_metric, train_config.best_mode
+    self.best_metric, self.best_mode = best_metric, best_mode
+    if not read_only and train_config is not None:
+      policies.append(ocp.checkpoint_managers.LatestN(n=train_config.keep_checkpoints))
       policies.append(ocp.checkpoint_managers.BestN(
           get_metric_fn=lambda metrics: metrics[best_metric], reverse=best_mode == 'min', n=1,
           keep_checkpoints_without_metrics=False))
     options = ocp.CheckpointManagerOptions(
         create=not read_only, read_only=read_only,
+        # best_fn only makes Orbax write each step's metrics (retention is the policies' job), so the
+        # best checkpoint is still known after a resume and to `best_step`.
+        best_fn=lambda metrics: metrics[best_metric], best_mode=best_mode,
         enable_async_checkpointing=bool(train_config and train_config.async_checkpoints),
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies) if policies else None)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
@@ -61,6 +80,53 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
+
+  def best_step(self) -> tuple[int, float] | None:
+    """(step, value) of the kept checkpoint with the best `best_metric`; None if none was saved
+    with that metric (every evaluated step saves its eval metrics beside the checkpoint)."""
+    scored = []
+    for step in self.manager.all_steps():
+      metrics = self.manager.metrics(step) or {}
+      if self.best_metric in metrics:
+        scored.append((float(metrics[self.best_metric]), step))
+    if not scored:
+      return None
+    value, step = (min if self.best_mode == 'min' else max)(scored)
+    return step, value
+
+  def restore_newest_intact(self, abstract_model, abstract_opt=None, *, set_aside_broken: bool = False,
+                            log=print) -> tuple[int | None, dict | None]:
+    """(step, items) of the newest checkpoint that restores, or (None, None) when there is none.
+
+    A newer checkpoint that fails while an older one restores into the same target is broken
+    (a copy or upload cut short, a full disk): it is skipped with a message, and with
+    `set_aside_broken` (training) moved to `checkpoints_broken/` so new saves can take its step.
+    When no checkpoint restores, the newest one's error is raised: a model mismatch fails on every
+    step and must not move anything."""
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    broken, first_error = [], None
+    for step in steps:
+      try:
+        restored = self.restore(step, abstract_model, abstract_opt)
+      except CheckpointError as e:
+        broken.append(step)
+        first_error = first_error or e
+        continue
+      for bad in broken:
+        log(f'Skipped the checkpoint at step {bad} in {self.directory}: it does not restore '
+            f'({str(first_error).splitlines()[0][:200]}). Using step {step}.')
+        if set_aside_broken:
+          self._set_aside(bad)
+      return step, restored
+    if first_error is not None:
+      raise first_error
+    return None, None
+
+  def _set_aside(self, step: int) -> None:
+    aside = epath.Path(self.directory).parent / BROKEN_DIR
+    aside.mkdir(parents=True, exist_ok=True)
+    (epath.Path(self.directory) / str(step)).rename(aside / str(step))
+    self.manager.reload()
 
   def save(self, step: int, model_state, opt_state, data_state: dict, metrics: dict | None = None) -> None:
     self.manager.save(step, args=ocp.args.Composite(
@@ -226,11 +292,16 @@ class Run:
   workdir: str
 
   def predict(self, lines: list[str]) -> list[Any]:
+    """One output per line; inputs longer than the model's window are cut, with a note on stderr."""
+    for note in self.task.predict_truncation(lines):
+      print(f'note: {note}', file=sys.stderr, flush=True)
     return self.task.predict(self.model, lines, self.workdir)
 
 
 def load_run(workdir: str, step: int | None = None, config_overrides: dict | None = None) -> Run:
   """Reload a run's model (parameters bound), tokenizer and config on the current devices.
+
+  `step` None is the newest checkpoint that restores (see `Checkpointer.best_step` for the best).
 
   The model is rebuilt from `model.json`. `config_overrides` ({'task': 'features'}) change
   settings of the saved config.json (behaviour such as decoding or the BERT task, not the model's
@@ -241,13 +312,16 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
   task = get_task(config)
   task.bind(Prepared(datasets=None, tokenizer=task.load_tokenizer(workdir), model_config=model_config))
   checkpointer = Checkpointer(workdir, read_only=True)
-  step = checkpointer.latest_step() if step is None else step
-  if step is None:
+  if checkpointer.latest_step() is None:
     raise CheckpointError(f'No checkpoint in {checkpointer.directory}; train first (python launch.py '
                           f'--config=... --workdir={workdir}).')
   mesh = sharding.make_mesh({'data': -1, 'fsdp': 1, 'tensor': 1})
   spec = state.state_spec(task.build_model, mesh, read_rng_impl(workdir))
-  restored = checkpointer.restore(step, restore_target(spec))['model']
+  if step is None:
+    step, restored = checkpointer.restore_newest_intact(restore_target(spec))
+  else:
+    restored = checkpointer.restore(step, restore_target(spec))
+  restored = restored['model']
   checkpointer.close()
   model = nnx.merge(spec.graphdef, restored['params'], restored['extra'])
   model.eval()

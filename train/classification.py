@@ -97,6 +97,18 @@ def predict_labels(logits_fn: Callable, tokenizer, labels: list[str], seq_len: i
           for p in np.asarray(probabilities)]
 
 
+def truncation_notes(tokenizer, seq_len: int, lines: list[str]) -> list[str]:
+  """Notes for the lines `encode_pair` cuts: [CLS] a [SEP] (b [SEP]) holds seq_len tokens."""
+  notes = []
+  for number, line in enumerate(lines, 1):
+    a, b = split_pair(line)
+    length = len(tokenizer.encode(a)) + (len(tokenizer.encode(b)) + 3 if b is not None else 2)
+    if length > seq_len:
+      notes.append(f'input {number} has {length} tokens with [CLS]/[SEP]; the model read only {seq_len} '
+                   f'(data.seq_len); the end of the longer text was cut.')
+  return notes
+
+
 def example_classification_batch(model_config, seq_len: int, batch_size: int) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(0)
   return {'tokens': rng.integers(5, model_config.vocab_size, (batch_size, seq_len), dtype=np.int32),

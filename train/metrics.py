@@ -1,10 +1,14 @@
-"""Metrics out: TensorBoard event files (tensorboardX, no TensorFlow), `metrics.jsonl`, progress.
+"""Metrics out: TensorBoard event files (tensorboardX, no TensorFlow), `metrics.jsonl`, progress,
+and optionally Weights & Biases (`logging.wandb_project`).
 
-Only process 0 writes. On a terminal a tqdm bar shows ETA, loss and tokens/s; elsewhere (CI,
+A run resumed from an earlier checkpoint than its last logged step drops the later lines of
+metrics.jsonl and tells TensorBoard to purge them (`purge_step`), so no step appears twice. Only
+process 0 writes. On a terminal a tqdm bar shows ETA, loss and tokens/s; elsewhere (CI,
 log files) plain lines are printed every `log_every` steps.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -27,15 +31,24 @@ def reduce_metrics(metrics: dict) -> dict[str, float]:
 
 
 class MetricWriter:
+  """`trim_after`: the step training resumes from; logged steps after it are dropped.
+  `wandb`: {'project', 'entity', 'config', 'workdir'} to log to Weights & Biases as well."""
 
-  def __init__(self, workdir: str, total_steps: int, start_step: int = 0):
+  def __init__(self, workdir: str, total_steps: int, start_step: int = 0, *, trim_after: int | None = None,
+               wandb: dict | None = None):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, 'metrics.jsonl')
     self._tb = None
     self._bar = None
+    self._wandb = None
     if self.enabled:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+      purge_step = None
+      if trim_after is not None and _trim(self.path, trim_after):
+        purge_step = trim_after + 1
+      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'), purge_step=purge_step)
+      if wandb:
+        self._wandb = _start_wandb(**wandb)
       if sys.stderr.isatty():
         from tqdm import tqdm
         self._bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True)
@@ -50,6 +63,8 @@ class MetricWriter:
       self._tb.add_scalar(name, value, step)
     with open(self.path, 'a') as f:
       f.write(json.dumps({'step': step, **{k: float(v) for k, v in scalars.items()}}) + '\n')
+    if self._wandb is not None:
+      self._wandb.log({k: float(v) for k, v in scalars.items()}, step=step)
 
   def write_image(self, step: int, tag: str, png_path: str) -> None:
     if not self.enabled:
@@ -57,6 +72,9 @@ class MetricWriter:
     import matplotlib.image
     image = matplotlib.image.imread(png_path)[..., :3]
     self._tb.add_image(tag, image, step, dataformats='HWC')
+    if self._wandb is not None:
+      import wandb
+      self._wandb.log({tag: wandb.Image(png_path)}, step=step)
 
   def progress(self, step: int, scalars: dict[str, float]) -> None:
     """Called every `log_every` steps with the latest train scalars."""
@@ -86,3 +104,36 @@ class MetricWriter:
       self._bar.close()
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+
+
+def _trim(path: str, after: int) -> int:
+  """Drop the lines of metrics.jsonl logged after step `after`; the number dropped."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = f.readlines()
+  kept = [line for line in lines if json.loads(line)['step'] <= after]
+  if len(kept) < len(lines):
+    with open(path + '.tmp', 'w') as f:
+      f.writelines(kept)
+    os.replace(path + '.tmp', path)
+    print(f'Dropped the {len(lines) - len(kept)} lines of {path} logged after step {after}, the checkpoint '
+          f'this run resumes from (TensorBoard purges those steps too).', flush=True)
+  return len(lines) - len(kept)
+
+
+def _start_wandb(project: str, entity: str | None, config: dict, workdir: str):
+  """A W&B run whose id is derived from the workdir, so a resume continues the same run.
+  WANDB_MODE=offline (or `wandb offline`) logs without a network."""
+  try:
+    import wandb
+  except ImportError:
+    from errors import UserError
+    raise UserError('logging.wandb_project is set but wandb is not installed; pip install wandb==0.31.0 '
+                    '(or drop --config.logging.wandb_project).') from None
+  local = '://' not in workdir
+  run_id = hashlib.sha256(os.path.abspath(workdir).encode() if local else workdir.encode()).hexdigest()[:16]
+  return wandb.init(project=project, entity=entity, id=run_id, resume='allow', config=config,
+                    name=os.path.basename(os.path.normpath(workdir)), dir=workdir if local else None)

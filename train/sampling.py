@@ -37,6 +37,18 @@ def continue_prompts(generate: Callable, model, tokenizer, prompts: list[str], d
   return [tokenizer.decode(row[:n][row[:n] != tokenizer.eos_id]) for row, n in zip(out, lengths)]
 
 
+def prompt_truncation_notes(tokenizer, prompts: list[str], decode_config, max_len: int) -> list[str]:
+  """Notes for the prompts `continue_prompts` shortens to fit max_len positions with the new tokens."""
+  room = max_len - min(int(decode_config.max_new_tokens), max_len - 1)
+  notes = []
+  for number, prompt in enumerate(prompts, 1):
+    length = len(tokenizer.encode(prompt))
+    if length > room:
+      notes.append(f'input {number} has {length} tokens; the model read only its last {room} (model.max_len='
+                   f'{max_len} positions minus decode.max_new_tokens).')
+  return notes
+
+
 def sample_prompts(generate: Callable, model, tokenizer, decode_config, workdir: str, *, seed: int,
                    max_len: int | None = None) -> list[str]:
   """Continue the '|'-separated `decode.prompts`, print them and write `workdir/samples.json`."""

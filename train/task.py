@@ -174,6 +174,12 @@ class Task:
     """`--mode=predict`: one JSON-serialisable output per input line."""
     raise UserError(f'--mode=predict is not available for family {self.config.family!r}.')
 
+  def predict_truncation(self, lines: list[str]) -> list[str]:
+    """One note per predict input the model cannot read whole (longer than its window). Default:
+    the family reads inputs of any length."""
+    del lines
+    return []
+
   def import_hf(self, hf_dir: str, rngs: nnx.Rngs) -> tuple[Prepared, nnx.Module]:
     """`--mode=import_hf`: (tokenizer and model config, the model) read from a Hugging Face directory;
     `rngs` initialise what the checkpoint lacks (and the dropout streams)."""

@@ -3,12 +3,15 @@
 Stages, in order (each has a banner below):
   1. config      validate it once, before anything touches disk
   2. setup       mesh, task, data and tokenizer, the resolved model config, sharded state
-  3. resume      restore the latest checkpoint of `workdir`, if any; then save config.json and
-                 model.json (only now, so a failed resume leaves the run's files as they were)
+  3. resume      restore the newest intact checkpoint of `workdir`, if any; then save config.json
+                 and model.json (only now, so a failed resume leaves the run's files as they were)
   4. loop        one jit-compiled step (gradient accumulation inside), periodic eval, checkpoints,
-                 metrics; SIGTERM saves and returns; a NaN/inf loss stops with the last good
-                 checkpoint kept
-  5. final       the family's own evaluation (BLEU, samples, pictures) of the final model
+                 metrics; SIGTERM or Ctrl-C saves and returns; `train.max_minutes` and
+                 `train.early_stopping_patience` save and go on to stage 5; a NaN/inf loss stops
+                 with the last good checkpoint kept
+  5. final       the family's own evaluation (BLEU, samples, pictures) of the best checkpoint
+                 (`train.final_eval_from`), saying which step it scored
+One training holds a workdir at a time (train/workdir_lock.py).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from flax import nnx
 from errors import UserError
 from train import checkpoint as ckpt
 from train import compilation, memory, sharding
+from train.workdir_lock import WorkdirLock
 from train import state as state_lib
 from train.metrics import MetricWriter, reduce_metrics
 from train.optim import make_optimizer
@@ -183,18 +187,44 @@ def _removed_on_failure(workdir: str):
 
 
 # ============================================================================ stage 3: resume
-def restore_latest(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter) -> int:
-  """Restore the latest checkpoint (state and input position) into `setup`; its step, or 0."""
-  step = checkpointer.latest_step()
-  if step is None:
-    return 0
+@dataclasses.dataclass
+class Progress:
+  """What the loop carries across a resume besides the model: saved in every checkpoint's data item."""
+  best_value: float | None = None  # the best `train.best_metric` so far
+  best_step: int = 0
+  evals_since_best: int = 0  # evaluations without improvement, for `train.early_stopping_patience`
+  seconds: float = 0.0  # wall time spent in train_and_evaluate so far, for `train.max_minutes`
+
+  def record(self, step: int, metrics: dict[str, float], metric: str, mode: str) -> None:
+    if metric not in metrics:
+      raise UserError(f'train.best_metric={metric!r} is not among the eval metrics {sorted(metrics)}; '
+                      f'set it to one of them.')
+    value = metrics[metric]
+    better = self.best_value is None or (value < self.best_value if mode == 'min' else value > self.best_value)
+    if better:
+      self.best_value, self.best_step, self.evals_since_best = value, step, 0
+    else:
+      self.evals_since_best += 1
+
+
+def restore_latest(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, log=print) -> tuple[int, Progress]:
+  """Restore the newest intact checkpoint (state, input position, progress) into `setup`.
+
+  Returns its step (0 when there is none) and the loop's progress. Newer checkpoints that do not
+  restore are moved aside with a message (see `Checkpointer.restore_newest_intact`)."""
   abstract_opt = state_lib.with_shardings(setup.spec.abstract.opt_state, setup.spec.shardings.opt_state)
-  restored = checkpointer.restore(step, ckpt.restore_target(setup.spec), abstract_opt)
+  step, restored = checkpointer.restore_newest_intact(
+      ckpt.restore_target(setup.spec), abstract_opt, set_aside_broken=jax.process_index() == 0, log=log)
+  if step is None:
+    return 0, Progress()
   setup.state = TrainState(params=restored['model']['params'], extra=restored['model']['extra'],
                            opt_state=restored['optimizer'], step=jnp.asarray(step, jnp.int32))
-  if restored['data']:  # an imported run (step 0) has no input position yet
-    data_iter.set_state(restored['data'])
-  return step
+  data = restored['data']
+  if 'input' not in data:  # checkpoints written before Progress held the iterator state alone
+    data = {'input': data, 'progress': {}} if data else {}
+  if data:  # an imported run (step 0) has no input position yet
+    data_iter.set_state(data['input'])
+  return step, Progress(**data.get('progress', {}))
 
 
 def train_iterator(setup: Setup):
@@ -209,15 +239,35 @@ def train_iterator(setup: Setup):
 
 
 # ============================================================================ stage 4: the loop
-def evaluate_loss(setup: Setup, eval_step) -> dict[str, float]:
-  """Mean loss metrics over `train.eval_steps` eval batches (0 = the whole eval split)."""
+def eval_batches(setup: Setup):
+  """This process's eval batches; an eval split smaller than one batch is an error (checked before
+  the loop, so a run never trains to find it out)."""
   batch_size = setup.task.eval_batch_size
   processes, index = jax.process_count(), jax.process_index()
   examples = setup.prepared.datasets.eval
   batches = setup.task.eval_batches(examples[index::processes], batch_size // processes)
   if len(batches) == 0:
     raise UserError(f'The eval split has {len(examples)} examples, fewer than one eval batch of '
-                    f'{batch_size}; lower train.eval_batch_size.')
+                    f'{batch_size}; lower train.eval_batch_size (or give a larger data.eval_source).')
+  return batches
+
+
+def describe_eval(setup: Setup) -> str:
+  """One line: how many validation examples each evaluation during training scores."""
+  total, batch_size = len(setup.prepared.datasets.eval), setup.task.eval_batch_size
+  full_batches = total // batch_size
+  steps = min(setup.config.train.eval_steps or full_batches, full_batches)
+  line = f'Each evaluation during training scores {steps * batch_size} of the {total} validation examples'
+  if steps < full_batches:
+    return line + f' (train.eval_steps={setup.config.train.eval_steps}; 0 = all).'
+  left = total - steps * batch_size
+  return line + (f' (the last {left} do not fill a batch of {batch_size}; the final evaluation scores all).'
+                 if left else '.')
+
+
+def evaluate_loss(setup: Setup, eval_step) -> dict[str, float]:
+  """Mean loss metrics over `train.eval_steps` eval batches (0 = every full eval batch)."""
+  batches = eval_batches(setup)
   eval_steps = setup.config.train.eval_steps
   steps = len(batches) if not eval_steps else min(eval_steps, len(batches))
   total = None
@@ -228,20 +278,27 @@ def evaluate_loss(setup: Setup, eval_step) -> dict[str, float]:
 
 
 class PreemptionWatcher:
-  """Turns SIGTERM (preemption, `kill`) into a stop at a step boundary.
+  """Turns SIGTERM (preemption, `kill`) and Ctrl-C into a stop at a step boundary.
 
   With several processes, JAX's preemption sync point makes every host stop at the same step
-  (the coordination service forwards the notice); on one process a SIGTERM handler sets a flag.
+  (the coordination service forwards the notice); on one process a handler sets a flag. A second
+  Ctrl-C aborts at once (the last checkpoint is kept).
   """
 
-  def __init__(self):
-    self.requested = False
-    self._previous = None
+  def __init__(self, log=print):
+    self.requested: str | bool = False  # the name of the signal that asked to stop
+    self.log = log
+    self._previous = {}
+    # Several processes stop together only through the sync point, which SIGTERM reaches.
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handler)
+      self._previous = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
   def _handler(self, signum, frame):
-    self.requested = True
+    if signum == signal.SIGINT and self.requested:
+      raise KeyboardInterrupt
+    self.requested = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+      self.log('Ctrl-C: saving a checkpoint at the end of this step (Ctrl-C again aborts without saving).')
 
   def should_stop(self, step: int) -> bool:
     if jax.process_count() > 1:
@@ -250,8 +307,26 @@ class PreemptionWatcher:
     return self.requested
 
   def restore(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+
+
+@contextlib.contextmanager
+def _interruptible():
+  """SIGTERM during setup ends it like Ctrl-C (KeyboardInterrupt), so a workdir this run created
+  is removed again instead of keeping an orphan tokenizer."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+  previous = signal.signal(signal.SIGTERM, interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 class StepLogger:
@@ -290,40 +365,69 @@ class StepLogger:
 
 
 def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer: MetricWriter,
-               start_step: int) -> dict[str, Any]:
-  """Steps from `start_step` to `train.steps`; returns {'step', 'preempted'?, eval metrics}."""
-  config = setup.config
-  train_step = jax.jit(make_train_step(setup.task, setup.spec.graphdef, setup.tx, config.train.grad_accum),
+               start_step: int, progress: Progress, started: float) -> dict[str, Any]:
+  """Steps from `start_step` to `train.steps` (or an earlier stop); returns {'step', 'stopped'?,
+  'preempted'?, the last eval metrics}. `started` is when this process began the run (time.time())."""
+  train = setup.config.train
+  train_step = jax.jit(make_train_step(setup.task, setup.spec.graphdef, setup.tx, train.grad_accum),
                        in_shardings=(setup.spec.shardings, sharding.batch_sharding(setup.mesh)),
                        out_shardings=(setup.spec.shardings, None), donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(setup.task, setup.spec.graphdef))
-  logger, watcher = StepLogger(setup, writer, checkpointer, start_step), PreemptionWatcher()
+  logger, watcher = StepLogger(setup, writer, checkpointer, start_step), PreemptionWatcher(writer.log)
   compiled_before = compilation.compiled('train_step')
   compiles = lambda: compilation.compiled('train_step') - compiled_before
-  save = lambda at, metrics=None: checkpointer.save(at, {'params': setup.state.params, 'extra': setup.state.extra},
-                                                     setup.state.opt_state, data_iter.get_state(), metrics)
-  last_eval, step = {}, start_step
+  seconds_before = progress.seconds
+
+  saved = [start_step]  # the step of the newest checkpoint, so that a stop never saves it twice
+
+  def save(at: int, metrics=None) -> None:
+    if saved[0] == at:
+      return
+    saved[0] = at
+    progress.seconds = seconds_before + time.time() - started
+    checkpointer.save(at, {'params': setup.state.params, 'extra': setup.state.extra}, setup.state.opt_state,
+                      {'input': data_iter.get_state(), 'progress': dataclasses.asdict(progress)}, metrics)
+
+  def out_of_time(at: int) -> bool:
+    if not train.max_minutes or (jax.process_count() > 1 and at % train.log_every):
+      return False  # several processes agree on process 0's clock, every log_every steps
+    return _agreed(seconds_before + time.time() - started > 60 * train.max_minutes)
+
+  last_eval, step, stopped = {}, start_step, None
   try:
     with jax.set_mesh(setup.mesh):
-      while step < config.train.steps:
+      while step < train.steps and stopped is None:
         if watcher.should_stop(step):
           logger.flush()
           save(step)
           checkpointer.wait()
-          writer.log(f'SIGTERM: saved step {step} to {checkpointer.directory}; rerun the same command to resume.')
+          writer.log(f'{watcher.requested or "Preemption"}: saved step {step} to {checkpointer.directory}; rerun the '
+                     f'same command to resume.')
           return {'step': step, 'preempted': True, 'train/compiles': compiles(), **last_eval}
         local = next(data_iter)
         setup.state, (scalars, metrics) = train_step(setup.state, sharding.global_batch(local, setup.mesh))
         step += 1
         logger.add(step, scalars, metrics, _tokens_in(local) * jax.process_count())
-        is_last = step == config.train.steps
-        evaluated = step % config.train.eval_every == 0 or is_last
+        if out_of_time(step):
+          stopped = f'train.max_minutes={train.max_minutes} reached'
+        evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
         if evaluated:
           logger.flush()
-          last_eval = evaluate_loss(setup, eval_step)
+          try:
+            last_eval = evaluate_loss(setup, eval_step)
+          except BaseException:
+            save(step)  # the step's checkpoint outlives a failed evaluation
+            checkpointer.wait()
+            raise
+          progress.record(step, last_eval, train.best_metric, train.best_mode)
           writer.write(step, last_eval)
           writer.log(f'step {step}: ' + ' '.join(f'{k}={v:.4f}' for k, v in last_eval.items()))
-        if step % config.train.checkpoint_every == 0 or is_last:
+          if (stopped is None and train.early_stopping_patience and
+              progress.evals_since_best >= train.early_stopping_patience):
+            stopped = (f'early stopping: {train.best_metric} has not improved on {progress.best_value:.4f} '
+                       f'(step {progress.best_step}) in {progress.evals_since_best} evaluations')
+        # Every evaluated step is saved with its metrics, so the best checkpoint is always on disk.
+        if evaluated or stopped or step % train.checkpoint_every == 0:
           logger.flush()
           save(step, last_eval if evaluated else None)
       logger.flush()
@@ -332,7 +436,17 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
     watcher.restore()
     # Every distinct batch shape builds the train step once: few shapes are the data pipeline's job.
     writer.log(f'The train step was compiled {compiles()} time(s). ' + (compilation.cache_summary() or ''))
-  return {'step': step, 'train/compiles': compiles(), **last_eval}
+  if stopped:
+    writer.log(f'Stopped at step {step} of {train.steps}: {stopped}.')
+  return {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {}), **last_eval}
+
+
+def _agreed(flag: bool) -> bool:
+  """Process 0's `flag`, on every process."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
 def _tokens_in(batch: dict[str, np.ndarray]) -> int:
@@ -365,51 +479,137 @@ def final_evaluation(setup: Setup, workdir: str, writer: MetricWriter, step: int
   return results
 
 
+def evaluated_step(setup: Setup, checkpointer: ckpt.Checkpointer, current_step: int, log=print) -> int:
+  """Load the checkpoint `train.final_eval_from` names into `setup` (unless it is the current
+  state) and return its step: 'best' is the kept checkpoint with the best `train.best_metric`
+  (the current one when no checkpoint has eval metrics), 'last' the current state."""
+  train = setup.config.train
+  best = checkpointer.best_step() if train.final_eval_from == 'best' else None
+  if best is None or best[0] == current_step:
+    log(f'Final evaluation: step {current_step} (train.final_eval_from={train.final_eval_from}).')
+    return current_step
+  step, value = best
+  restored = checkpointer.restore(step, ckpt.restore_target(setup.spec))['model']
+  setup.state = dataclasses.replace(setup.state, params=restored['params'], extra=restored['extra'])
+  log(f'Final evaluation: the best checkpoint, step {step} ({train.best_metric}={value:.4f}), not the last '
+      f'step {current_step} (train.final_eval_from=best; set it to last to score the last step).')
+  return step
+
+
 # ============================================================================ entry points
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Train `config` in `workdir` (resuming if it holds a checkpoint); return the final metrics."""
+  started = time.time()
   # 1. config
   validate_config(config)
-  # 2. setup
-  with _removed_on_failure(workdir):
-    setup = setup_run(config, workdir)
-    checkpointer = ckpt.Checkpointer(workdir, config.train)
+  # 2. setup (SIGTERM and Ctrl-C here leave no workdir this call created; a second training of the
+  # same workdir is refused)
+  lock = WorkdirLock(workdir)
+  with _removed_on_failure(workdir), _interruptible():
+    _take(lock)
+    try:
+      _check_run_files(config, workdir)
+      setup = setup_run(config, workdir)
+      eval_batches(setup)
+      checkpointer = ckpt.Checkpointer(workdir, config.train)
+    except BaseException:
+      _release(lock)
+      raise
   try:
-    # 3. resume
-    data_iter = train_iterator(setup)
-    start_step = restore_latest(setup, checkpointer, data_iter)
-    if jax.process_index() == 0:
-      ckpt.save_config(config, workdir)
-      ckpt.save_model_config(setup.prepared.model_config, setup.spec.rng_impl, workdir)
-    writer = MetricWriter(workdir, config.train.steps, start_step)
-    if start_step:
-      writer.log(f'Resumed from the checkpoint at step {start_step} in {checkpointer.directory}.')
-    # 4. loop
-    results = train_loop(setup, checkpointer, data_iter, writer, start_step)
+    try:
+      # 3. resume
+      data_iter = train_iterator(setup)
+      start_step, progress = restore_latest(setup, checkpointer, data_iter)
+      if jax.process_index() == 0:
+        ckpt.save_config(config, workdir)
+        ckpt.save_model_config(setup.prepared.model_config, setup.spec.rng_impl, workdir)
+      writer = MetricWriter(workdir, config.train.steps, start_step, trim_after=start_step,
+                            wandb=_wandb_settings(config, workdir))
+      if start_step:
+        writer.log(f'Resumed from the checkpoint at step {start_step} in {checkpointer.directory}.')
+      writer.log(describe_eval(setup))
+      # 4. loop
+      results = train_loop(setup, checkpointer, data_iter, writer, start_step, progress, started)
+      # 5. final evaluation
+      if not results.get('preempted'):
+        results['final_eval_step'] = evaluated_step(setup, checkpointer, results['step'], writer.log)
+    finally:
+      checkpointer.close()
+    if not results.get('preempted'):
+      results.update(final_evaluation(setup, workdir, writer, results['step']))
+    writer.close()
   finally:
-    checkpointer.close()
-  # 5. final evaluation
-  if not results.get('preempted'):
-    results.update(final_evaluation(setup, workdir, writer, results['step']))
-  writer.close()
+    _release(lock)
   return results
 
 
+def _take(lock: WorkdirLock) -> None:
+  """Process 0 takes the lock; every process learns whether it got it."""
+  error = None
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except UserError as e:
+      error = e
+  if not _agreed(error is None):
+    raise error or UserError(f'Process 0 could not lock {lock.path}: another training holds the workdir.')
+
+
+def _release(lock: WorkdirLock) -> None:
+  if jax.process_index() == 0:
+    lock.release()
+
+
+def _check_run_files(config, workdir: str) -> None:
+  """Tokenizer files without config.json are left by a setup that was killed: remove them so this
+  run builds its own. A resumed run must ask for the tokenizer it was built with."""
+  from data import tokenizers
+  saved_config = os.path.join(workdir, ckpt.CONFIG_FILE)
+  if not os.path.exists(saved_config):
+    orphans = [os.path.join(workdir, name) for name in (tokenizers.TOKENIZER_FILE, tokenizers.META_FILE)
+               if os.path.exists(os.path.join(workdir, name))]
+    if orphans and jax.process_index() == 0:
+      print(f'Removing {", ".join(orphans)}: left by an interrupted setup (no {ckpt.CONFIG_FILE}).', flush=True)
+      for path in orphans:
+        os.remove(path)
+    _agreed(True)  # no process reads the workdir's tokenizer before process 0 has removed it
+    return
+  saved = ckpt.read_config(workdir)
+  keys = ('tokenizer', 'vocab_size', 'lowercase')
+  changed = [k for k in keys if k in saved.get('data', {}) and saved.data[k] != config.data[k]]
+  if changed:
+    raise ckpt.CheckpointError(
+        f'{workdir} was built with ' + ', '.join(f'data.{k}={saved.data[k]!r}' for k in changed) +
+        ' (its tokenizer is saved there) but the config asks for ' +
+        ', '.join(f'data.{k}={config.data[k]!r}' for k in changed) +
+        f". Resume with the run's own settings ({saved_config}) or use a fresh --workdir.")
+
+
+def _wandb_settings(config, workdir: str) -> dict | None:
+  """The Weights & Biases run of this workdir (None: off). A resume continues the same W&B run."""
+  logging = config.get('logging')
+  if not logging or not logging.wandb_project:
+    return None
+  return {'project': logging.wandb_project, 'entity': logging.wandb_entity or None,
+          'config': config.to_dict(), 'workdir': workdir}
+
+
 def evaluate_run(workdir: str, config_overrides: dict | None = None) -> dict[str, Any]:
-  """`--mode=eval`: the latest checkpoint's eval-split metrics plus the family's evaluation.
+  """`--mode=eval`: eval-split metrics plus the family's evaluation of the checkpoint that
+  `train.final_eval_from` names (the best by default, as after training).
 
   The run's config.json (with `config_overrides`) and model.json rebuild the model; a run trained
   on another number of devices evaluates data-parallel over the devices present.
   """
   config, model_config = ckpt.run_config(workdir, config_overrides)
-  checkpointer = ckpt.Checkpointer(workdir, read_only=True)
-  step = checkpointer.latest_step()
-  if step is None:
+  checkpointer = ckpt.Checkpointer(workdir, config.train, read_only=True)
+  if checkpointer.latest_step() is None:
     raise ckpt.CheckpointError(f'No checkpoint in {checkpointer.directory}; train first or check --workdir.')
   setup = setup_run(config, workdir, model_config, ckpt.read_rng_impl(workdir))
-  restored = checkpointer.restore(step, ckpt.restore_target(setup.spec))['model']
+  latest, restored = checkpointer.restore_newest_intact(ckpt.restore_target(setup.spec))
+  setup.state = dataclasses.replace(setup.state, params=restored['model']['params'], extra=restored['model']['extra'])
+  step = evaluated_step(setup, checkpointer, latest)
   checkpointer.close()
-  setup.state = dataclasses.replace(setup.state, params=restored['params'], extra=restored['extra'])
   eval_step = jax.jit(make_eval_step(setup.task, setup.spec.graphdef))
   with jax.set_mesh(setup.mesh):
     results = {'step': step, **evaluate_loss(setup, eval_step)}

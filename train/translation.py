@@ -83,6 +83,12 @@ class TranslationTask(task_lib.Task):
                                          drop_long=False)
     return arrays['source']
 
+  def predict_truncation(self, lines):
+    room = self.config.data.seq_len - 1  # the source ends with EOS
+    return [f'input {number} has {length} tokens; the model read only the first {room} (data.seq_len - 1).'
+            for number, length in enumerate((len(self.tokenizer.encode(line)) for line in lines), 1)
+            if length > room]
+
   def predict(self, model, lines, workdir):
     ids = self.translate_ids(model, self.encode_sources(lines), int(self.config.decode.beam_size))
     return [self.tokenizer.decode(row) for row in ids]

@@ -74,12 +74,17 @@ def check_values(config) -> None:
       raise ConfigError(f'config.{key}={value} must be positive.')
   non_negative = {'train.eval_batch_size': t.eval_batch_size, 'train.warmup_steps': t.warmup_steps,
                   'train.eval_steps': t.eval_steps, 'train.weight_decay': t.weight_decay,
-                  'train.grad_clip': t.grad_clip, 'data.max_examples': config.data.max_examples}
+                  'train.grad_clip': t.grad_clip, 'data.max_examples': config.data.max_examples,
+                  'train.early_stopping_patience': t.early_stopping_patience, 'train.max_minutes': t.max_minutes}
   for key, value in non_negative.items():
     if value < 0:
       raise ConfigError(f'config.{key}={value} must be >= 0.')
   if t.lr <= 0:
     raise ConfigError(f'config.train.lr={t.lr} must be positive.')
+  if t.final_eval_from not in ('best', 'last'):
+    raise ConfigError(f"config.train.final_eval_from={t.final_eval_from!r}: use 'best' or 'last'.")
+  if t.best_mode not in ('min', 'max'):
+    raise ConfigError(f"config.train.best_mode={t.best_mode!r}: use 'min' or 'max'.")
   from train.optim import SCHEDULES
   if t.schedule not in SCHEDULES:
     raise ConfigError(f'config.train.schedule={t.schedule!r} is not one of {SCHEDULES}.')

@@ -256,6 +256,9 @@ class Task(task_lib.Task):
     print('Whole eval split: ' + ' '.join(f'{k}={v:.4f}' for k, v in results.items()), flush=True)
     return results
 
+  def predict_truncation(self, lines):
+    return classification.truncation_notes(self.tokenizer, self.config.data.seq_len, lines)
+
   def predict(self, model, lines, workdir):
     if self.config.task == 'classify':
       if self.model_config.heads != 'classifier':

@@ -14,7 +14,7 @@ from errors import ConfigError
 from models.classifier import POOLINGS, ClassifierConfig, TransformerClassifier
 from train import task as task_lib
 from train.classification import (classification_data, evaluate_classifier, example_classification_batch,
-                                  predict_labels)
+                                  predict_labels, truncation_notes)
 from train.losses import classification_loss
 
 
@@ -60,6 +60,9 @@ class Task(task_lib.Task):
   def evaluate(self, model, datasets, workdir):
     return evaluate_classifier(self._logits_fn(model), datasets, list(self.model_config.labels), workdir,
                                self.eval_batch_size, 'Transformer classifier')
+
+  def predict_truncation(self, lines):
+    return truncation_notes(self.tokenizer, self.config.data.seq_len, lines)
 
   def predict(self, model, lines, workdir):
     return predict_labels(self._logits_fn(model), self.tokenizer, list(self.model_config.labels),

@@ -66,6 +66,9 @@ class Task(task_lib.Task):
                                       seed=self.config.seed, max_len=self.model_config.max_len)
     return {'samples': samples} if samples else {}
 
+  def predict_truncation(self, lines):
+    return sampling.prompt_truncation_notes(self.tokenizer, lines, self.config.decode, self.model_config.max_len)
+
   def predict(self, model, lines, workdir):
     return sampling.continue_prompts(self.generate, model, self.tokenizer, lines, self.config.decode,
                                      seed=self.config.seed, max_len=self.model_config.max_len)

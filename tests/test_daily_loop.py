@@ -1,0 +1,216 @@
+"""The daily loop: early stopping and the best checkpoint, the wall-clock budget, one training per
+workdir, Ctrl-C and interrupted setups, broken checkpoints, metrics after a resume, Weights &
+Biases (offline), long predict inputs."""
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+import support
+from train import checkpoint as ckpt
+from train import workdir_lock
+from train.trainer import evaluate_run, train_and_evaluate
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  return support.write_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+def tiny(corpus, **overrides):
+  return support.tiny_gpt_config(corpus, **{'train.log_every': 1, 'train.async_checkpoints': False, **overrides})
+
+
+def metrics(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def logged(workdir, key, step):
+  return next(m[key] for m in metrics(workdir) if m['step'] == step and key in m)
+
+
+def test_early_stopping_ends_the_run_and_the_final_evaluation_scores_the_best_checkpoint(corpus, tmp_path):
+  workdir = str(tmp_path / 'run')
+  # best_mode=max on a falling eval loss: the first evaluation (step 5) stays the best.
+  config = tiny(corpus, **{'train.steps': 40, 'train.eval_every': 5, 'train.checkpoint_every': 100,
+                           'train.best_mode': 'max', 'train.early_stopping_patience': 2})
+  results = train_and_evaluate(config, workdir)
+  assert results['step'] == 15 and 'early stopping' in results['stopped'], results
+  assert results['final_eval_step'] == 5
+  assert sorted(ckpt.Checkpointer(workdir, read_only=True).manager.all_steps()) == [5, 10, 15]
+  # --mode=eval scores the same best checkpoint: its eval loss is the one logged at step 5.
+  best = evaluate_run(workdir)
+  assert best['step'] == 5
+  assert best['eval/loss'] == pytest.approx(logged(workdir, 'eval/loss', 5), abs=1e-6)
+  last = evaluate_run(workdir, {'train.final_eval_from': 'last'})
+  assert last['step'] == 15
+  assert last['eval/loss'] == pytest.approx(logged(workdir, 'eval/loss', 15), abs=1e-6)
+
+
+def test_max_minutes_saves_and_evaluates_and_the_budget_spans_resumes(corpus, tmp_path):
+  workdir = str(tmp_path / 'run')
+  config = tiny(corpus, **{'train.steps': 1000, 'train.max_minutes': 1e-4})  # spent during setup
+  results = train_and_evaluate(config, workdir)
+  assert results['step'] == 1 and 'max_minutes' in results['stopped'], results
+  assert results['final_eval_step'] == 1 and 'eval/loss' in results
+  assert ckpt.Checkpointer(workdir, read_only=True).latest_step() == 1
+  again = train_and_evaluate(config, workdir)  # no budget left: one step, then stop again
+  assert again['step'] == 2 and 'max_minutes' in again['stopped']
+
+
+def test_a_second_training_is_refused_and_a_stale_lock_is_taken_over(corpus, tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  lock = workdir / workdir_lock.LOCK_FILE
+  holder = subprocess.Popen(['sleep', '120'])  # a live process on this host holds the workdir
+  try:
+    lock.write_text(json.dumps({'host': socket.gethostname(), 'pid': holder.pid, 'started': time.time(),
+                                'heartbeat': time.time()}))
+    result = support.launch(['--config=configs/gpt.py:tiny', f'--workdir={workdir}',
+                             f'--config.data.source={corpus}', '--config.train.steps=2'])
+    assert result.returncode == 1 and f'is being trained by pid {holder.pid}' in result.stderr, result.stderr[-2000:]
+    assert 'Traceback' not in result.stderr
+    assert os.listdir(workdir) == [workdir_lock.LOCK_FILE]  # nothing written beside the lock
+  finally:
+    holder.kill()
+    holder.wait()
+  results = train_and_evaluate(tiny(corpus, **{'train.steps': 2}), str(workdir))  # the holder is gone
+  assert results['step'] == 2
+  assert f'pid {holder.pid} is not running' in capsys.readouterr().out
+  assert not lock.exists()  # released at the end
+
+  # From another host, only the heartbeat's age tells a live holder from a dead one.
+  other = {'host': 'another-host', 'pid': 1, 'started': time.time()}
+  lock.write_text(json.dumps({**other, 'heartbeat': time.time()}))
+  with pytest.raises(workdir_lock.WorkdirBusy, match='another-host'):
+    workdir_lock.WorkdirLock(str(workdir)).acquire()
+  lock.write_text(json.dumps({**other, 'heartbeat': time.time() - workdir_lock.STALE_AFTER_S - 60}))
+  taken = workdir_lock.WorkdirLock(str(workdir), log=lambda message: None)
+  taken.acquire()
+  assert json.loads(lock.read_text())['pid'] == os.getpid()
+  taken.release()
+  assert not lock.exists()
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
+  workdir = str(tmp_path / 'run')
+  args = ['--config=configs/gpt.py:tiny', f'--workdir={workdir}', f'--config.data.source={corpus}',
+          '--config.train.steps=2000', '--config.train.log_every=1']
+  process = support.launch(args, start_new_session=True)
+  deadline = time.time() + 120
+  while time.time() < deadline and not (os.path.exists(f'{workdir}/metrics.jsonl') and len(metrics(workdir)) >= 5):
+    time.sleep(0.05)
+  process.send_signal(signal.SIGINT)
+  stdout, stderr = process.communicate(timeout=120)
+  assert process.returncode == 0, stderr[-3000:]
+  step = ckpt.Checkpointer(workdir, read_only=True).latest_step()
+  assert 5 <= step < 2000 and f'SIGINT: saved step {step}' in stdout + stderr
+  assert not os.path.exists(os.path.join(workdir, workdir_lock.LOCK_FILE))
+
+
+def test_sigterm_during_setup_leaves_no_workdir(corpus, tmp_path, monkeypatch):
+  from train import trainer
+  real_setup = trainer.setup_run
+
+  def setup_then_terminated(*args, **kwargs):
+    real_setup(*args, **kwargs)  # the tokenizer is saved by now
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  monkeypatch.setattr(trainer, 'setup_run', setup_then_terminated)
+  with pytest.raises(KeyboardInterrupt):
+    train_and_evaluate(tiny(corpus), str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run')
+
+
+def test_orphan_tokenizer_is_rebuilt_and_a_resume_must_keep_its_tokenizer(corpus, tmp_path, capsys):
+  from data.tokenizers import train_tokenizer
+  workdir = str(tmp_path / 'run')
+  train_tokenizer('bpe', ['alpha beta gamma delta'] * 20, 300, True).save(workdir)  # a killed setup's leftover
+  train_and_evaluate(tiny(corpus, **{'train.steps': 2}), workdir)  # the tiny preset asks for 'char'
+  assert 'left by an interrupted setup' in capsys.readouterr().out
+  assert ckpt.load_run(workdir).tokenizer.kind == 'char'
+  with pytest.raises(ckpt.CheckpointError, match="built with data.tokenizer='char'.*asks for data.tokenizer='bpe'"):
+    train_and_evaluate(tiny(corpus, **{'train.steps': 4, 'data.tokenizer': 'bpe'}), workdir)
+
+
+def test_a_broken_latest_checkpoint_is_skipped_and_metrics_are_not_repeated(corpus, tmp_path, capsys):
+  workdir = str(tmp_path / 'run')
+  config = tiny(corpus, **{'train.steps': 20, 'train.eval_every': 10, 'train.checkpoint_every': 10})
+  train_and_evaluate(config, workdir)
+  for path in glob.glob(f'{workdir}/checkpoints/20/model/**/*', recursive=True):
+    if os.path.isfile(path):
+      with open(path, 'r+b') as f:  # an upload cut short
+        f.truncate(os.path.getsize(path) // 2)
+  config.train.steps = 30
+  results = train_and_evaluate(config, workdir)
+  out = capsys.readouterr().out
+  assert 'Skipped the checkpoint at step 20' in out and 'Resumed from the checkpoint at step 10' in out
+  assert os.path.isdir(f'{workdir}/{ckpt.BROKEN_DIR}/20') and results['step'] == 30
+  train_steps = [m['step'] for m in metrics(workdir) if 'train/loss' in m]
+  assert train_steps == list(range(1, 31))  # steps 11-20 of the first run were dropped, not repeated
+
+
+def wandb_history(path: str) -> dict[int, dict]:
+  """{step: logged values} from a W&B transaction log (LevelDB-style records of protobufs)."""
+  from wandb.proto import wandb_internal_pb2
+  data = open(path, 'rb').read()
+  offset, block, records, pending = 7, 32768, [], b''  # 7: the ':W&B' header
+  while offset + 7 <= len(data):
+    if block - offset % block < 7:  # a record header never straddles blocks
+      offset += block - offset % block
+      continue
+    length, kind = int.from_bytes(data[offset + 4:offset + 6], 'little'), data[offset + 6]
+    if kind == 0:
+      break
+    pending += data[offset + 7:offset + 7 + length]
+    offset += 7 + length
+    if kind in (1, 4):  # a whole record, or its last piece
+      records.append(pending)
+      pending = b''
+  history = {}
+  for raw in records:
+    record = wandb_internal_pb2.Record()
+    record.ParseFromString(raw)
+    if record.WhichOneof('record_type') == 'history':
+      items = {item.key or '/'.join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+      history[items['_step']] = items
+  return history
+
+
+def test_wandb_offline_run_holds_the_logged_metrics(corpus, tmp_path, monkeypatch):
+  pytest.importorskip('wandb', reason='wandb is in requirements-dev.txt; the feature is optional')
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  workdir = str(tmp_path / 'run')
+  config = tiny(corpus, **{'train.steps': 4, 'train.log_every': 2, 'train.eval_every': 4,
+                           'logging.wandb_project': 'lineage-test'})
+  train_and_evaluate(config, workdir)
+  [log] = glob.glob(f'{workdir}/wandb/offline-run-*/run-*.wandb')
+  history = wandb_history(log)
+  for step, key in ((2, 'train/loss'), (4, 'train/loss'), (4, 'eval/loss')):
+    assert history[step][key] == pytest.approx(logged(workdir, key, step), rel=1e-6)
+
+
+def test_predict_says_when_an_input_is_cut_to_the_window(corpus, tmp_path):
+  workdir = str(tmp_path / 'run')
+  train_and_evaluate(tiny(corpus, **{'train.steps': 2}), workdir)
+  lines = tmp_path / 'lines.txt'
+  lines.write_text('alpha beta\n' + 'gamma ' * 2000 + '\n')
+  result = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={lines}'])
+  assert result.returncode == 0, result.stderr[-2000:]
+  notes = [line for line in result.stderr.splitlines() if line.startswith('note:')]
+  assert len(notes) == 1 and 'input 2 has 12000 tokens; the model read only its last 48' in notes[0], notes
+
+
+def test_an_eval_split_smaller_than_one_batch_fails_before_training(corpus, tmp_path):
+  from errors import UserError
+  workdir = str(tmp_path / 'run')
+  with pytest.raises(UserError, match='54 examples, fewer than one eval batch of 512'):
+    train_and_evaluate(tiny(corpus, **{'train.eval_batch_size': 512}), workdir)
+  assert not os.path.exists(workdir)
