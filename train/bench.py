@@ -11,6 +11,8 @@ training runs. Ends with one JSON line:
   model, params, batch, seq_len     what ran
   compile_s                         lowering + XLA compilation of the train step
   init_s                            compiling and running the sharded initialiser (`rng_impl`: the PRNG)
+  compiles                          executables XLA built in this process: {'train_step', 'total'
+                                    (init, step, matmul probe, decoding)}
   attention_kernel                  the attention the compiled train step runs, read from its HLO
                                     (fused cuDNN / Pallas kernels are custom calls; else XLA einsum)
   step_ms, tokens_per_s             median over the timed steps (tokens = batch x seq_len)
@@ -43,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import memory, sharding
+from train import compilation, memory, sharding
 from train import state as state_lib
 from train.optim import make_optimizer
 from train.task import get_task
@@ -134,6 +136,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   """Compile and time `config`'s train step on synthetic batches; see the module docstring."""
   config = config.copy_and_resolve_references()
   validate_config(config)
+  compilation.enable_cache('')  # count compilations; no persistent cache, so compile_s is a real compile
   task = _bench_task(config)
   mesh = sharding.make_mesh(config.mesh)
   tx, _ = make_optimizer(config.train)
@@ -181,6 +184,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
                  'estimate_mb': estimate.as_mb()},
       'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
       'attention': getattr(task.model_config, 'attention', None),
+      'compiles': {'train_step': compilation.compiled('train_step'), 'total': compilation.compiled_total()},
       'attention_kernel': attention_kernel(compiled.as_text()), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }

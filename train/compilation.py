@@ -54,6 +54,12 @@ def compiled(name: str) -> int:
   return _compiled[f'jit({name})']
 
 
+def compiled_total() -> int:
+  """Executables built (or loaded from the persistent cache) in this process, all functions."""
+  _listen()
+  return sum(_compiled.values())
+
+
 def cache_summary() -> str | None:
   """'compilation cache <dir>: N hits, M compiled and stored', or None when the cache is off."""
   if not _state['cache_dir']:
