@@ -280,3 +280,16 @@ def test_sampling_a_left_padded_prompt_ignores_the_padding():
     logits, _ = model(jnp.asarray([sequence]))
     sequence.append(int(jnp.argmax(logits[0, -1])))
   np.testing.assert_array_equal(alone[0], sequence[2:])
+
+
+# 2 files of 20 lines: 1,207 characters with one EOS each (char tokenizer), (1,207 - 1) // 16 = 75 windows.
+@pytest.mark.parametrize('max_examples, windows', [(0, 75), (10, 10)])
+def test_max_examples_caps_training_windows_and_zero_keeps_the_whole_stream(tmp_path, max_examples, windows):
+  import support
+  from configs import rnn_lm
+  from train.tasks.rnn_lm import Task
+  config = rnn_lm.get_config('tiny')
+  config.data.update(source=support.write_corpus(str(tmp_path / 'corpus'), files=2, lines=20), sampler='random',
+                     max_examples=max_examples, eval_source=support.write_corpus(str(tmp_path / 'eval'), files=1))
+  prepared = Task(config).prepare(str(tmp_path / 'run'))
+  assert len(prepared.datasets.train) == windows

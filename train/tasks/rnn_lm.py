@@ -129,7 +129,8 @@ class Task(task_lib.Task):
     data, train = self.config.data, self.config.train
     train_docs, eval_docs, _ = split_documents(data, self.config.seed)
     tokenizer = get_tokenizer(data, workdir, (text for _, text in train_docs))
-    train_stream = token_stream(train_docs, tokenizer, data.max_examples * data.seq_len + 1)
+    # data.max_examples windows of seq_len tokens (0: the whole stream, not one token)
+    train_stream = token_stream(train_docs, tokenizer, data.max_examples * data.seq_len + 1 if data.max_examples else 0)
     eval_tokens = train.eval_steps * self.eval_batch_size * data.seq_len + 1 if train.eval_steps else 0
     self.eval_stream = token_stream(eval_docs, tokenizer, eval_tokens)
     train_examples = rows(train_stream, train.batch_size, data.seq_len) if self.sequential else \
