@@ -58,11 +58,11 @@ def test_padded_source_positions_change_no_logit():
   noise = jnp.asarray(np.random.default_rng(9).integers(3, TINY.vocab_size, source.shape), jnp.int32)
   changed = jnp.where(valid, source, noise)
   assert not np.array_equal(changed, source)
-  np.testing.assert_allclose(model(changed, target, source_valid=valid), reference, atol=1e-5)
+  np.testing.assert_allclose(model(changed, target, source_lengths=valid.sum(1)), reference, atol=1e-5)
   # Cross-attention alone: huge encoder states at padded positions must not leak either.
   memory = model.encode(source)
   poisoned = jnp.where(valid[:, :, None], memory, 1e3 * jax.random.normal(jax.random.key(0), memory.shape))
-  np.testing.assert_allclose(model.decode(target, poisoned, valid)[0], reference, atol=1e-5)
+  np.testing.assert_allclose(model.decode(target, poisoned, valid.sum(1))[0], reference, atol=1e-5)
   # A real source token does matter (the checks above are not vacuous).
   flipped = source.at[:, 0].set(jnp.where(source[:, 0] == 5, 6, 5))
   assert np.abs(np.asarray(model(flipped, target) - reference)).max() > 1e-3
