@@ -12,6 +12,10 @@ in encoder self-attention and in cross-attention (padding follows the real token
 are source lengths); target padding only needs the causal mask and is excluded from the loss by
 the task.
 
+Packed rows (several pairs per row, training with `data.packing`) carry segment ids, 1, 2, ... per
+pair and 0 on padding: positions restart at each segment, and every attention (encoder self,
+causal decoder self, cross) stays within a segment, so each pair is computed exactly as alone.
+
 Shape legend: B batch, S source length, T target length, E width, V vocabulary,
 T_max decoding cache length.
 """
@@ -78,14 +82,18 @@ class Transformer(nnx.Module):
     self.decoder_norm = norm() if config.pre_norm else None
 
   def _embed(self, embedding: nnx.Embed, tokens: jax.Array, offset: jax.Array | int,
-             deterministic: bool) -> jax.Array:
-    """[B, L] ids at positions offset.. -> [B, L, E] scaled embeddings + sinusoids, with dropout."""
+             segment_ids: jax.Array | None, deterministic: bool) -> jax.Array:
+    """[B, L] ids at positions offset.. (or from 0 in each segment of `segment_ids` [B, L])
+    -> [B, L, E] scaled embeddings + sinusoids, with dropout."""
     length = tokens.shape[1]
     if length > self.config.max_len:
       raise ValueError(f'Sequence of length {length} exceeds model max_len={self.config.max_len}; '
                        f'raise model.max_len.')
     table = jnp.asarray(sinusoidal_positions(self.config.max_len, self.config.width))
-    positions = jax.lax.dynamic_slice_in_dim(table, offset, length)
+    if segment_ids is None:
+      positions = jax.lax.dynamic_slice_in_dim(table, offset, length)
+    else:
+      positions = table[positions_in_segments(segment_ids)]
     x = embedding(tokens) * self.config.width ** 0.5
     return self.dropout(x + positions.astype(x.dtype), deterministic=deterministic)
 
@@ -94,20 +102,23 @@ class Transformer(nnx.Module):
     return jnp.sum(source != self.config.pad_id, axis=1, dtype=jnp.int32)
 
   def encode(self, source: jax.Array, source_lengths: jax.Array | None = None, *,
-             deterministic: bool = True) -> jax.Array:
+             source_segments: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
     """[B, S] source ids -> [B, S, E] encoder states.
 
     source_lengths: [B] real source tokens per row (default: the non-pad ones).
+    source_segments: [B, S] segment ids of packed rows (then lengths are not used).
     """
-    if source_lengths is None:
-      source_lengths = self.source_lengths(source)
-    mask = AttentionMask(key_lengths=source_lengths)
-    x = self._embed(self.source_embedding, source, 0, deterministic)
+    if source_segments is not None:
+      mask = AttentionMask(query_segment_ids=source_segments, key_segment_ids=source_segments)
+    else:
+      mask = AttentionMask(key_lengths=self.source_lengths(source) if source_lengths is None else source_lengths)
+    x = self._embed(self.source_embedding, source, 0, source_segments, deterministic)
     for block in self.encoder_blocks:
       x, _ = block(x, mask, deterministic=deterministic)
     return x if self.encoder_norm is None else self.encoder_norm(x)
 
-  def decode(self, target_in: jax.Array, memory: jax.Array | None, source_lengths: jax.Array, *,
+  def decode(self, target_in: jax.Array, memory: jax.Array | None, source_lengths: jax.Array | None, *,
+             source_segments: jax.Array | None = None, target_segments: jax.Array | None = None,
              cache: dict | None = None, cache_index: jax.Array | int | None = None,
              deterministic: bool = True) -> tuple[jax.Array, dict | None]:
     """Next-token logits for the (shifted-right) target.
@@ -117,15 +128,21 @@ class Transformer(nnx.Module):
         decoding with a cache.
       memory: [B, S, E] encoder states (None when `cache` holds the cross-attention keys/values).
       source_lengths: [B] real source tokens per row.
+      source_segments, target_segments: [B, S], [B, T] segment ids of packed rows (training
+        only; then `source_lengths` is not used).
       cache: from `init_cache`; new self-attention keys/values are written at `cache_index`.
     Returns:
       ([B, T, V] float32 logits, updated cache or None).
     """
     offset = 0 if cache_index is None else cache_index
     embedding = self.source_embedding if self.target_embedding is None else self.target_embedding
-    x = self._embed(embedding, target_in, offset, deterministic)
-    self_mask = AttentionMask(causal=True, q_offset=cache_index)
-    cross_mask = AttentionMask(key_lengths=source_lengths)
+    x = self._embed(embedding, target_in, offset, target_segments, deterministic)
+    self_mask = AttentionMask(causal=True, q_offset=cache_index, query_segment_ids=target_segments,
+                              key_segment_ids=target_segments)
+    if target_segments is not None:
+      cross_mask = AttentionMask(query_segment_ids=target_segments, key_segment_ids=source_segments)
+    else:
+      cross_mask = AttentionMask(key_lengths=source_lengths)
     new_layers = []
     for i, block in enumerate(self.decoder_blocks):
       x, layer_cache = block(x, self_mask, context=memory, context_mask=cross_mask,
@@ -139,12 +156,18 @@ class Transformer(nnx.Module):
     return logits.astype(jnp.float32), new_cache
 
   def __call__(self, source: jax.Array, target_in: jax.Array, *, source_lengths: jax.Array | None = None,
+               source_segments: jax.Array | None = None, target_segments: jax.Array | None = None,
                deterministic: bool = True) -> jax.Array:
-    """Teacher-forced logits: [B, S] source, [B, T] BOS + target -> [B, T, V]."""
-    if source_lengths is None:
+    """Teacher-forced logits: [B, S] source, [B, T] BOS + target -> [B, T, V].
+
+    Packed rows pass both `source_segments` [B, S] and `target_segments` [B, T] (see the module
+    docstring); otherwise padding is given by `source_lengths` [B] (default: the non-pad tokens).
+    """
+    if source_segments is None and source_lengths is None:
       source_lengths = self.source_lengths(source)
-    memory = self.encode(source, source_lengths, deterministic=deterministic)
-    logits, _ = self.decode(target_in, memory, source_lengths, deterministic=deterministic)
+    memory = self.encode(source, source_lengths, source_segments=source_segments, deterministic=deterministic)
+    logits, _ = self.decode(target_in, memory, source_lengths, source_segments=source_segments,
+                            target_segments=target_segments, deterministic=deterministic)
     return logits
 
   def init_cache(self, source: jax.Array, memory: jax.Array, max_len: int) -> dict[str, Any]:
@@ -166,6 +189,13 @@ class Transformer(nnx.Module):
     B * beams after tiling). Returns ([N, T, V] next-token logits, updated cache).
     """
     return self.decode(tokens, None, cache['source_lengths'], cache=cache, cache_index=index)
+
+
+def positions_in_segments(segment_ids: jax.Array) -> jax.Array:
+  """[B, L] segment ids (each segment contiguous) -> [B, L] positions counted from each segment's start."""
+  index = jnp.arange(segment_ids.shape[1])[None, :]
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 @nnx.jit(static_argnames=('bos_id', 'eos_id', 'beam_size', 'alpha', 'max_len_ratio', 'max_len_offset'))
