@@ -127,7 +127,7 @@ def get_config(preset: str = 'default'):
   c.data.mask_prob = 0.15
   c.data.max_predictions = 20  # MLM positions per sequence (>= mask_prob * seq_len)
 
-  c.model.attention = 'auto'  # 'auto' (jax_nn on GPU, else xla) | 'xla' | 'jax_nn'
+  c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; else xla) | 'xla' | 'cudnn' | 'jax_nn'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   c.model.type_vocab_size = 2
   c.model.attention_dropout = 0.1

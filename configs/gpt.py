@@ -51,7 +51,7 @@ PRESETS = {
 def get_config(preset: str = 'default'):
   c = base_config('gpt', preset, PRESETS)
   c.data.source = 'pystdlib'
-  c.model.attention = 'auto'  # 'auto' (jax_nn on GPU, else xla) | 'xla' | 'jax_nn'
+  c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; else xla) | 'xla' | 'cudnn' | 'jax_nn'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   c.model.num_layers = 4
   c.model.num_heads = 4

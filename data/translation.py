@@ -291,3 +291,42 @@ def as_dataset(arrays: dict[str, np.ndarray]) -> grain.MapDataset:
   """Row i of every array -> one example dict."""
   count = len(next(iter(arrays.values())))
   return grain.MapDataset.source(np.arange(count)).map(lambda i: {k: v[i] for k, v in arrays.items()})
+
+
+def pack_pairs(examples: dict[str, np.ndarray], rows: int, pad_id: int) -> tuple[dict[str, np.ndarray], int]:
+  """Pack padded examples several to a row, first-fit decreasing (training with `data.packing`).
+
+  Examples are placed longest first, each in the first row with room for both its source and its
+  target; one that finds no room is left out. A row's examples sit one after the other, with
+  segment ids 1, 2, ... in placement order; padding is segment 0.
+
+  Args:
+    examples: {'source', 'target_in', 'target_out'} [N, L] arrays as in the module docstring.
+    rows: R, the rows to fill.
+  Returns:
+    ({'source', 'target_in', 'target_out', 'source_segments', 'target_segments'} [R, L] int32,
+    number of examples left out).
+  """
+  length = examples['source'].shape[1]
+  source_lengths = (examples['source'] != pad_id).sum(1)
+  target_lengths = (examples['target_out'] != pad_id).sum(1)
+  packed = {name: np.full((rows, length), pad_id, np.int32) for name in ('source', 'target_in', 'target_out')}
+  packed |= {name: np.zeros((rows, length), np.int32) for name in ('source_segments', 'target_segments')}
+  source_used, target_used, count = (np.zeros(rows, np.int64) for _ in range(3))
+  left_out = 0
+  for i in np.argsort(-np.maximum(source_lengths, target_lengths), kind='stable'):
+    s, t = source_lengths[i], target_lengths[i]
+    fits = (source_used + s <= length) & (target_used + t <= length)
+    row = int(fits.argmax())
+    if not fits[row]:
+      left_out += 1
+      continue
+    count[row] += 1
+    for side, start, size, names in (('source', source_used[row], s, ('source',)),
+                                     ('target', target_used[row], t, ('target_in', 'target_out'))):
+      for name in names:
+        packed[name][row, start:start + size] = examples[name][i, :size]
+      packed[f'{side}_segments'][row, start:start + size] = count[row]
+    source_used[row] += s
+    target_used[row] += t
+  return packed, left_out

@@ -3,11 +3,28 @@
 Every model family (attention pooling, Bahdanau seq2seq, Transformer, BERT, GPT) uses these
 pieces; there is no second attention implementation anywhere in the repository.
 
+Masks of scaled dot-product attention are structure, not arrays: an `AttentionMask` says
+"causal", "these padding lengths", "these segment ids", and `dot_product_attention` turns it into
+whatever its kernel takes. The fused kernels (`jax.nn.dot_product_attention`, cuDNN flash attention
+on GPU) take causality and padding lengths as arguments and skip the masked blocks; the einsum
+path (which also returns the weights, for heatmaps) builds the dense [B|1, 1, Lq, Lk] boolean
+mask with `AttentionMask.dense`.
+
+Implementations (`model.attention`):
+  'xla'     einsum + masked softmax, compiled by XLA; returns the weights. CPU and TPU default.
+  'cudnn'   `jax.nn.dot_product_attention(implementation='cudnn')`: cuDNN flash attention (GPU,
+            bfloat16/float16 only). GPU default for those dtypes.
+  'jax_nn'  `jax.nn.dot_product_attention` with the same structured arguments, JAX choosing the
+            kernel (XLA's today). GPU default for float32, which cuDNN does not take.
+  'auto'    resolved per backend and dtype by `default_attention_implementation`.
+The Pallas splash-attention kernel for TPU is not wired in (TPUs run 'xla').
+
 Shape legend: B batch, Lq / Lk query / key length, H heads, D head width, E model width.
-Masks are boolean, True where attention is allowed, and broadcast against [B, H, Lq, Lk].
+Boolean masks are True where attention is allowed and broadcast against [B, H, Lq, Lk].
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -17,57 +34,72 @@ from flax import nnx
 
 # Large negative logit for masked positions: finite so fully masked rows stay NaN-free.
 _MASKED_LOGIT = -1e9
-ATTENTION_IMPLEMENTATIONS = ('auto', 'xla', 'jax_nn')
+ATTENTION_IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'jax_nn')
+_FUSED = ('cudnn', 'jax_nn')  # the implementations calling jax.nn.dot_product_attention
 
 
 # ----------------------------------------------------------------------------- masks
-def padding_mask(valid_lengths: jax.Array, max_len: int) -> jax.Array:
-  """[B] valid lengths -> [B, max_len] bool, True on real (non-pad) positions."""
-  return jnp.arange(max_len)[None, :] < jnp.asarray(valid_lengths)[:, None]
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=['query_lengths', 'key_lengths', 'query_segment_ids', 'key_segment_ids',
+                                'q_offset'],
+                   meta_fields=['causal'])
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+  """Which keys each query may attend to, as structure. Every constraint given must hold.
 
-
-def causal_mask(q_len: int, k_len: int, q_offset: jax.Array | int = 0) -> jax.Array:
-  """[q_len, k_len] bool: query i (at absolute position q_offset + i) sees keys <= its position."""
-  q_pos = jnp.arange(q_len)[:, None] + q_offset
-  return jnp.arange(k_len)[None, :] <= q_pos
-
-
-def make_attention_mask(
-    query_valid: jax.Array | None = None,
-    key_valid: jax.Array | None = None,
-    *,
-    causal: bool = False,
-    q_len: int | None = None,
-    k_len: int | None = None,
-    q_offset: jax.Array | int = 0,
-) -> jax.Array | None:
-  """Combine padding and causal constraints into one [B|1, 1, Lq, Lk] bool mask.
-
-  Args:
-    query_valid: [B, Lq] bool, True on real query positions (None: all real).
-    key_valid: [B, Lk] bool, True on real key positions (None: all real).
-    causal: add the autoregressive constraint.
-    q_len, k_len: lengths, needed only when the corresponding validity array is None.
-    q_offset: absolute position of the first query (cached decoding).
+  causal: query i (at absolute position q_offset + i) sees keys at positions <= its own.
+  query_lengths: [B] int, real queries per row (right padding); padded queries attend to nothing
+    and output zeros.
+  key_lengths: [B] int, real keys per row (right padding); padded keys are never attended to.
+  query_segment_ids: [B, Lq] int and key_segment_ids: [B, Lk] int, given together: a query sees
+    only keys of its own segment (packed sequences; padding may be a segment of its own).
+  q_offset: absolute position of the first query, a scalar (cached decoding); None = 0.
   """
-  q_len = query_valid.shape[-1] if query_valid is not None else q_len
-  k_len = key_valid.shape[-1] if key_valid is not None else k_len
-  mask = None
-  if key_valid is not None:
-    mask = key_valid[:, None, None, :]
-  if query_valid is not None:
-    q = query_valid[:, None, :, None]
-    mask = q if mask is None else mask & q
-  if causal:
-    if q_len is None or k_len is None:
-      raise ValueError('causal masks need q_len and k_len (or validity arrays).')
-    c = causal_mask(q_len, k_len, q_offset)[None, None]
-    mask = c if mask is None else mask & c
-  return mask
+  causal: bool = False
+  query_lengths: jax.Array | None = None
+  key_lengths: jax.Array | None = None
+  query_segment_ids: jax.Array | None = None
+  key_segment_ids: jax.Array | None = None
+  q_offset: jax.Array | int | None = None
+
+  def dense(self, q_len: int, k_len: int) -> jax.Array | None:
+    """[B|1, 1, q_len, k_len] bool, True where attention is allowed (None: no constraint)."""
+    parts = []
+    if self.key_lengths is not None:
+      parts.append((jnp.arange(k_len)[None, :] < jnp.asarray(self.key_lengths)[:, None])[:, None, None, :])
+    if self.query_lengths is not None:
+      parts.append((jnp.arange(q_len)[None, :] < jnp.asarray(self.query_lengths)[:, None])[:, None, :, None])
+    if self.causal:
+      q_pos = jnp.arange(q_len)[:, None] + (0 if self.q_offset is None else self.q_offset)
+      parts.append((jnp.arange(k_len)[None, :] <= q_pos)[None, None])
+    if (self.query_segment_ids is None) != (self.key_segment_ids is None):
+      raise ValueError('AttentionMask needs both query_segment_ids and key_segment_ids, or neither.')
+    if self.query_segment_ids is not None:
+      parts.append((self.query_segment_ids[:, :, None] == self.key_segment_ids[:, None, :])[:, None])
+    return functools.reduce(jnp.logical_and, parts) if parts else None
+
+
+def jax_nn_arguments(mask: AttentionMask | None, q_len: int, k_len: int) -> dict[str, Any]:
+  """Keyword arguments of `jax.nn.dot_product_attention` expressing `mask`.
+
+  Causality from position 0 and padding lengths are arguments the fused kernel handles without
+  any [B, 1, Lq, Lk] array (cuDNN does not even compute the masked blocks). jax.nn has no
+  segment-id argument and its causal mask always starts at position 0, so segments and the
+  causal mask of cached decoding (q_offset) go in as a dense boolean `mask`, which cuDNN reads as
+  an additive bias: still fused, but with a [B, 1, Lq, Lk] tensor in memory.
+  """
+  if mask is None:
+    return {}
+  offset_free_causal = mask.causal and mask.q_offset is None
+  rest = dataclasses.replace(mask, causal=mask.causal and not offset_free_causal, query_lengths=None,
+                             key_lengths=None)
+  lengths = lambda x: None if x is None else jnp.asarray(x).astype(jnp.int32)
+  return {'mask': rest.dense(q_len, k_len), 'is_causal': offset_free_causal,
+          'query_seq_lengths': lengths(mask.query_lengths), 'key_value_seq_lengths': lengths(mask.key_lengths)}
 
 
 def masked_softmax(scores: jax.Array, mask: jax.Array | None, axis: int = -1) -> jax.Array:
-  """Softmax over `axis` where masked entries get exactly zero weight.
+  """Softmax over `axis` where masked entries (mask False) get exactly zero weight.
 
   A row whose keys are all masked returns zeros rather than NaN or a uniform distribution,
   so padded queries contribute nothing downstream.
@@ -84,7 +116,7 @@ def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    mask: jax.Array | None = None,
+    mask: AttentionMask | None = None,
     *,
     dropout: nnx.Dropout | None = None,
     deterministic: bool = True,
@@ -94,24 +126,27 @@ def dot_product_attention(
 
   Args:
     query: [B, Lq, H, D]; key, value: [B, Lk, H, D].
-    mask: bool, broadcastable to [B, H, Lq, Lk].
-    dropout: optional dropout applied to the attention weights (xla path only).
-    implementation: 'xla' (einsum + masked softmax, returns weights) or 'jax_nn'
-      (`jax.nn.dot_product_attention`: cuDNN flash attention on GPU; no weights returned).
+    mask: which keys each query sees (None: all).
+    dropout: optional dropout on the attention weights. The fused kernels cannot drop weights,
+      so while it is active (training) every implementation runs the einsum path
+      (`attention_dropout_forces_einsum` tells the benchmark).
+    implementation: one of ATTENTION_IMPLEMENTATIONS (see the module docstring).
   Returns:
-    ([B, Lq, H, D] output, [B, H, Lq, Lk] weights or None).
+    ([B, Lq, H, D] output, [B, H, Lq, Lk] weights, or None from a fused kernel).
   """
   if implementation == 'auto':
-    implementation = default_attention_implementation()
-  if implementation == 'jax_nn' and (dropout is None or deterministic):
-    out = jax.nn.dot_product_attention(query, key, value, mask=mask)
-    return out, None
-  if implementation not in ('xla', 'jax_nn'):
+    implementation = default_attention_implementation(query.dtype)
+  if implementation not in ATTENTION_IMPLEMENTATIONS:
     raise ValueError(f'Unknown attention implementation {implementation!r}; '
                      f'choose one of {ATTENTION_IMPLEMENTATIONS}.')
+  q_len, k_len = query.shape[1], key.shape[1]
+  if implementation in _FUSED and (dropout is None or deterministic):
+    out = jax.nn.dot_product_attention(query, key, value, **jax_nn_arguments(mask, q_len, k_len),
+                                       implementation='cudnn' if implementation == 'cudnn' else None)
+    return out, None
   depth = query.shape[-1]
   scores = jnp.einsum('bqhd,bkhd->bhqk', query, key) / jnp.sqrt(depth).astype(query.dtype)
-  weights = masked_softmax(scores, mask)
+  weights = masked_softmax(scores, None if mask is None else mask.dense(q_len, k_len))
   if dropout is not None:
     weights = dropout(weights, deterministic=deterministic)
   out = jnp.einsum('bhqk,bkhd->bqhd', weights, value)
@@ -119,9 +154,12 @@ def dot_product_attention(
 
 
 @functools.cache
-def default_attention_implementation() -> str:
-  """Per-platform default: cuDNN-backed `jax.nn` attention on GPU, einsum elsewhere."""
-  return 'jax_nn' if jax.default_backend() == 'gpu' else 'xla'
+def default_attention_implementation(dtype: Any = 'float32') -> str:
+  """Per backend and compute dtype: cuDNN flash attention on GPU for bfloat16/float16 (the only
+  dtypes it takes), `jax.nn`'s own choice on GPU for float32, the einsum path elsewhere."""
+  if jax.default_backend() != 'gpu':
+    return 'xla'
+  return 'cudnn' if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else 'jax_nn'
 
 
 class AdditiveScore(nnx.Module):
@@ -172,7 +210,7 @@ class MultiHeadAttention(nnx.Module):
 
   Call:
     inputs_q: [B, Lq, E]; inputs_kv: [B, Lk, E_kv] (None: self-attention).
-    mask: bool broadcastable to [B, H, Lq, Lk_total].
+    mask: AttentionMask over [Lq, Lk_total] (None: every key).
     cache: None, or {'k','v': [B, H, L_max, D]}. With `cache_index` the new keys/values are
       written at positions [cache_index, cache_index + Lq) and attention runs over the whole
       cache (self-attention decoding). Without `cache_index` the cache is used as the
@@ -234,6 +272,13 @@ class MultiHeadAttention(nnx.Module):
   def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict[str, jax.Array]:
     shape = (batch, self.num_heads, max_len, self.head_dim)
     return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
+
+
+def attention_dropout_forces_einsum(model: nnx.Module) -> bool:
+  """Whether some attention layer of `model`, set to a fused kernel, trains on the einsum path
+  instead because it drops attention weights (which the fused kernels cannot)."""
+  return any(m.dropout is not None and m.implementation != 'xla'
+             for _, m in nnx.iter_modules(model) if isinstance(m, MultiHeadAttention))
 
 
 def record_attention_weights(model: nnx.Module, fn, *args, **kwargs):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import make_attention_mask
+from models.attention import AttentionMask
 from models.layers import ACTIVATIONS, TransformerBlock
 
 
@@ -118,8 +118,8 @@ class BertEncoder(nnx.Module):
 
     Args:
       tokens: [B, L] ids. segments: [B, L] 0/1 sentence ids (None: all 0).
-      valid: [B, L] bool, False on padding (None: no padding). Padded positions are never
-        attended to; their own outputs are computed but meaningless.
+      valid: [B, L] bool, False on padding, which follows the real tokens (None: no padding).
+        Padded positions are never attended to; their own outputs are computed but meaningless.
     """
     batch, length = tokens.shape
     if length > self.config.max_len:
@@ -128,7 +128,7 @@ class BertEncoder(nnx.Module):
     segments = jnp.zeros_like(tokens) if segments is None else segments
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     x = self.embeddings(tokens, segments, positions, deterministic=deterministic)
-    mask = make_attention_mask(None, valid, q_len=length, k_len=length) if valid is not None else None
+    mask = AttentionMask(key_lengths=valid.sum(-1)) if valid is not None else None
     hidden_states = [x]
     for block in self.blocks:
       x, _ = block(x, mask, deterministic=deterministic)

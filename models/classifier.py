@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import make_attention_mask
+from models.attention import AttentionMask
 from models.layers import TransformerBlock, sinusoidal_positions
 
 POOLINGS = ('mean', 'cls')
@@ -67,14 +67,15 @@ class TransformerClassifier(nnx.Module):
     self.head = nnx.Linear(config.width, config.num_classes, dtype=dtype, rngs=rngs)
 
   def encode(self, tokens: jax.Array, valid: jax.Array, *, deterministic: bool = True) -> jax.Array:
-    """tokens [B, L] ids, valid [B, L] bool (False on padding) -> [B, L] x [E] states."""
+    """tokens [B, L] ids, valid [B, L] bool (False on padding, which follows the real tokens)
+    -> [B, L] x [E] states."""
     length = tokens.shape[1]
     if length > self.config.max_len:
       raise ValueError(f'Sequence of length {length} exceeds model max_len={self.config.max_len}; '
                        f'raise model.max_len or lower data.seq_len.')
     x = self.embedding(tokens) * self.config.width ** 0.5
     x = self.dropout(x + sinusoidal_positions(length, self.config.width).astype(x.dtype), deterministic=deterministic)
-    mask = make_attention_mask(None, valid)
+    mask = AttentionMask(key_lengths=valid.sum(-1))
     for block in self.blocks:
       x, _ = block(x, mask, deterministic=deterministic)
     return x if self.final_norm is None else self.final_norm(x)

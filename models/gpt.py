@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import decoding
-from models.attention import make_attention_mask
+from models.attention import AttentionMask
 from models.layers import TransformerBlock
 
 
@@ -110,9 +110,11 @@ class GPT(nnx.Module):
                                    (batch, length))
     x = self.token_embedding(tokens) + self.position_embedding(positions)
     x = self.dropout(x, deterministic=deterministic)
-    k_len = length if cache is None else jax.tree.leaves(cache)[0].shape[-2]
-    mask = make_attention_mask(None, key_valid, causal=True, q_len=length, k_len=k_len,
-                               q_offset=0 if cache_index is None else cache_index)
+    mask = AttentionMask(causal=True, q_offset=cache_index)
+    if key_valid is not None:
+      # Left padding is no prefix length: the padding keys become segment 0, which no query is in.
+      mask = dataclasses.replace(mask, query_segment_ids=jnp.ones((batch, length), jnp.int32),
+                                 key_segment_ids=key_valid.astype(jnp.int32))
 
     def run_block(block, x, layer_cache):
       return block(x, mask, cache=layer_cache, cache_index=cache_index, deterministic=deterministic)

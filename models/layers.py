@@ -51,8 +51,8 @@ class TransformerBlock(nnx.Module):
   (x = LN(x + Dropout(sublayer(x)))); `pre_norm=True` is GPT-2's (x = x + Dropout(sublayer(LN(x)))).
 
   Call:
-    x: [B, L, E]; mask: self-attention mask, bool broadcastable to [B, H, L, L_keys].
-    context: [B, Lc, E] encoder output for cross-attention; context_mask: [B|1, 1, L, Lc].
+    x: [B, L, E]; mask: self-attention AttentionMask over [L, L_keys] (None: every key).
+    context: [B, Lc, E] encoder output for cross-attention; context_mask: AttentionMask over [L, Lc].
     cache: None or {'self': kv cache, 'cross': static kv} for decoding; cache_index: write offset.
   Returns: ([B, L, E], updated cache or None).
   """

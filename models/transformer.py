@@ -8,8 +8,13 @@ or pre-LayerNorm (`pre_norm=True`, which adds a final LayerNorm after each stack
 
 With `share_embeddings` (the paper's setting, which needs a joint vocabulary) one matrix embeds
 source and target tokens and, transposed, produces the output logits. Source padding is masked
-in encoder self-attention and in cross-attention; target padding only needs the causal mask
-(pads follow the real tokens) and is excluded from the loss by the task.
+in encoder self-attention and in cross-attention (padding follows the real tokens, so the masks
+are source lengths); target padding only needs the causal mask and is excluded from the loss by
+the task.
+
+Packed rows (several pairs per row, training with `data.packing`) carry segment ids, 1, 2, ... per
+pair and 0 on padding: positions restart at each segment, and every attention (encoder self,
+causal decoder self, cross) stays within a segment, so each pair is computed exactly as alone.
 
 Shape legend: B batch, S source length, T target length, E width, V vocabulary,
 T_max decoding cache length.
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import decoding
-from models.attention import make_attention_mask
+from models.attention import AttentionMask
 from models.layers import TransformerBlock, sinusoidal_positions
 
 
@@ -77,32 +82,43 @@ class Transformer(nnx.Module):
     self.decoder_norm = norm() if config.pre_norm else None
 
   def _embed(self, embedding: nnx.Embed, tokens: jax.Array, offset: jax.Array | int,
-             deterministic: bool) -> jax.Array:
-    """[B, L] ids at positions offset.. -> [B, L, E] scaled embeddings + sinusoids, with dropout."""
+             segment_ids: jax.Array | None, deterministic: bool) -> jax.Array:
+    """[B, L] ids at positions offset.. (or from 0 in each segment of `segment_ids` [B, L])
+    -> [B, L, E] scaled embeddings + sinusoids, with dropout."""
     length = tokens.shape[1]
     if length > self.config.max_len:
       raise ValueError(f'Sequence of length {length} exceeds model max_len={self.config.max_len}; '
                        f'raise model.max_len.')
     table = jnp.asarray(sinusoidal_positions(self.config.max_len, self.config.width))
-    positions = jax.lax.dynamic_slice_in_dim(table, offset, length)
+    if segment_ids is None:
+      positions = jax.lax.dynamic_slice_in_dim(table, offset, length)
+    else:
+      positions = table[positions_in_segments(segment_ids)]
     x = embedding(tokens) * self.config.width ** 0.5
     return self.dropout(x + positions.astype(x.dtype), deterministic=deterministic)
 
-  def encode(self, source: jax.Array, source_valid: jax.Array | None = None, *,
-             deterministic: bool = True) -> jax.Array:
+  def source_lengths(self, source: jax.Array) -> jax.Array:
+    """[B, S] right-padded source ids -> [B] int32 real lengths."""
+    return jnp.sum(source != self.config.pad_id, axis=1, dtype=jnp.int32)
+
+  def encode(self, source: jax.Array, source_lengths: jax.Array | None = None, *,
+             source_segments: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
     """[B, S] source ids -> [B, S, E] encoder states.
 
-    source_valid: [B, S] bool, False on padding (default: source != pad_id).
+    source_lengths: [B] real source tokens per row (default: the non-pad ones).
+    source_segments: [B, S] segment ids of packed rows (then lengths are not used).
     """
-    if source_valid is None:
-      source_valid = source != self.config.pad_id
-    mask = make_attention_mask(None, source_valid)
-    x = self._embed(self.source_embedding, source, 0, deterministic)
+    if source_segments is not None:
+      mask = AttentionMask(query_segment_ids=source_segments, key_segment_ids=source_segments)
+    else:
+      mask = AttentionMask(key_lengths=self.source_lengths(source) if source_lengths is None else source_lengths)
+    x = self._embed(self.source_embedding, source, 0, source_segments, deterministic)
     for block in self.encoder_blocks:
       x, _ = block(x, mask, deterministic=deterministic)
     return x if self.encoder_norm is None else self.encoder_norm(x)
 
-  def decode(self, target_in: jax.Array, memory: jax.Array | None, source_valid: jax.Array, *,
+  def decode(self, target_in: jax.Array, memory: jax.Array | None, source_lengths: jax.Array | None, *,
+             source_segments: jax.Array | None = None, target_segments: jax.Array | None = None,
              cache: dict | None = None, cache_index: jax.Array | int | None = None,
              deterministic: bool = True) -> tuple[jax.Array, dict | None]:
     """Next-token logits for the (shifted-right) target.
@@ -111,18 +127,22 @@ class Transformer(nnx.Module):
       target_in: [B, T] ids: BOS followed by the target (teacher forcing), or [B, 1] while
         decoding with a cache.
       memory: [B, S, E] encoder states (None when `cache` holds the cross-attention keys/values).
-      source_valid: [B, S] bool, False on source padding.
+      source_lengths: [B] real source tokens per row.
+      source_segments, target_segments: [B, S], [B, T] segment ids of packed rows (training
+        only; then `source_lengths` is not used).
       cache: from `init_cache`; new self-attention keys/values are written at `cache_index`.
     Returns:
       ([B, T, V] float32 logits, updated cache or None).
     """
     offset = 0 if cache_index is None else cache_index
     embedding = self.source_embedding if self.target_embedding is None else self.target_embedding
-    x = self._embed(embedding, target_in, offset, deterministic)
-    length = target_in.shape[1]
-    k_len = length if cache is None else cache['layers'][0]['self']['k'].shape[2]
-    self_mask = make_attention_mask(causal=True, q_len=length, k_len=k_len, q_offset=offset)
-    cross_mask = make_attention_mask(None, source_valid)
+    x = self._embed(embedding, target_in, offset, target_segments, deterministic)
+    self_mask = AttentionMask(causal=True, q_offset=cache_index, query_segment_ids=target_segments,
+                              key_segment_ids=target_segments)
+    if target_segments is not None:
+      cross_mask = AttentionMask(query_segment_ids=target_segments, key_segment_ids=source_segments)
+    else:
+      cross_mask = AttentionMask(key_lengths=source_lengths)
     new_layers = []
     for i, block in enumerate(self.decoder_blocks):
       x, layer_cache = block(x, self_mask, context=memory, context_mask=cross_mask,
@@ -132,29 +152,35 @@ class Transformer(nnx.Module):
     if self.decoder_norm is not None:
       x = self.decoder_norm(x)
     logits = embedding.attend(x) if self.output is None else self.output(x)
-    new_cache = None if cache is None else {'layers': new_layers, 'source_valid': cache['source_valid']}
+    new_cache = None if cache is None else {'layers': new_layers, 'source_lengths': cache['source_lengths']}
     return logits.astype(jnp.float32), new_cache
 
-  def __call__(self, source: jax.Array, target_in: jax.Array, *, source_valid: jax.Array | None = None,
+  def __call__(self, source: jax.Array, target_in: jax.Array, *, source_lengths: jax.Array | None = None,
+               source_segments: jax.Array | None = None, target_segments: jax.Array | None = None,
                deterministic: bool = True) -> jax.Array:
-    """Teacher-forced logits: [B, S] source, [B, T] BOS + target -> [B, T, V]."""
-    if source_valid is None:
-      source_valid = source != self.config.pad_id
-    memory = self.encode(source, source_valid, deterministic=deterministic)
-    logits, _ = self.decode(target_in, memory, source_valid, deterministic=deterministic)
+    """Teacher-forced logits: [B, S] source, [B, T] BOS + target -> [B, T, V].
+
+    Packed rows pass both `source_segments` [B, S] and `target_segments` [B, T] (see the module
+    docstring); otherwise padding is given by `source_lengths` [B] (default: the non-pad tokens).
+    """
+    if source_segments is None and source_lengths is None:
+      source_lengths = self.source_lengths(source)
+    memory = self.encode(source, source_lengths, source_segments=source_segments, deterministic=deterministic)
+    logits, _ = self.decode(target_in, memory, source_lengths, source_segments=source_segments,
+                            target_segments=target_segments, deterministic=deterministic)
     return logits
 
   def init_cache(self, source: jax.Array, memory: jax.Array, max_len: int) -> dict[str, Any]:
     """Decoding state for `decode(..., cache=, cache_index=)`; every leaf is batch-leading.
 
-    {'source_valid': [B, S] bool, 'layers': [{'self': {'k','v': [B, H, T_max, D]},
+    {'source_lengths': [B] int32, 'layers': [{'self': {'k','v': [B, H, T_max, D]},
                                                'cross': {'k','v': [B, H, S, D]}}] per decoder layer}.
     The cross-attention keys/values of `memory` are projected once here.
     """
     dtype = jnp.dtype(self.config.dtype)
     layers = [{'self': block.self_attention.init_cache(source.shape[0], max_len, dtype),
                'cross': block.cross_attention.project_kv(memory)} for block in self.decoder_blocks]
-    return {'source_valid': source != self.config.pad_id, 'layers': layers}
+    return {'source_lengths': self.source_lengths(source), 'layers': layers}
 
   def decode_step(self, tokens: jax.Array, cache: dict, index: jax.Array | int) -> tuple[jax.Array, dict]:
     """One cached decoding step, the `step_fn` of models/decoding.py.
@@ -162,7 +188,14 @@ class Transformer(nnx.Module):
     tokens: [N, T] ids at positions index.. (BOS at 0); cache: from `init_cache` (N = B, or
     B * beams after tiling). Returns ([N, T, V] next-token logits, updated cache).
     """
-    return self.decode(tokens, None, cache['source_valid'], cache=cache, cache_index=index)
+    return self.decode(tokens, None, cache['source_lengths'], cache=cache, cache_index=index)
+
+
+def positions_in_segments(segment_ids: jax.Array) -> jax.Array:
+  """[B, L] segment ids (each segment contiguous) -> [B, L] positions counted from each segment's start."""
+  index = jnp.arange(segment_ids.shape[1])[None, :]
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 @nnx.jit(static_argnames=('bos_id', 'eos_id', 'beam_size', 'alpha', 'max_len_ratio', 'max_len_offset'))
@@ -178,8 +211,7 @@ def translate(model: Transformer, source: jax.Array, *, bos_id: int, eos_id: int
   """
   config = model.config
   max_len = min(config.max_len, int(max_len_ratio * source.shape[1]) + max_len_offset)
-  source_lengths = jnp.sum(source != config.pad_id, axis=1)
-  limits = decoding.max_lengths_for(source_lengths, max_len_ratio, max_len_offset, max_len)
+  limits = decoding.max_lengths_for(model.source_lengths(source), max_len_ratio, max_len_offset, max_len)
   memory = model.encode(source)
   cache = model.init_cache(source, memory, max_len)
   bos = jnp.full((source.shape[0], 1), bos_id, jnp.int32)

@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from models import attention
@@ -15,14 +16,94 @@ def numpy_attention(q, k, v, mask):
   return np.einsum('bhqk,bkhd->bqhd', weights, v)
 
 
-def test_masks():
-  np.testing.assert_array_equal(attention.padding_mask(jnp.array([1, 3]), 4),
-                                [[True, False, False, False], [True, True, True, False]])
-  np.testing.assert_array_equal(attention.causal_mask(2, 4, q_offset=1),
-                                [[True, True, False, False], [True, True, True, False]])
-  mask = attention.make_attention_mask(jnp.array([[True, False]]), jnp.array([[True, True, False]]), causal=True)
-  assert mask.shape == (1, 1, 2, 3)
-  np.testing.assert_array_equal(mask[0, 0], [[True, False, False], [False, False, False]])
+def einsum_with_dense_mask(q, k, v, dense):
+  """The einsum path as it was before structured masks: a dense boolean mask into the masked softmax."""
+  scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  return jnp.einsum('bhqk,bkhd->bqhd', attention.masked_softmax(scores, dense), v)
+
+
+def qkv(seed, batch=2, q_len=6, k_len=6, heads=2, depth=8):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.normal(size=(batch, length, heads, depth)), jnp.float32)
+               for length in (q_len, k_len, k_len))
+
+
+SEGMENTS = np.array([[1, 1, 1, 2, 2, 0], [1, 2, 2, 2, 3, 3]])
+# name -> (structured mask, the same mask written out by hand [B|1, 1, Lq, Lk], Lq, Lk)
+MASK_KINDS = {
+    'padding': (attention.AttentionMask(query_lengths=jnp.array([6, 3]), key_lengths=jnp.array([4, 3])),
+                (np.arange(6)[None, :, None] < np.array([6, 3])[:, None, None])
+                & (np.arange(6)[None, None, :] < np.array([4, 3])[:, None, None]), 6, 6),
+    'causal': (attention.AttentionMask(causal=True), np.tril(np.ones((6, 6), bool))[None], 6, 6),
+    'causal+padding': (attention.AttentionMask(causal=True, key_lengths=jnp.array([6, 4])),
+                       np.tril(np.ones((6, 6), bool))[None] & (np.arange(6) < np.array([6, 4])[:, None])[:, None],
+                       6, 6),
+    'causal+offset': (attention.AttentionMask(causal=True, q_offset=jnp.asarray(3)),
+                      np.arange(6)[None, None, :] <= np.arange(3, 5)[None, :, None], 2, 6),
+    'segments': (attention.AttentionMask(query_segment_ids=jnp.asarray(SEGMENTS),
+                                         key_segment_ids=jnp.asarray(SEGMENTS)),
+                 SEGMENTS[:, :, None] == SEGMENTS[:, None, :], 6, 6),
+    'causal+segments': (attention.AttentionMask(causal=True, query_segment_ids=jnp.asarray(SEGMENTS),
+                                                key_segment_ids=jnp.asarray(SEGMENTS)),
+                        (SEGMENTS[:, :, None] == SEGMENTS[:, None, :]) & np.tril(np.ones((6, 6), bool))[None], 6, 6),
+}
+
+
+@pytest.mark.parametrize('kind', MASK_KINDS)
+def test_dense_form_of_each_structured_mask(kind):
+  mask, expected, q_len, k_len = MASK_KINDS[kind]
+  dense = np.asarray(mask.dense(q_len, k_len))
+  assert dense.ndim == 4 and dense.shape[1] == 1
+  np.testing.assert_array_equal(np.broadcast_to(dense[:, 0], (2, q_len, k_len)),
+                                np.broadcast_to(expected, (2, q_len, k_len)))
+
+
+@pytest.mark.parametrize('kind', MASK_KINDS)
+def test_structured_masks_give_the_dense_mask_outputs_on_every_path(kind):
+  mask, expected, q_len, k_len = MASK_KINDS[kind]
+  q, k, v = qkv(3, q_len=q_len, k_len=k_len)
+  reference = einsum_with_dense_mask(q, k, v, jnp.asarray(expected)[:, None])
+  out, weights = attention.dot_product_attention(q, k, v, mask, implementation='xla')
+  np.testing.assert_allclose(out, reference, atol=1e-6)
+  assert weights.shape == (2, 2, q_len, k_len)
+  # The arguments cuDNN gets on GPU, through jax.nn's XLA implementation here.
+  fused, none = attention.dot_product_attention(q, k, v, mask, implementation='jax_nn')
+  assert none is None
+  np.testing.assert_allclose(fused, reference, atol=1e-6)
+
+
+def test_padding_and_causal_reach_jax_nn_without_a_dense_mask():
+  lengths = jnp.array([5, 2])
+  args = attention.jax_nn_arguments(attention.AttentionMask(causal=True, query_lengths=lengths,
+                                                            key_lengths=lengths), 5, 5)
+  assert args['mask'] is None and args['is_causal'] is True
+  for name in ('query_seq_lengths', 'key_value_seq_lengths'):
+    assert args[name].dtype == jnp.int32
+    np.testing.assert_array_equal(args[name], lengths)
+  args = attention.jax_nn_arguments(attention.AttentionMask(key_lengths=lengths), 1, 5)
+  assert args['mask'] is None and args['is_causal'] is False and args['query_seq_lengths'] is None
+  # Segments and a decoding offset are not jax.nn arguments: those alone become a dense mask.
+  for kind in ('causal+offset', 'segments', 'causal+segments'):
+    mask, expected, q_len, k_len = MASK_KINDS[kind]
+    args = attention.jax_nn_arguments(mask, q_len, k_len)
+    assert args['mask'] is not None and args['mask'].dtype == bool
+    assert args['is_causal'] == (kind == 'causal+segments')
+
+
+def test_attention_dropout_keeps_a_fused_layer_on_the_einsum_path():
+  x = jax.random.normal(jax.random.key(0), (2, 4, 8))
+  for implementation, forced in (('cudnn', True), ('xla', False)):
+    layer = attention.MultiHeadAttention(8, 2, dropout=0.5, implementation=implementation, rngs=nnx.Rngs(0))
+    assert attention.attention_dropout_forces_einsum(layer) == forced
+    # cuDNN cannot run on CPU: this training call returns because it takes the einsum path.
+    out, _ = layer(x, mask=attention.AttentionMask(causal=True), deterministic=False)
+    assert np.all(np.isfinite(out))
+  assert not attention.attention_dropout_forces_einsum(
+      attention.MultiHeadAttention(8, 2, implementation='cudnn', rngs=nnx.Rngs(0)))
+
+
+def test_auto_resolves_to_the_einsum_path_on_cpu():
+  assert attention.default_attention_implementation('bfloat16') == 'xla'
 
 
 def test_masked_softmax_zero_weight_and_empty_rows():
@@ -37,18 +118,16 @@ def test_masked_softmax_zero_weight_and_empty_rows():
 def test_dot_product_attention_matches_numpy():
   rng = np.random.default_rng(0)
   q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((2, 3, 2, 4), (2, 5, 2, 4), (2, 5, 2, 4)))
-  mask = attention.make_attention_mask(None, attention.padding_mask(jnp.array([5, 2]), 5), q_len=3)
-  out, weights = attention.dot_product_attention(q, k, v, mask)
-  np.testing.assert_allclose(out, numpy_attention(q, k, v, np.asarray(mask)), rtol=1e-5, atol=1e-6)
+  out, weights = attention.dot_product_attention(q, k, v, attention.AttentionMask(key_lengths=jnp.array([5, 2])))
+  dense = np.arange(5)[None, None, None, :] < np.array([5, 2])[:, None, None, None]
+  np.testing.assert_allclose(out, numpy_attention(q, k, v, dense), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
   assert np.all(np.asarray(weights)[1, :, :, 2:] == 0)
 
 
 def test_implementations_agree_in_outputs_and_gradients():
-  rng = np.random.default_rng(1)
-  q, k, v = (jnp.asarray(rng.normal(size=(2, 6, 2, 8)), jnp.float32) for _ in range(3))
-  mask = attention.make_attention_mask(None, attention.padding_mask(jnp.array([6, 4]), 6), causal=True,
-                                       q_len=6, k_len=6)
+  q, k, v = qkv(1)
+  mask = attention.AttentionMask(causal=True, key_lengths=jnp.array([6, 4]))
 
   def loss(impl, q, k, v):
     out, _ = attention.dot_product_attention(q, k, v, mask, implementation=impl)
@@ -78,11 +157,11 @@ def test_additive_attention_matches_numpy():
 def test_multi_head_cache_matches_full_pass_and_records_weights():
   layer = attention.MultiHeadAttention(8, 2, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(0), (2, 5, 8))
-  full, _ = layer(x, mask=attention.make_attention_mask(causal=True, q_len=5, k_len=5))
+  full, _ = layer(x, mask=attention.AttentionMask(causal=True))
   cache = layer.init_cache(2, 5)
   outs = []
   for t in range(5):
-    mask = attention.make_attention_mask(causal=True, q_len=1, k_len=5, q_offset=t)
+    mask = attention.AttentionMask(causal=True, q_offset=t)
     out, cache = layer(x[:, t:t + 1], mask=mask, cache=cache, cache_index=t)
     outs.append(out)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-6)

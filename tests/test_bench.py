@@ -12,7 +12,8 @@ from train import memory
 from train.bench import datasheet_tflops
 
 FIELDS = ('model', 'params', 'batch', 'seq_len', 'tokens_per_s', 'step_ms', 'compile_s', 'model_flops_per_token',
-          'achieved_tflops', 'mfu', 'decode_tokens_per_s', 'peak_rss_mb')
+          'achieved_tflops', 'mfu', 'decode_tokens_per_s', 'peak_rss_mb', 'attention_kernel',
+          'attention_dropout_forces_einsum')
 
 
 def test_bench_mode_ends_with_one_sane_json_line():

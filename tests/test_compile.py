@@ -29,7 +29,7 @@ def test_a_variable_length_corpus_compiles_the_train_step_at_most_8_times(tmp_pa
   from train.tasks.transformer import bucket_lengths
   config = support.with_overrides(get_config('tiny'), {
       'data.source': variable_length_pairs(tmp_path / 'pairs.tsv'), 'data.seq_len': 96, 'data.max_examples': 0,
-      'data.vocab_size': 120, 'train.steps': 32, 'train.batch_size': 8, 'train.eval_every': 32,
+      'data.vocab_size': 120, 'data.packing': False, 'train.steps': 32, 'train.batch_size': 8, 'train.eval_every': 32,
       'train.checkpoint_every': 32, 'decode.beam_size': 1, 'pictures.count': 0, 'train.eval_batch_size': 16})
   workdir = str(tmp_path / 'run')
   results = train_and_evaluate(config, workdir)
@@ -37,6 +37,16 @@ def test_a_variable_length_corpus_compiles_the_train_step_at_most_8_times(tmp_pa
   assert buckets == [16, 24, 32, 48, 64, 96]
   # The batches really vary (several buckets are used) and each bucket compiles once.
   assert 3 <= results['train/compiles'] <= len(buckets) <= 8, results['train/compiles']
+
+
+def test_packed_batches_compile_the_train_step_once(tmp_path):
+  from configs.transformer import get_config
+  config = support.with_overrides(get_config('tiny'), {
+      'data.source': variable_length_pairs(tmp_path / 'pairs.tsv'), 'data.seq_len': 96, 'data.max_examples': 0,
+      'data.vocab_size': 120, 'data.packing': True, 'train.steps': 8, 'train.batch_size': 8, 'train.eval_every': 8,
+      'train.checkpoint_every': 8, 'decode.beam_size': 1, 'pictures.count': 0, 'train.eval_batch_size': 16})
+  results = train_and_evaluate(config, str(tmp_path / 'run'))
+  assert results['train/compiles'] == 1, results['train/compiles']
 
 
 def test_a_repeated_run_reads_its_compilations_from_the_persistent_cache(tmp_path):

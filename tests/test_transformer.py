@@ -58,11 +58,11 @@ def test_padded_source_positions_change_no_logit():
   noise = jnp.asarray(np.random.default_rng(9).integers(3, TINY.vocab_size, source.shape), jnp.int32)
   changed = jnp.where(valid, source, noise)
   assert not np.array_equal(changed, source)
-  np.testing.assert_allclose(model(changed, target, source_valid=valid), reference, atol=1e-5)
+  np.testing.assert_allclose(model(changed, target, source_lengths=valid.sum(1)), reference, atol=1e-5)
   # Cross-attention alone: huge encoder states at padded positions must not leak either.
   memory = model.encode(source)
   poisoned = jnp.where(valid[:, :, None], memory, 1e3 * jax.random.normal(jax.random.key(0), memory.shape))
-  np.testing.assert_allclose(model.decode(target, poisoned, valid)[0], reference, atol=1e-5)
+  np.testing.assert_allclose(model.decode(target, poisoned, valid.sum(1))[0], reference, atol=1e-5)
   # A real source token does matter (the checks above are not vacuous).
   flipped = source.at[:, 0].set(jnp.where(source[:, 0] == 5, 6, 5))
   assert np.abs(np.asarray(model(flipped, target) - reference)).max() > 1e-3
@@ -206,6 +206,67 @@ def test_count_parameters_of_a_built_model_matches_the_abstract_count():
   assert count_parameters(tiny()) == parameter_count(TINY) == expected_parameters(19, 32, 48, 2)
 
 
+# ----------------------------------------------------------------------------- packing
+def ragged_pairs(count, length, seed):
+  """`count` right-padded example rows {'source', 'target_in', 'target_out'} [count, length], 1 to 9 tokens a side."""
+  rng = np.random.default_rng(seed)
+  examples = {name: np.full((count, length), PAD, np.int32) for name in ('source', 'target_in', 'target_out')}
+  for row in range(count):
+    s, t = rng.integers(1, 10, 2)
+    examples['source'][row, :s] = rng.integers(3, TINY.vocab_size, s)
+    target = rng.integers(3, TINY.vocab_size, t)
+    examples['target_in'][row, :t] = np.concatenate([[BOS], target[:-1]])
+    examples['target_out'][row, :t] = target
+  return examples
+
+
+def test_packed_rows_give_the_unpacked_loss_and_gradients():
+  from data.translation import pack_pairs
+  from train.losses import lm_loss
+  model = tiny(5, max_len=24)
+  examples = ragged_pairs(12, 24, seed=5)
+  packed, left_out = pack_pairs(examples, rows=5, pad_id=PAD)
+  assert left_out == 0 and packed['source_segments'].max() >= 3  # several pairs per row
+  for side, tokens in (('source', 'source'), ('target', 'target_out')):
+    assert np.array_equal(packed[f'{side}_segments'] > 0, packed[tokens] != PAD)
+    assert (packed[tokens] != PAD).sum() == (examples[tokens] != PAD).sum()  # every pair placed once
+
+  def loss(model, batch):
+    logits = model(batch['source'], batch['target_in'], source_segments=batch.get('source_segments'),
+                   target_segments=batch.get('target_segments'))
+    return lm_loss(logits, batch['target_out'], batch['target_out'] != PAD)[0]
+
+  as_jax = lambda batch: {k: jnp.asarray(v) for k, v in batch.items()}
+  unpacked = nnx.value_and_grad(loss)(model, as_jax(examples))
+  packed_result = nnx.value_and_grad(loss)(model, as_jax(packed))
+  np.testing.assert_allclose(packed_result[0], unpacked[0], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(unpacked[1]), jax.tree.leaves(packed_result[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_never_crosses_segments():
+  from data.translation import pack_pairs
+  model = tiny(6, max_len=24)
+  packed, _ = pack_pairs(ragged_pairs(8, 24, seed=6), rows=2, pad_id=PAD)
+  segments = {name: jnp.asarray(packed[name]) for name in ('source_segments', 'target_segments')}
+  run = lambda source, target_in: model(jnp.asarray(source), jnp.asarray(target_in), **segments)
+  reference = run(packed['source'], packed['target_in'])
+  # New tokens for segment 2 on both sides: every other position keeps its logits.
+  rng = np.random.default_rng(0)
+  changed = {name: np.where(packed[f'{side}_segments'] == 2, rng.integers(3, TINY.vocab_size, packed[name].shape),
+                            packed[name]) for name, side in (('source', 'source'), ('target_in', 'target'))}
+  logits = run(changed['source'], changed['target_in'])
+  in_two = packed['target_segments'] == 2
+  np.testing.assert_allclose(np.asarray(logits)[~in_two], np.asarray(reference)[~in_two], atol=1e-5)
+  assert np.abs(np.asarray(logits - reference)[in_two]).max() > 1e-3
+
+
+def test_positions_restart_in_every_segment():
+  from models.transformer import positions_in_segments
+  np.testing.assert_array_equal(positions_in_segments(jnp.array([[1, 1, 1, 2, 2, 3, 0, 0]])),
+                                [[0, 1, 2, 0, 1, 0, 0, 1]])
+
+
 # ----------------------------------------------------------------------------- the task
 def write_tsv(path, count=600):
   """A toy corpus: English number words -> digits, enough for the tiny preset's splits."""
@@ -224,6 +285,7 @@ def tiny_task(tmp_path):
 
 def test_loss_is_label_smoothed_cross_entropy_over_real_target_tokens(tmp_path):
   config, task = tiny_task(tmp_path)
+  config.data.packing = False  # one pair per row; packed rows have their own test
   task.prepare(str(tmp_path / 'run'))
   model = task.build_model(nnx.Rngs(0))
   batch = {k: jnp.asarray(v) for k, v in task.example_batch(3).items()}
@@ -249,7 +311,8 @@ def test_bucketed_batches_group_lengths_and_cover_each_window(tmp_path):
   from train.tasks import transformer as task_module
   _, task = tiny_task(tmp_path)
   datasets = task.prepare(str(tmp_path / 'run')).datasets
-  batch_size, window = 4, task_module.BUCKET_WINDOW
+  task.config.data.packing = False
+  batch_size, window = 4, task_module.BATCH_WINDOW
   batches = task.train_batches(datasets.train, batch_size, seed=3, process_index=0, process_count=1)
   pad = task.tokenizer.pad_id
   seen = []
@@ -276,6 +339,44 @@ def test_bucketed_batches_group_lengths_and_cover_each_window(tmp_path):
   assert spread < random_spread
 
 
+def test_packed_batches_have_one_shape_and_are_the_same_for_any_process_count(tmp_path):
+  from train.tasks import transformer as task_module
+  _, task = tiny_task(tmp_path)
+  datasets = task.prepare(str(tmp_path / 'run')).datasets
+  assert task.config.data.packing  # the default
+  batches = task.train_batches(datasets.train, 4, seed=3, process_index=0, process_count=1)
+  pad, seq_len = task.tokenizer.pad_id, task.config.data.seq_len
+  pairs = 0
+  for i in range(task_module.BATCH_WINDOW + 2):
+    b = batches[i]
+    assert all(v.shape == (4, seq_len) for v in b.values()), {k: v.shape for k, v in b.items()}
+    np.testing.assert_array_equal(b['target_segments'] > 0, b['target_out'] != pad)
+    pairs += int(b['target_segments'].max(1).sum())
+  assert pairs > 2 * 4 * (task_module.BATCH_WINDOW + 2)  # several pairs per row
+  # Random access (what a resume does) and two processes' halves give the same global batch.
+  np.testing.assert_array_equal(task.train_batches(datasets.train, 4, 3, 0, 1)[17]['source'], batches[17]['source'])
+  halves = [task.train_batches(datasets.train, 4, 3, index, 2)[17]['source'] for index in (0, 1)]
+  np.testing.assert_array_equal(np.concatenate(halves), batches[17]['source'])
+
+
+def test_packed_training_resumes_bit_exactly(tmp_path):
+  from train import checkpoint as ckpt
+  from train import trainer
+  config, _ = tiny_task(tmp_path)
+  config.train.update(eval_every=2, checkpoint_every=2, log_every=1, eval_steps=1)
+  config.decode.beam_size = 1
+  config.pictures.count = 0
+  runs = {'straight': 4, 'resumed': 2}
+  for name, steps in runs.items():
+    config.train.steps = steps
+    trainer.train_and_evaluate(config, str(tmp_path / name))
+  config.train.steps = 4
+  trainer.train_and_evaluate(config, str(tmp_path / 'resumed'))
+  a, b = (nnx.state(ckpt.load_run(str(tmp_path / name)).model, nnx.Param) for name in runs)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_train_evaluate_predict_on_a_tsv_corpus(tmp_path):
   import json
   import os
@@ -283,7 +384,6 @@ def test_train_evaluate_predict_on_a_tsv_corpus(tmp_path):
   from train.checkpoint import load_run
   config, _ = tiny_task(tmp_path)
   config.train.update(steps=4, eval_every=4, checkpoint_every=4, log_every=2)
-  config.data.min_bucket_len = 0  # one compiled shape; bucketing has its own test
   workdir = str(tmp_path / 'run')
   results = trainer.train_and_evaluate(config, workdir)
   assert results['step'] == config.train.steps

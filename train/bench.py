@@ -15,6 +15,9 @@ training runs. Ends with one JSON line:
                                     (init, step, matmul probe, decoding)}
   attention_kernel                  the attention the compiled train step runs, read from its HLO
                                     (fused cuDNN / Pallas kernels are custom calls; else XLA einsum)
+  attention_dropout_forces_einsum   true when `attention` names a fused kernel but attention dropout
+                                    > 0 makes training run the einsum path (the fused kernels cannot
+                                    drop attention weights); attention_kernel then reads 'xla'
   step_ms, tokens_per_s             median over the timed steps (tokens = batch x seq_len)
   step_cpu_ms                       this process's CPU time per step, all threads (less sensitive than
                                     wall time to other jobs on a shared machine)
@@ -45,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.attention import attention_dropout_forces_einsum
 from train import compilation, memory, sharding
 from train import state as state_lib
 from train.optim import make_optimizer
@@ -185,7 +189,8 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
       'attention': getattr(task.model_config, 'attention', None),
       'compiles': {'train_step': compilation.compiled('train_step'), 'total': compilation.compiled_total()},
-      'attention_kernel': attention_kernel(compiled.as_text()), 'scan_layers': config.model.get('scan_layers'),
+      'attention_kernel': attention_kernel(compiled.as_text()),
+      'attention_dropout_forces_einsum': attention_dropout_forces_einsum(model), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }
 

@@ -95,12 +95,12 @@ class Task:
 
   def resolve_model_config(self, **resolved) -> Any:
     """`model_config_class` from the `config.model` keys it shares, the 'auto' attention resolved
-    for this backend, and `resolved` (values that come from the data) on top."""
+    for this backend and dtype, and `resolved` (values that come from the data) on top."""
     fields = {f.name for f in dataclasses.fields(self.model_config_class)}
     values = {k: v for k, v in self.config.model.items() if k in fields}
     if values.get('attention') == 'auto':
       from models.attention import default_attention_implementation
-      values['attention'] = default_attention_implementation()
+      values['attention'] = default_attention_implementation(values.get('dtype', 'float32'))
     return self.model_config_class(**{**values, **resolved})
 
   def bind_tokenizer(self, tokenizer) -> Prepared:
