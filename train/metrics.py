@@ -2,6 +2,10 @@
 
 Only process 0 writes. On a terminal a tqdm bar shows ETA, loss and tokens/s; elsewhere (CI,
 log files) plain lines are printed every `log_every` steps.
+
+A gs:// workdir: both files are written to a local mirror (a GCS object cannot be appended to, and
+tensorboardX reaches GCS only through a client of its own) and uploaded through epath every
+`UPLOAD_SECONDS` and on `close()`, so a crash loses at most that much of them.
 """
 from __future__ import annotations
 
@@ -12,6 +16,11 @@ import time
 
 import jax
 import numpy as np
+
+import storage
+
+METRICS_FILE = 'metrics.jsonl'
+UPLOAD_SECONDS = 30  # a gs:// workdir's metrics files are at most this old
 
 
 def reduce_metrics(metrics: dict) -> dict[str, float]:
@@ -30,12 +39,14 @@ class MetricWriter:
 
   def __init__(self, workdir: str, total_steps: int, start_step: int = 0):
     self.enabled = jax.process_index() == 0
-    self.path = os.path.join(workdir, 'metrics.jsonl')
     self._tb = None
     self._bar = None
     if self.enabled:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+      self._mirror = storage.LocalMirror(workdir, fetch=(METRICS_FILE,))
+      self._uploaded_at = time.time()
+      self.path = os.path.join(self._mirror.local, METRICS_FILE)
+      self._tb = SummaryWriter(os.path.join(self._mirror.local, 'tensorboard'))
       if sys.stderr.isatty():
         from tqdm import tqdm
         self._bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True)
@@ -50,12 +61,17 @@ class MetricWriter:
       self._tb.add_scalar(name, value, step)
     with open(self.path, 'a') as f:
       f.write(json.dumps({'step': step, **{k: float(v) for k, v in scalars.items()}}) + '\n')
+    if self._mirror.remote is not None and time.time() - self._uploaded_at >= UPLOAD_SECONDS:
+      self._tb.flush()
+      self._mirror.upload()
+      self._uploaded_at = time.time()
 
   def write_image(self, step: int, tag: str, png_path: str) -> None:
     if not self.enabled:
       return
     import matplotlib.image
-    image = matplotlib.image.imread(png_path)[..., :3]
+    with storage.path(png_path).open('rb') as f:
+      image = matplotlib.image.imread(f, format='png')[..., :3]
     self._tb.add_image(tag, image, step, dataformats='HWC')
 
   def progress(self, step: int, scalars: dict[str, float]) -> None:
@@ -86,3 +102,4 @@ class MetricWriter:
       self._bar.close()
     if self._tb is not None:
       self._tb.close()
+      self._mirror.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import signal
 import threading
 import time
@@ -27,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import storage
 from errors import UserError
 from train import checkpoint as ckpt
 from train import compilation, memory, sharding
@@ -172,13 +172,15 @@ def _init_from(setup: Setup, source_workdir: str) -> TrainState:
 @contextlib.contextmanager
 def _removed_on_failure(workdir: str):
   """A workdir this call creates is deleted again if setup fails: nothing half-written is left."""
-  created = not os.path.exists(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  directory = storage.path(workdir)
+  created = not directory.exists()
+  directory.mkdir(parents=True, exist_ok=True)
   try:
     yield
   except BaseException:
     if created and jax.process_index() == 0:
-      shutil.rmtree(workdir, ignore_errors=True)
+      with contextlib.suppress(OSError):  # the original error matters, not a failed clean-up
+        directory.rmtree()
     raise
 
 
@@ -423,7 +425,7 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
   """`--mode=import_hf`: write a Hugging Face checkpoint as a run (step 0) that trains, evals, reloads."""
   if not os.path.isdir(hf_dir):
     raise UserError(f'--hf_dir={hf_dir} is not a directory (expected config.json and the weights).')
-  if os.path.isdir(os.path.join(workdir, ckpt.CHECKPOINT_DIR)):
+  if (storage.path(workdir) / ckpt.CHECKPOINT_DIR).is_dir():
     raise ckpt.CheckpointError(f'{workdir} already holds checkpoints; import into a fresh --workdir.')
   validate_config(config)
   task = get_task(config)
