@@ -27,6 +27,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+import storage
 from errors import UserError
 
 
@@ -97,10 +98,10 @@ def maybe_initialize_distributed() -> None:
 def read_lines(path: str) -> list[str]:
   if path == '-':
     return [line.rstrip('\n') for line in sys.stdin]
-  if not os.path.exists(path):
+  if not storage.path(path).exists():
     raise UserError(f'--input={path} does not exist; pass a file with one input per line, or - for stdin.')
-  with open(path) as f:
-    return [line.rstrip('\n') for line in f]
+  text = storage.path(path).read_text()
+  return text.removesuffix('\n').split('\n') if text else []  # not splitlines(): it also cuts at \f, U+2028, ...
 
 
 def explicit_overrides() -> dict:
@@ -149,8 +150,7 @@ def main(argv):
     run = load_run(workdir, config_overrides=explicit_overrides())
     outputs = _jsonable(run.predict(lines))
     if FLAGS.output:
-      with open(FLAGS.output, 'w') as f:
-        f.writelines(json.dumps(o) + '\n' for o in outputs)
+      storage.path(FLAGS.output).write_text(''.join(json.dumps(o) + '\n' for o in outputs))
     for line, output in zip(lines, outputs):
       print(f'>>> {line}\n{output}', flush=True)
     print(json.dumps({'mode': 'predict', 'workdir': workdir, 'step': run.step, 'outputs': outputs}), flush=True)
@@ -216,7 +216,12 @@ def parse_flags(argv):
   run_file = _flag_value(argv, 'config')
   if run_file and run_file.startswith('configs/run.py:'):
     path = os.path.join(run_file.split(':', 1)[1], 'config.json')
-    if not os.path.exists(path):
+    try:
+      found = storage.path(path).exists()
+    except UserError as e:  # a gs:// workdir without gcsfs or credentials
+      print(f'error: {e}', file=sys.stderr)
+      sys.exit(1)
+    if not found:
       print(f'error: --config.* overrides with --mode={_flag_value(argv, "mode")} apply to the run\'s own '
             f'config.json, and {path} was not found; pass the --workdir of a trained run.', file=sys.stderr)
       sys.exit(1)

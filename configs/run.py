@@ -11,13 +11,13 @@ import os
 
 import ml_collections
 
+import storage
 from errors import ConfigError
 
 
 def get_config(workdir: str = ''):
   path = os.path.join(workdir, 'config.json')
-  if not workdir or not os.path.exists(path):
+  if not workdir or not storage.path(path).exists():
     raise ConfigError(f'{path} not found: {workdir or "(no workdir)"} is not a run directory; use '
                             f'--config=configs/run.py:<workdir of a trained run>.')
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(json.loads(storage.path(path).read_text()))

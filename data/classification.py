@@ -23,6 +23,7 @@ import os
 
 import numpy as np
 
+import storage
 from data import sources
 
 SPLITS = ('train', 'valid', 'test')
@@ -265,5 +266,5 @@ def plot_confusion(confusion: np.ndarray, labels: list[str], path: str, title: s
     ax.text(j, i, str(count), ha='center', va='center', color='white' if count > threshold else 'black')
   figure.colorbar(image, ax=ax)
   figure.tight_layout()
-  figure.savefig(path, dpi=100)
+  storage.save_png(figure, path, dpi=100)
   plt.close(figure)

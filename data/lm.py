@@ -7,13 +7,12 @@ by disjoint documents.
 """
 from __future__ import annotations
 
-import os
-
 import grain
 import numpy as np
 
+import storage
 from data import sources
-from data.tokenizers import Tokenizer, load_tokenizer, train_tokenizer
+from data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_tokenizer
 
 EVAL_FRACTION = 0.05
 # Tokenizer training reads at most this many characters: BPE merges stabilise long before.
@@ -76,7 +75,7 @@ def split_documents(data_config, seed: int):
 
 def get_tokenizer(data_config, workdir: str, train_texts) -> Tokenizer:
   """The run's tokenizer: reloaded from `workdir` if saved there, else trained and saved."""
-  if os.path.exists(os.path.join(workdir, 'tokenizer.json')):
+  if (storage.path(workdir) / TOKENIZER_FILE).exists():
     return load_tokenizer(workdir)
   budget, texts = TOKENIZER_TRAINING_CHARS, []
   for text in train_texts:

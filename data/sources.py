@@ -2,7 +2,7 @@
 
   tfds:<name>[:<split>]   a TFDS dataset read with `tfds.data_source` (array_record, no TensorFlow)
   text:<glob>             local text files
-  tsv:<path>              local tab-separated file (read by the families that take pairs or labels)
+  tsv:<path>              tab-separated file, local or gs:// (read by the families that take pairs or labels)
   pystdlib                the Python standard library's own sources, an offline LM corpus
   <other built-in name>   families register their own (numbers_en_fr, bbc_news)
 
@@ -36,6 +36,7 @@ import os
 import sysconfig
 from typing import Callable, Sequence
 
+import storage
 from errors import UserError
 
 
@@ -93,18 +94,18 @@ def decode_utf8(raw: bytes, path: str) -> str:
 
 
 def read_lines(path: str, form: str) -> tuple[list[tuple[int, str]], str]:
-  """([(line number, line)] of the non-blank lines of a UTF-8 file, its expanded path); `form`
+  """([(line number, line)] of the non-blank lines of a UTF-8 file (local or gs://), its expanded path); `form`
   names the expected lines (e.g. 'source<TAB>target') for the message when the file is missing.
 
   Lines end at '\n' (or '\r\n') only: str.splitlines() also breaks at form feeds, U+2028 and
   other separators that occur inside real messages, which cuts a record in two and misnumbers
   every line after it.
   """
-  path = os.path.expanduser(path)
-  if not os.path.isfile(path):
+  path = path if storage.is_remote(path) else os.path.expanduser(path)
+  file = storage.path(path)
+  if not file.is_file():
     raise DataError(f'tsv:{path} does not exist; give the path of a file of {form} lines.')
-  with open(path, 'rb') as f:
-    text = decode_utf8(f.read(), path)
+  text = decode_utf8(file.read_bytes(), path)
   return [(number, line.removesuffix('\r')) for number, line in enumerate(text.split('\n'), 1)
           if line.strip()], path
 

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+import storage
 from data.sources import DataError
 
 META_FILE = 'tokenizer_meta.json'
@@ -28,7 +29,7 @@ GPT2_END = '<|endoftext|>'  # GPT-2's one special token: document end, also used
 
 
 class Tokenizer:
-  """Common interface; subclasses define `encode`, `decode`, `vocab_size` and `_save`."""
+  """Common interface; subclasses define `encode`, `decode`, `vocab_size` and `to_json`."""
   kind: str = ''
 
   def token_id(self, token: str) -> int | None:
@@ -63,19 +64,17 @@ class Tokenizer:
   def encode_batch(self, texts: list[str]) -> list[list[int]]:
     return [self.encode(t) for t in texts]
 
+  def to_json(self) -> str:
+    """The contents of tokenizer.json."""
+    raise NotImplementedError
+
   def save(self, directory: str) -> None:
-    """Write the meta file, then tokenizer.json, each complete under its name at once (written
-    aside, then renamed): the processes of a multi-host run prepare the same workdir together, and
-    one that finds tokenizer.json must find both files whole."""
-    os.makedirs(directory, exist_ok=True)
-    suffix = f'.{os.getpid()}.tmp'
-    meta = os.path.join(directory, META_FILE)
-    with open(meta + suffix, 'w') as f:
-      json.dump({'kind': self.kind}, f)
-    os.replace(meta + suffix, meta)
-    path = os.path.join(directory, TOKENIZER_FILE)
-    self._save(path + suffix)
-    os.replace(path + suffix, path)
+    """Write the meta file, then tokenizer.json, each complete under its name at once
+    (`storage.write_atomically`): the processes of a multi-host run prepare the same workdir
+    together, and one that finds tokenizer.json must find both files whole."""
+    storage.path(directory).mkdir(parents=True, exist_ok=True)
+    storage.write_atomically(os.path.join(directory, META_FILE), json.dumps({'kind': self.kind}))
+    storage.write_atomically(os.path.join(directory, TOKENIZER_FILE), self.to_json())
 
 
 class CharTokenizer(Tokenizer):
@@ -110,17 +109,15 @@ class CharTokenizer(Tokenizer):
   def decode(self, ids) -> str:
     return ''.join(self.vocab[i] for i in ids if i > 3 and i < len(self.vocab))
 
-  def _save(self, path):
-    with open(path, 'w') as f:
-      json.dump({'vocab': self.vocab}, f)
+  def to_json(self):
+    return json.dumps({'vocab': self.vocab})
 
   @classmethod
-  def _load(cls, path):
-    with open(path) as f:
-      tok = cls([])
-      tok.vocab = json.load(f)['vocab']
-      tok._ids = {c: i for i, c in enumerate(tok.vocab)}
-      return tok
+  def from_json(cls, text: str):
+    tok = cls([])
+    tok.vocab = json.loads(text)['vocab']
+    tok._ids = {c: i for i, c in enumerate(tok.vocab)}
+    return tok
 
 
 class HFTokenizer(Tokenizer):
@@ -154,8 +151,8 @@ class HFTokenizer(Tokenizer):
   def decode(self, ids) -> str:
     return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-  def _save(self, path):
-    self.tokenizer.save(path)
+  def to_json(self):
+    return self.tokenizer.to_str(pretty=True)  # as `tokenizers.Tokenizer.save` writes it
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:
@@ -211,15 +208,14 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int, lowercase:
 
 
 def load_tokenizer(directory: str) -> Tokenizer:
-  meta_path = os.path.join(directory, META_FILE)
-  path = os.path.join(directory, TOKENIZER_FILE)
-  if not os.path.exists(meta_path) or not os.path.exists(path):
+  meta_path = storage.path(directory) / META_FILE
+  path = storage.path(directory) / TOKENIZER_FILE
+  if not meta_path.exists() or not path.exists():
     raise DataError(f'No tokenizer in {directory} ({TOKENIZER_FILE} and {META_FILE} expected).')
-  with open(meta_path) as f:
-    kind = json.load(f)['kind']
+  kind = json.loads(meta_path.read_text())['kind']
   if kind == 'char':
-    return CharTokenizer._load(path)
-  return HFTokenizer(tokenizers.Tokenizer.from_file(path), kind)
+    return CharTokenizer.from_json(path.read_text())
+  return HFTokenizer(tokenizers.Tokenizer.from_str(path.read_text()), kind)
 
 
 def _batched(texts: Iterable[str], size: int = 1000) -> Iterator[list[str]]:

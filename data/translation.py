@@ -25,13 +25,13 @@ Shared by the Transformer (train/tasks/transformer.py) and the RNN seq2seq famil
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import grain
 import numpy as np
 
+import storage
 from data import sources
-from data.tokenizers import Tokenizer, load_tokenizer, train_tokenizer
+from data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_tokenizer
 
 Pair = tuple[str, str]
 TSV_FRACTIONS = (0.9, 0.05, 0.05)
@@ -243,7 +243,7 @@ def load_pairs(data_config, seed: int) -> Splits:
 def get_tokenizer(data_config, workdir: str, train_pairs: list[Pair]) -> Tokenizer:
   """The joint vocabulary of both languages: reloaded from `workdir` if saved there, else trained
   on the training pairs (data.tokenizer, data.vocab_size) and saved."""
-  if os.path.exists(os.path.join(workdir, 'tokenizer.json')):
+  if (storage.path(workdir) / TOKENIZER_FILE).exists():
     return load_tokenizer(workdir)
   texts = [text for pair in train_pairs for text in pair]
   tokenizer = train_tokenizer(data_config.tokenizer, texts, data_config.vocab_size, data_config.lowercase)

@@ -23,6 +23,7 @@ import tokenizers
 from flax import nnx
 from tokenizers import decoders, pre_tokenizers
 
+import storage
 from data.tokenizers import BOS, EOS, PAD, UNK, CharTokenizer, HFTokenizer
 from errors import UserError
 
@@ -182,7 +183,8 @@ def fields_to_hf(config, keys: tuple[tuple[str, str, object], ...]) -> dict:
 
 def check_target(out_dir: str) -> None:
   """An export writes a new directory: `out_dir` must not exist, or be an empty directory."""
-  if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+  target = storage.path(out_dir)
+  if target.exists() and not (target.is_dir() and not any(target.iterdir())):
     raise HFExportError(f'The export target {out_dir} already exists and is not empty; pass a new --hf_dir '
                         f'(or delete that directory first).')
 
@@ -190,8 +192,18 @@ def check_target(out_dir: str) -> None:
 @contextlib.contextmanager
 def output_directory(out_dir: str) -> Iterator[str]:
   """A fresh directory to write an export into, renamed to `out_dir` when the block succeeds
-  and deleted when it fails, so `out_dir` is either complete or absent."""
+  and deleted when it fails, so `out_dir` is either complete or absent. A gs:// `out_dir` (a name
+  prefix, which no rename can make appear at once) is uploaded file by file after the block succeeds."""
   check_target(out_dir)
+  if storage.is_remote(out_dir):
+    staging = storage.LocalMirror(out_dir)
+    try:
+      yield staging.local
+    except BaseException:
+      shutil.rmtree(staging.local, ignore_errors=True)
+      raise
+    staging.close()
+    return
   out_dir = os.path.abspath(out_dir)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import storage
 from models.attention import attention_dropout_forces_einsum
 from train import compilation, memory, sharding
 from train import state as state_lib
@@ -209,10 +210,12 @@ def _time_steps(compiled, state, batch, steps: int, warmup: int, profile_dir: st
     times.append(time.perf_counter() - begin)
   cpu_per_step = (time.process_time() - cpu_start) / steps
   if profile_dir:
-    with jax.profiler.trace(profile_dir):
+    traces = storage.LocalMirror(profile_dir)  # the profiler writes local files; a gs:// profile_dir gets them after
+    with jax.profiler.trace(traces.local):
       for _ in range(3):
         state, (scalars, _) = compiled(state, batch)
       float(scalars['loss'])
+    traces.close()
   return state, scalars, times, cpu_per_step
 
 

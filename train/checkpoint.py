@@ -28,9 +28,9 @@ from typing import Any
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-from etils import epath
 from flax import nnx
 
+import storage
 from errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -57,7 +57,8 @@ class Checkpointer:
   """Keeps the latest `keep` checkpoints plus the best one by `best_metric`."""
 
   def __init__(self, workdir: str, train_config=None, *, read_only: bool = False):
-    self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+    location = workdir if storage.is_remote(workdir) else os.path.abspath(workdir)
+    self.directory = storage.path(location) / CHECKPOINT_DIR
     policies = []
     best_metric, best_mode = 'eval/loss', 'min'
     if train_config is not None:
@@ -123,9 +124,9 @@ class Checkpointer:
     return None, None
 
   def _set_aside(self, step: int) -> None:
-    aside = epath.Path(self.directory).parent / BROKEN_DIR
+    aside = self.directory.parent / BROKEN_DIR
     aside.mkdir(parents=True, exist_ok=True)
-    (epath.Path(self.directory) / str(step)).rename(aside / str(step))
+    (self.directory / str(step)).rename(aside / str(step))
     self.manager.reload()
 
   def save(self, step: int, model_state, opt_state, data_state: dict, metrics: dict | None = None) -> None:
@@ -155,45 +156,41 @@ class Checkpointer:
 
 
 def save_config(config, workdir: str) -> None:
-  with open(os.path.join(workdir, CONFIG_FILE), 'w') as f:
-    f.write(config.to_json(indent=2))
+  storage.write_atomically(os.path.join(workdir, CONFIG_FILE), config.to_json(indent=2))
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
+  path = storage.path(workdir) / CONFIG_FILE
+  if not path.exists():
     raise CheckpointError(f'{path} not found: {workdir} is not a run directory '
                           f'(expected config.json, tokenizer and checkpoints/).')
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(json.loads(path.read_text()))
 
 
 def save_model_config(model_config, rng_impl: str, workdir: str) -> None:
   """`model.json`: {'class': the dataclass name, 'fields': its values, 'rng_impl': the PRNG of its
   random streams (the shape of the dropout keys the checkpoints hold)}."""
-  with open(os.path.join(workdir, MODEL_FILE), 'w') as f:
-    json.dump({'class': type(model_config).__name__, 'fields': dataclasses.asdict(model_config),
-               'rng_impl': rng_impl}, f, indent=2)
+  storage.write_atomically(os.path.join(workdir, MODEL_FILE), json.dumps(
+      {'class': type(model_config).__name__, 'fields': dataclasses.asdict(model_config), 'rng_impl': rng_impl},
+      indent=2))
 
 
 def read_rng_impl(workdir: str) -> str | None:
   """The PRNG a run's model was built with (None: no run in `workdir`; runs saved before
   model.json used threefry)."""
   from train.state import LEGACY_RNG_IMPL
-  path = os.path.join(workdir, MODEL_FILE)
-  if not os.path.exists(path):
-    return LEGACY_RNG_IMPL if os.path.exists(os.path.join(workdir, CONFIG_FILE)) else None
-  with open(path) as f:
-    return json.load(f)['rng_impl']
+  path = storage.path(workdir) / MODEL_FILE
+  if not path.exists():
+    return LEGACY_RNG_IMPL if (storage.path(workdir) / CONFIG_FILE).exists() else None
+  return json.loads(path.read_text())['rng_impl']
 
 
 def read_model_config(workdir: str, model_config_class: type):
   """The model config saved in `workdir/model.json`, or None for runs saved before it existed."""
-  path = os.path.join(workdir, MODEL_FILE)
-  if not os.path.exists(path):
+  path = storage.path(workdir) / MODEL_FILE
+  if not path.exists():
     return None
-  with open(path) as f:
-    saved = json.load(f)
+  saved = json.loads(path.read_text())
   if saved['class'] != model_config_class.__name__:
     raise CheckpointError(f'{path} holds a {saved["class"]}, not the {model_config_class.__name__} of this family; '
                           f'the run directory belongs to another model family.')

@@ -16,6 +16,7 @@ import grain
 import jax
 import numpy as np
 
+import storage
 from data import classification
 from data.lm import get_tokenizer
 from data.sources import DataError
@@ -70,7 +71,7 @@ def evaluate_classifier(logits_fn: Callable, datasets: task_lib.Datasets, labels
   classification.plot_confusion(np.asarray(report[final]['confusion']), labels, path,
                                 f'{title}: {final} accuracy {report[final]["accuracy"]:.3f}, '
                                 f'macro-F1 {report[final]["macro_f1"]:.3f}')
-  with open(os.path.join(workdir, 'classification.json'), 'w') as f:
+  with storage.path(os.path.join(workdir, 'classification.json')).open('w') as f:
     json.dump(report, f, indent=1)
   print(' '.join(f'{k}={v:.4f}' for k, v in results.items()) + f'  confusion matrix: {path}', flush=True)
   return {**results, 'images': {'confusion': path}}

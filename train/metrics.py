@@ -5,6 +5,10 @@ A run resumed from an earlier checkpoint than its last logged step drops the lat
 metrics.jsonl and tells TensorBoard to purge them (`purge_step`), so no step appears twice. Only
 process 0 writes. On a terminal a tqdm bar shows ETA, loss and tokens/s; elsewhere (CI,
 log files) plain lines are printed every `log_every` steps.
+
+A gs:// workdir: both files are written to a local mirror (a GCS object cannot be appended to, and
+tensorboardX reaches GCS only through a client of its own) and uploaded through epath every
+`UPLOAD_SECONDS` and on `close()`, so a crash loses at most that much of them.
 """
 from __future__ import annotations
 
@@ -16,6 +20,11 @@ import time
 
 import jax
 import numpy as np
+
+import storage
+
+METRICS_FILE = 'metrics.jsonl'
+UPLOAD_SECONDS = 30  # a gs:// workdir's metrics files are at most this old
 
 
 def reduce_metrics(metrics: dict) -> dict[str, float]:
@@ -37,16 +46,18 @@ class MetricWriter:
   def __init__(self, workdir: str, total_steps: int, start_step: int = 0, *, trim_after: int | None = None,
                wandb: dict | None = None):
     self.enabled = jax.process_index() == 0
-    self.path = os.path.join(workdir, 'metrics.jsonl')
     self._tb = None
     self._bar = None
     self._wandb = None
     if self.enabled:
       from tensorboardX import SummaryWriter
+      self._mirror = storage.LocalMirror(workdir, fetch=(METRICS_FILE,))
+      self._uploaded_at = time.time()
+      self.path = os.path.join(self._mirror.local, METRICS_FILE)
       purge_step = None
       if trim_after is not None and _trim(self.path, trim_after):
         purge_step = trim_after + 1
-      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'), purge_step=purge_step)
+      self._tb = SummaryWriter(os.path.join(self._mirror.local, 'tensorboard'), purge_step=purge_step)
       if wandb:
         self._wandb = _start_wandb(**wandb)
       if sys.stderr.isatty():
@@ -65,16 +76,21 @@ class MetricWriter:
       f.write(json.dumps({'step': step, **{k: float(v) for k, v in scalars.items()}}) + '\n')
     if self._wandb is not None:
       self._wandb.log({k: float(v) for k, v in scalars.items()}, step=step)
+    if self._mirror.remote is not None and time.time() - self._uploaded_at >= UPLOAD_SECONDS:
+      self._tb.flush()
+      self._mirror.upload()
+      self._uploaded_at = time.time()
 
   def write_image(self, step: int, tag: str, png_path: str) -> None:
     if not self.enabled:
       return
     import matplotlib.image
-    image = matplotlib.image.imread(png_path)[..., :3]
+    with storage.path(png_path).open('rb') as f:
+      image = matplotlib.image.imread(f, format='png')[..., :3]
     self._tb.add_image(tag, image, step, dataformats='HWC')
     if self._wandb is not None:
       import wandb
-      self._wandb.log({tag: wandb.Image(png_path)}, step=step)
+      self._wandb.log({tag: wandb.Image(image)}, step=step)
 
   def progress(self, step: int, scalars: dict[str, float]) -> None:
     """Called every `log_every` steps with the latest train scalars."""
@@ -106,6 +122,8 @@ class MetricWriter:
       self._tb.close()
     if self._wandb is not None:
       self._wandb.finish()
+    if self.enabled:
+      self._mirror.close()
 
 
 def _trim(path: str, after: int) -> int:

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+import storage
+
 
 @dataclasses.dataclass
 class Panel:
@@ -65,6 +67,6 @@ def plot_attention(path: str, panels: Sequence[Sequence[Panel]], title: str = ''
   if title:
     figure.suptitle(title, fontsize=10)
   figure.tight_layout()
-  figure.savefig(path, dpi=90)
+  storage.save_png(figure, path, dpi=90)
   plt.close(figure)
   return path

@@ -13,6 +13,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+import storage
 from models import decoding
 
 
@@ -56,7 +57,7 @@ def sample_prompts(generate: Callable, model, tokenizer, decode_config, workdir:
   if not prompts:
     return []
   samples = continue_prompts(generate, model, tokenizer, prompts, decode_config, seed=seed, max_len=max_len)
-  with open(os.path.join(workdir, 'samples.json'), 'w') as f:
+  with storage.path(os.path.join(workdir, 'samples.json')).open('w') as f:
     json.dump([{'prompt': p, 'continuation': s} for p, s in zip(prompts, samples)], f, indent=1)
   for prompt, sample in zip(prompts, samples):
     print(f'--- prompt: {prompt!r}\n{prompt}{sample}\n', flush=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -36,6 +37,7 @@ import sys
 import time
 from typing import Any
 
+import storage
 from errors import UserError
 
 LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'launch.py')
@@ -129,12 +131,12 @@ def _last_json(stdout: str) -> dict | None:
 
 def run_trial(sweep: Sweep, trial: Trial, workdir: str, extra_args: list[str] = (), env: dict | None = None) -> None:
   """Run one trial to completion in its own process; fills trial.status/metrics/error."""
-  os.makedirs(os.path.join(workdir, 'logs'), exist_ok=True)
   start = time.time()
   result = subprocess.run(trial_command(sweep, trial, workdir, extra_args), capture_output=True, text=True, env=env)
   trial.seconds = time.time() - start
-  with open(os.path.join(workdir, 'logs', f'{trial.name}.log'), 'w') as f:
-    f.write(result.stdout + '\n--- stderr ---\n' + result.stderr)
+  log = storage.path(os.path.join(workdir, 'logs', f'{trial.name}.log'))
+  log.parent.mkdir(parents=True, exist_ok=True)
+  log.write_text(result.stdout + '\n--- stderr ---\n' + result.stderr)
   final = _last_json(result.stdout) if result.returncode == 0 else None
   if final is None:
     trial.status = 'failed'
@@ -152,7 +154,7 @@ def run_sweep(sweep: Sweep, workdir: str, *, dry_run: bool = False, extra_args: 
     for trial in sweep.trials:
       print(shlex.join(trial_command(sweep, trial, workdir, extra_args)), flush=True)
     return sweep.trials
-  os.makedirs(workdir, exist_ok=True)
+  storage.path(workdir).mkdir(parents=True, exist_ok=True)
   for i, trial in enumerate(sweep.trials):
     print(f'[{i + 1}/{len(sweep.trials)}] {trial.name} ...', flush=True)
     run_trial(sweep, trial, workdir, extra_args, env)
@@ -181,25 +183,24 @@ def write_results(sweep: Sweep, workdir: str) -> None:
   header = ['trial', 'status', *overrides, *metrics, 'seconds', 'error']
   rows = [[t.name, t.status, *(t.own.get(k, '') for k in overrides), *(t.metrics.get(k) for k in metrics),
            round(t.seconds, 1), t.error] for t in sweep.trials]
-  with open(os.path.join(workdir, 'sweep.csv'), 'w', newline='') as f:
-    writer = csv.writer(f)
-    writer.writerow(header)
-    writer.writerows([['' if v is None else v for v in row] for row in rows])
+  table = io.StringIO(newline='')  # csv ends rows with \r\n itself; epath's gs:// files take no newline=
+  writer = csv.writer(table)
+  writer.writerow(header)
+  writer.writerows([['' if v is None else v for v in row] for row in rows])
+  storage.path(os.path.join(workdir, 'sweep.csv')).write_bytes(table.getvalue().encode())
   escape = lambda text: _format(text).replace('|', '\\|').replace('\n', ' ')
   lines = [f'Sweep of `{sweep.config}` ({sum(t.status == "ok" for t in sweep.trials)} of {len(sweep.trials)} '
            f'trials ok)', '', '| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
   lines += ['| ' + ' | '.join(escape(v) for v in row) + ' |' for row in rows]
-  with open(os.path.join(workdir, 'sweep.md'), 'w') as f:
-    f.write('\n'.join(lines) + '\n')
+  storage.path(os.path.join(workdir, 'sweep.md')).write_text('\n'.join(lines) + '\n')
   plot_eval_loss(sweep, workdir)
 
 
 def read_curve(trial_dir: str, metric: str = 'eval/loss') -> tuple[list[int], list[float]]:
-  path = os.path.join(trial_dir, 'metrics.jsonl')
-  if not os.path.exists(path):
+  path = storage.path(os.path.join(trial_dir, 'metrics.jsonl'))
+  if not path.exists():
     return [], []
-  with open(path) as f:
-    points = {m['step']: m[metric] for m in map(json.loads, f) if metric in m}
+  points = {m['step']: m[metric] for m in map(json.loads, path.read_text().splitlines()) if metric in m}
   steps = sorted(points)
   return steps, [points[s] for s in steps]
 
@@ -221,7 +222,7 @@ def plot_eval_loss(sweep: Sweep, workdir: str) -> str:
   axis.grid(alpha=0.3)
   figure.tight_layout()
   path = os.path.join(workdir, 'eval_loss.png')
-  figure.savefig(path, dpi=110)
+  storage.save_png(figure, path, dpi=110)
   plt.close(figure)
   return path
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import signal
 import threading
 import time
@@ -30,6 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import storage
 from errors import UserError
 from train import checkpoint as ckpt
 from train import compilation, memory, sharding
@@ -176,13 +176,15 @@ def _init_from(setup: Setup, source_workdir: str) -> TrainState:
 @contextlib.contextmanager
 def _removed_on_failure(workdir: str):
   """A workdir this call creates is deleted again if setup fails: nothing half-written is left."""
-  created = not os.path.exists(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  directory = storage.path(workdir)
+  created = not directory.exists()
+  directory.mkdir(parents=True, exist_ok=True)
   try:
     yield
   except BaseException:
     if created and jax.process_index() == 0:
-      shutil.rmtree(workdir, ignore_errors=True)
+      with contextlib.suppress(OSError):  # the original error matters, not a failed clean-up
+        directory.rmtree()
     raise
 
 
@@ -565,13 +567,14 @@ def _check_run_files(config, workdir: str) -> None:
   run builds its own. A resumed run must ask for the tokenizer it was built with."""
   from data import tokenizers
   saved_config = os.path.join(workdir, ckpt.CONFIG_FILE)
-  if not os.path.exists(saved_config):
-    orphans = [os.path.join(workdir, name) for name in (tokenizers.TOKENIZER_FILE, tokenizers.META_FILE)
-               if os.path.exists(os.path.join(workdir, name))]
+  if not storage.path(saved_config).exists():
+    orphans = [storage.path(workdir) / name for name in (tokenizers.TOKENIZER_FILE, tokenizers.META_FILE)]
+    orphans = [orphan for orphan in orphans if orphan.exists()]
     if orphans and jax.process_index() == 0:
-      print(f'Removing {", ".join(orphans)}: left by an interrupted setup (no {ckpt.CONFIG_FILE}).', flush=True)
-      for path in orphans:
-        os.remove(path)
+      print(f'Removing {", ".join(map(str, orphans))}: left by an interrupted setup (no {ckpt.CONFIG_FILE}).',
+            flush=True)
+      for orphan in orphans:
+        orphan.unlink()
     _agreed(True)  # no process reads the workdir's tokenizer before process 0 has removed it
     return
   saved = ckpt.read_config(workdir)
@@ -623,7 +626,7 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
   """`--mode=import_hf`: write a Hugging Face checkpoint as a run (step 0) that trains, evals, reloads."""
   if not os.path.isdir(hf_dir):
     raise UserError(f'--hf_dir={hf_dir} is not a directory (expected config.json and the weights).')
-  if os.path.isdir(os.path.join(workdir, ckpt.CHECKPOINT_DIR)):
+  if (storage.path(workdir) / ckpt.CHECKPOINT_DIR).is_dir():
     raise ckpt.CheckpointError(f'{workdir} already holds checkpoints; import into a fresh --workdir.')
   validate_config(config)
   task = get_task(config)

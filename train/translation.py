@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import storage
 from data import sources, translation
 from models import decoding
 from train import task as task_lib
@@ -107,7 +108,7 @@ class TranslationTask(task_lib.Task):
       results[f'test/exact_match_{name}'] = float(np.mean([h == r for h, r in zip(translations[name], references)]))
     results['test/bleu'] = results['test/bleu_beam']
     results.update(self.teacher_forced_metrics(model, test))
-    with open(os.path.join(workdir, 'translations.json'), 'w') as f:
+    with storage.path(os.path.join(workdir, 'translations.json')).open('w') as f:
       json.dump([{'source': s, 'reference': r, 'greedy': g, 'beam': b} for (s, r), g, b in
                  zip(self.test_pairs, translations['greedy'], translations['beam'])], f, indent=1, ensure_ascii=False)
     print(f'Test ({len(references)} pairs): BLEU {results["test/bleu"]:.2f} (beam {self.config.decode.beam_size}), '

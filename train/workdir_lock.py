@@ -14,8 +14,7 @@ import socket
 import threading
 import time
 
-from etils import epath
-
+import storage
 from errors import UserError
 
 LOCK_FILE = 'train.lock'
@@ -30,7 +29,7 @@ class WorkdirBusy(UserError):
 class WorkdirLock:
 
   def __init__(self, workdir: str, log=print):
-    self.path = epath.Path(workdir) / LOCK_FILE
+    self.path = storage.path(workdir) / LOCK_FILE
     self.log = log
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
@@ -71,7 +70,7 @@ class WorkdirLock:
   # ---------------------------------------------------------------- internals
   def _create(self) -> bool:
     """Create the lock file unless it exists; atomic on local disks (O_EXCL)."""
-    if not _is_local(self.path):
+    if storage.is_remote(self.path):
       if self.path.exists():  # object stores have no exclusive create: a narrow race remains
         return False
       self._write()
@@ -107,10 +106,6 @@ class WorkdirLock:
         self._write()
       except OSError as e:  # a storage hiccup must not kill training; the next beat retries
         self.log(f'Could not refresh {self.path}: {e}')
-
-
-def _is_local(path: epath.Path) -> bool:
-  return '://' not in os.fspath(path)
 
 
 def _pid_alive(pid) -> bool:

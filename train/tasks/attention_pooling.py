@@ -17,6 +17,7 @@ import grain
 import jax.numpy as jnp
 import numpy as np
 
+import storage
 from errors import ConfigError, UserError
 from models.attention_pooling import NadarayaWatson, NadarayaWatsonConfig
 from train import task as task_lib
@@ -140,7 +141,7 @@ class Task(task_lib.Task):
       ax.set_ylabel('test inputs (queries)')
       figure.colorbar(image, ax=ax)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    storage.save_png(figure, path, dpi=100)
     plt.close(figure)
 
   def predict(self, model, lines, workdir):

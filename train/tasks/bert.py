@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import storage
 from data import bert_data
 from data.lm import get_tokenizer
 from errors import ConfigError
@@ -286,7 +287,7 @@ class Task(task_lib.Task):
     """One .npy per line: [T, E] token vectors ('none'), or [E] ('cls', 'mean') of the chosen layer(s)."""
     settings = self.config.features
     directory = settings.output_dir or os.path.join(workdir, 'features')
-    os.makedirs(directory, exist_ok=True)
+    storage.path(directory).mkdir(parents=True, exist_ok=True)
     encoder = encoder_of(model)
     forward = nnx.jit(lambda m, t, s, v: m(t, s, v).hidden_states)
     outputs = []
@@ -306,7 +307,8 @@ class Task(task_lib.Task):
         else:
           array = vectors[mask]
         path = os.path.join(directory, f'{start + row:06d}.npy')
-        np.save(path, array)
+        with storage.path(path).open('wb') as f:
+          np.save(f, array)
         outputs.append({'file': path, 'shape': list(array.shape),
                         'tokens': [self.tokenizer.id_to_token(int(i)) for i in ids[mask]]})
     return outputs

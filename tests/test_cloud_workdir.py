@@ -1,0 +1,133 @@
+"""A gs:// workdir end to end against a GCS emulator on localhost: training, resume, --mode=eval,
+--mode=predict and `load_run`, with every file of the run in the bucket and the numbers of a run
+in a local directory; and the one-line errors of a gs:// workdir that cannot work."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import storage
+import support
+
+BUCKET = 'bucket'
+TRAIN = {'mesh.data': 1, 'train.log_every': 1, 'train.eval_every': 10, 'train.checkpoint_every': 10,
+         'train.schedule': 'constant', 'decode.temperature': 0.0, 'decode.prompts': 'alpha'}  # constant: 10 + 10 steps = 20
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope='session')
+def emulator():
+  """A GCS emulator process (tests/gcs_emulator.py) serving the bucket `bucket`; yields the
+  environment that points gcsfs and TensorStore at it (also set in this process, for load_run)."""
+  try:
+    import gcp_storage_emulator  # noqa: F401
+  except ImportError:
+    pytest.skip('gcp-storage-emulator is not installed (pip install -r requirements-dev.txt)')
+  port = free_port()
+  command = [sys.executable, os.path.join(support.REPO, 'tests', 'gcs_emulator.py'), 'start', f'--port={port}',
+             '--in-memory', f'--default-bucket={BUCKET}', '--quiet']
+  process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 30
+  while True:
+    try:
+      socket.create_connection(('localhost', port), timeout=1).close()
+      break
+    except OSError:
+      if process.poll() is not None or time.time() > deadline:
+        process.kill()
+        pytest.skip(f'the GCS emulator did not start on port {port}: {process.communicate()[0][-500:]}')
+      time.sleep(0.1)
+  environment = storage.emulator_environment(f'http://localhost:{port}')
+  saved = {k: os.environ.get(k) for k in environment}
+  os.environ.update(environment)
+  yield environment
+  for key, value in saved.items():
+    if value is None:
+      os.environ.pop(key, None)
+    else:
+      os.environ[key] = value
+  process.terminate()
+  process.wait(timeout=10)
+
+
+def launch(args, emulator_environment):
+  result = support.launch(args, devices=1, env_overrides=emulator_environment)
+  assert result.returncode == 0, result.stderr[:3000]
+  return support.last_json(result.stdout)
+
+
+def metrics_at(lines: list[dict], step: int, key: str) -> float:
+  return next(m[key] for m in lines if m['step'] == step and key in m)
+
+
+def test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads(emulator, tmp_path):
+  corpus = support.write_corpus(str(tmp_path / 'corpus'))
+  args = ['--config=configs/gpt.py:tiny', *support.override_args({'data.source': corpus, **TRAIN})]
+  workdir = f'gs://{BUCKET}/run'
+  local = launch(args + [f'--workdir={tmp_path}/local'], {})  # 20 steps in one go, on local disk
+
+  first = launch(args + [f'--workdir={workdir}', '--config.train.steps=10'], emulator)
+  resumed = launch(args + [f'--workdir={workdir}'], emulator)
+  assert (first['step'], resumed['step']) == (10, 20)
+  # The resumed run restored parameters, optimizer and input position: it ends where the straight one does.
+  np.testing.assert_allclose(resumed['eval/loss'], local['eval/loss'], rtol=1e-5)
+
+  bucket = storage.path(workdir)
+  names = {str(p.relative_to(bucket)) for p in bucket.glob('*')}
+  assert {'config.json', 'model.json', 'tokenizer.json', 'tokenizer_meta.json', 'metrics.jsonl', 'samples.json',
+          'tensorboard', 'checkpoints'} <= names, names
+  assert {p.name for p in (bucket / 'checkpoints').iterdir()} >= {'10', '20'}
+  assert any(p.name.startswith('events.out.tfevents') for p in (bucket / 'tensorboard').iterdir())
+  metrics = [json.loads(line) for line in (bucket / 'metrics.jsonl').read_text().splitlines()]
+  local_metrics = [json.loads(line) for line in open(tmp_path / 'local' / 'metrics.jsonl')]
+  for step in (5, 15, 20):  # both sessions' lines, continued in one file
+    np.testing.assert_allclose(metrics_at(metrics, step, 'train/loss'), metrics_at(local_metrics, step, 'train/loss'),
+                               rtol=1e-5)
+
+  evaluation = launch(['--mode=eval', f'--workdir={workdir}'], emulator)
+  assert evaluation['step'] == 20
+  np.testing.assert_allclose(evaluation['eval/loss'], resumed['eval/loss'], rtol=1e-6)
+
+  (bucket / 'prompts.txt').write_text('alpha beta\ngamma\n')
+  prediction = launch(['--mode=predict', f'--workdir={workdir}', f'--input={workdir}/prompts.txt',
+                       f'--output={workdir}/predictions.jsonl'], emulator)
+  written = [json.loads(line) for line in (bucket / 'predictions.jsonl').read_text().splitlines()]
+  assert written == prediction['outputs'] and len(written) == 2
+
+  from train.checkpoint import load_run
+  run = load_run(workdir)
+  assert run.step == 20 and run.tokenizer.vocab_size == run.model_config.vocab_size
+  assert run.predict(['alpha beta', 'gamma']) == prediction['outputs']
+
+
+def test_an_emulator_half_configured_is_one_clear_line(tmp_path):
+  environment = {'STORAGE_EMULATOR_HOST': 'http://localhost:1', 'TENSORSTORE_GCS_HTTP_URL': ''}
+  result = support.launch(['--config=configs/gpt.py:tiny', '--workdir=gs://bucket/run'], devices=1,
+                          env_overrides=environment)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[-1]]
+  assert 'TENSORSTORE_GCS_HTTP_URL=http://localhost:1' in result.stderr
+
+
+def test_missing_credentials_are_one_clear_line(tmp_path):
+  environment = {'STORAGE_EMULATOR_HOST': '', 'GOOGLE_APPLICATION_CREDENTIALS': str(tmp_path / 'absent.json')}
+  result = support.launch(['--mode=eval', '--workdir=gs://bucket/run'], devices=1, env_overrides=environment)
+  assert result.returncode == 1
+  assert result.stderr.strip().startswith('error: No Google Cloud credentials for gs://'), result.stderr[-2000:]
+  assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_gcsfs_is_a_storage_error(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'gcsfs', None)  # import gcsfs raises ImportError
+  with pytest.raises(storage.StorageError, match='needs gcsfs'):
+    storage._check_gcs_access.__wrapped__()
