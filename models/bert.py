@@ -7,11 +7,14 @@ masked LM (dense + GELU + LayerNorm + output projection tied to the token embedd
 bias), next-sentence prediction (2-way on the pooled vector) and sequence classification.
 
 `BertConfig` defaults are BERT-base; with vocabulary 30,522 and 512 positions `BertEncoder` has
-109,482,240 parameters, exactly `transformers.BertModel`'s (large: 335,141,888). Parameter names
-follow the structure of Hugging Face's BERT closely enough for `interop.hf_bert` to map them one
-to one.
+109,482,240 parameters, exactly `transformers.BertModel`'s (large: 335,141,888). `vocab_multiple`
+pads the token embedding and the MLM bias (models/layers.py): run configs use 128, so BERT-base
+stores 30,592 rows, 53,760 more parameters (zero, never used: their logits are masked); the
+default 1 is what runs saved before the field existed hold. Parameter names follow the structure
+of Hugging Face's BERT closely enough for `interop.hf_bert` to map them one to one.
 
-Shape legend: B batch, L length, E width, V vocabulary, P masked positions, C classes.
+Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, P masked positions,
+C classes.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import make_attention_mask
-from models.layers import ACTIVATIONS, TransformerBlock
+from models.layers import ACTIVATIONS, TransformerBlock, mask_padded_logits, padded_vocab_size, vocab_embedding
 
 
 HEADS = ('pretraining', 'classifier', 'none')
@@ -31,7 +34,8 @@ HEADS = ('pretraining', 'classifier', 'none')
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
-  vocab_size: int = 30522
+  vocab_size: int = 30522  # the tokenizer's ids; the embedding has padded_vocab_size(vocab_size, vocab_multiple) rows
+  vocab_multiple: int = 1
   max_len: int = 512
   type_vocab_size: int = 2
   num_layers: int = 12
@@ -65,7 +69,8 @@ class BertOutput(NamedTuple):
 
 
 class BertPretrainingOutput(NamedTuple):
-  """mlm_logits: [B, P, V] (or [B, L, V] without masked positions); nsp_logits: [B, 2]."""
+  """mlm_logits: [B, P, V'] in the compute dtype, padded ids masked (or [B, L, V'] without masked
+  positions); nsp_logits: [B, 2] float32."""
   mlm_logits: jax.Array
   nsp_logits: jax.Array
   encoder: BertOutput
@@ -85,7 +90,8 @@ class BertEmbeddings(nnx.Module):
     dtype = jnp.dtype(config.dtype)
     init = nnx.initializers.truncated_normal(config.init_std)
     embed = lambda n: nnx.Embed(n, config.width, embedding_init=init, dtype=dtype, rngs=rngs)
-    self.token = embed(config.vocab_size)
+    self.token = vocab_embedding(config.vocab_size, config.vocab_multiple, config.width, embedding_init=init,
+                                 dtype=dtype, rngs=rngs)
     self.position = embed(config.max_len)
     self.segment = embed(config.type_vocab_size)
     self.norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
@@ -138,7 +144,8 @@ class BertEncoder(nnx.Module):
 
 
 class BertMLMHead(nnx.Module):
-  """[..., E] hidden -> [..., V] logits through the (tied) token embedding plus a per-token bias."""
+  """[..., E] hidden -> [..., V'] logits in the compute dtype through the (tied) token embedding plus
+  a per-token bias, the padded ids masked."""
 
   def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(config.dtype)
@@ -146,11 +153,13 @@ class BertMLMHead(nnx.Module):
                             kernel_init=nnx.initializers.truncated_normal(config.init_std))
     self.activation = ACTIVATIONS[config.activation]
     self.norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
-    self.bias = nnx.Param(jnp.zeros((config.vocab_size,), jnp.float32))
+    self.vocab_size = config.vocab_size
+    self.bias = nnx.Param(jnp.zeros((padded_vocab_size(config.vocab_size, config.vocab_multiple),), jnp.float32))
 
   def __call__(self, x: jax.Array, token_embedding: nnx.Embed) -> jax.Array:
     h = self.norm(self.activation(self.dense(x)))
-    return token_embedding.attend(h).astype(jnp.float32) + self.bias[...]
+    logits = token_embedding.attend(h)
+    return mask_padded_logits(logits + self.bias[...].astype(logits.dtype), self.vocab_size)
 
 
 class BertForPretraining(nnx.Module):
