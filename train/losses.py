@@ -18,28 +18,58 @@ from models.layers import mask_padded_logits
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, label_smoothing: float = 0.0,
-                        vocab_size: int | None = None):
+                        vocab_size: int | None = None) -> tuple[jax.Array, jax.Array]:
   """Per-token float32 cross-entropy against (1 - eps) one-hot + eps / V on the real ids.
 
   Args:
     logits: [..., V'] any float dtype, ids >= vocab_size masked; targets: [...] int.
     vocab_size: V (default V').
   Returns:
-    (loss [...], correct [...] float32 (argmax == target), log-normalizer [...], target
-    distribution [..., V']).
+    (loss [...], correct [...] float32: argmax == target).
   """
-  logits = logits.astype(jnp.float32)
-  padded = logits.shape[-1]
-  vocab = padded if vocab_size is None else vocab_size
-  log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-  target = jax.nn.one_hot(targets, padded, dtype=jnp.float32)
-  if label_smoothing:
-    target = (1 - label_smoothing) * target + label_smoothing / vocab * (jnp.arange(padded) < vocab)
-  # -sum(target * log_softmax), the target's logit read by a product with the one-hot rather than
-  # take_along_axis: the gradient is then elementwise instead of a scatter into [..., V'].
-  loss = log_normalizer - jnp.sum(target * logits, axis=-1)
   correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-  return loss, correct, log_normalizer, target
+  return _cross_entropy(logits, targets, label_smoothing, vocab_size), correct
+
+
+def _target_distribution(targets, padded: int, label_smoothing: float, vocab_size: int | None):
+  """[..., V'] float32 (1 - eps) one-hot + eps / V on the ids below V, from an iota compare (XLA
+  fuses it into its consumers, so it is never stored)."""
+  target = jax.nn.one_hot(targets, padded, dtype=jnp.float32)
+  if not label_smoothing:
+    return target
+  vocab = padded if vocab_size is None else vocab_size
+  return (1 - label_smoothing) * target + label_smoothing / vocab * (jnp.arange(padded) < vocab)
+
+
+def _cross_entropy_parts(logits, targets, label_smoothing, vocab_size):
+  """(loss [...], log-normalizer [...], target distribution [..., V']), all float32."""
+  logits = logits.astype(jnp.float32)
+  log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+  target = _target_distribution(targets, logits.shape[-1], label_smoothing, vocab_size)
+  return log_normalizer - jnp.sum(target * logits, axis=-1), log_normalizer, target  # -sum(target * log_softmax)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cross_entropy(logits, targets, label_smoothing, vocab_size):
+  """The loss of `token_cross_entropy`, with a hand-written gradient (softmax - target): autodiff
+  of take_along_axis is a scatter-add into [..., V'] (on an H100 the slowest fusion of BERT's
+  step was a scatter), and that of a one-hot product keeps the [..., V'] one-hot as a residual."""
+  return _cross_entropy_parts(logits, targets, label_smoothing, vocab_size)[0]
+
+
+def _cross_entropy_fwd(logits, targets, label_smoothing, vocab_size):
+  loss, log_normalizer, _ = _cross_entropy_parts(logits, targets, label_smoothing, vocab_size)
+  return loss, (logits, targets, log_normalizer)
+
+
+def _cross_entropy_bwd(label_smoothing, vocab_size, residuals, d_loss):
+  logits, targets, log_normalizer = residuals
+  target = _target_distribution(targets, logits.shape[-1], label_smoothing, vocab_size)
+  d_logits = d_loss[..., None] * (jnp.exp(logits.astype(jnp.float32) - log_normalizer[..., None]) - target)
+  return d_logits.astype(logits.dtype), None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None, label_smoothing: float = 0.0,
@@ -47,7 +77,7 @@ def lm_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = N
   """Token cross-entropy. logits [B, L, V'] (V' may be a padded `vocab_size`), targets [B, L] ->
   (mean loss, {'loss','accuracy': (sum, count)})."""
   weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-  per_token, correct, _, _ = token_cross_entropy(logits, targets, label_smoothing, vocab_size)
+  per_token, correct = token_cross_entropy(logits, targets, label_smoothing, vocab_size)
   count = weights.sum()
   total = (per_token * weights).sum()
   return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': ((correct * weights).sum(), count)}
@@ -78,7 +108,9 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
     output_embedding: [V', E] the output layer (GPT's tied token embedding).
     targets: [B, L] int; weights: [B, L] (default ones).
     vocab_size: V when the output layer's rows are padded (default V'): the logits of the ids
-      past it are masked (models.layers.mask_padded_logits) and get no gradient.
+      past it are masked (models.layers.mask_padded_logits) and get no gradient. On XLA:CPU the
+      masked [chunk, V'] logits are one more stored temporary (+394 MB at the bench shapes with
+      GPT-2's vocabulary).
   Returns:
     (mean loss, {'loss', 'accuracy': (sum, count)}), as `lm_loss`.
   """
@@ -100,7 +132,8 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
 def _chunk_forward(h, table, t, w, label_smoothing, vocab_size):
   """One chunk: (loss sum, correct sum, d loss / d logits [chunk, V'] float32)."""
   logits = mask_padded_logits(h @ table.T, vocab_size)
-  nll, correct, log_normalizer, target = token_cross_entropy(logits, t, label_smoothing, vocab_size)
+  nll, log_normalizer, target = _cross_entropy_parts(logits, t, label_smoothing, vocab_size)
+  correct = (jnp.argmax(logits, -1) == t).astype(jnp.float32)
   d_logits = (jnp.exp(logits.astype(jnp.float32) - log_normalizer[:, None]) - target) * w[:, None]
   return (nll * w).sum(), (correct * w).sum(), d_logits
 

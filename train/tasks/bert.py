@@ -45,11 +45,11 @@ def pretraining_loss(model: BertForPretraining, batch, *, deterministic: bool):
   out = model(batch['tokens'], batch['segments'], batch['valid'], masked_positions=batch['masked_positions'],
               deterministic=deterministic)
   weights = batch['masked_weights'].astype(jnp.float32)
-  mlm, mlm_correct, _, _ = token_cross_entropy(out.mlm_logits, batch['masked_labels'])
+  mlm, mlm_correct = token_cross_entropy(out.mlm_logits, batch['masked_labels'])
   mlm_count = weights.sum()
   mlm_sum = (mlm * weights).sum()
   mlm_correct = (mlm_correct * weights).sum()
-  nsp, nsp_correct, _, _ = token_cross_entropy(out.nsp_logits, batch['next_sentence'])
+  nsp, nsp_correct = token_cross_entropy(out.nsp_logits, batch['next_sentence'])
   batch_size = jnp.asarray(nsp.shape[0], jnp.float32)
   nsp_correct = nsp_correct.sum()
   loss = mlm_sum / jnp.maximum(mlm_count, 1.0) + nsp.mean()
