@@ -57,7 +57,8 @@ Presets:
   tiny      tests: seconds
   default   CPU pretraining on bbc_news (2 layers, 128 wide, 2 heads, 128 tokens)
   finetune  the default model fine-tuned for classification (task=classify), 256 tokens
-  base      BERT-base 12/768/12/3072: encoder 109,482,240 parameters (vocab 30,522, 512 positions)
+  base      BERT-base 12/768/12/3072: encoder 109,482,240 parameters (vocab 30,522, 512 positions); stored:
+            109,536,000, the embedding padded to 30,592 rows (model.vocab_multiple, zero rows never used)
   large     BERT-large 24/1024/16/4096: encoder 335,141,888 parameters
   bench     speed only (--mode=bench): the reference benchmark's shapes, 6/384/6/1536, vocabulary 8,192,
             batch 16 x 128, MLM + NSP, dropout 0, AdamW; measured on 2 CPU cores: 1,640 tokens/s
@@ -129,6 +130,9 @@ def get_config(preset: str = 'default'):
 
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; else xla) | 'xla' | 'cudnn' | 'jax_nn'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
+  # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
+  # ids are never predicted. Runs saved before this key hold unpadded models (vocab_multiple=1).
+  c.model.vocab_multiple = 128
   c.model.type_vocab_size = 2
   c.model.attention_dropout = 0.1
   c.model.layer_norm_epsilon = 1e-12

@@ -10,8 +10,9 @@ held-out stdlib files with a 2,048-token byte-level BPE, and Python-looking samp
 Presets:
   tiny         tests: seconds, character-level
   default      the CPU main job above
-  gpt2         GPT-2 small, exactly 124,439,808 parameters (vocab 50,257, 1,024 positions)
-  gpt2-medium  GPT-2 medium, 354,823,168 parameters
+  gpt2         GPT-2 small, exactly 124,439,808 parameters (vocab 50,257, 1,024 positions); stored:
+               124,475,904, the embedding padded to 50,304 rows (model.vocab_multiple, zero rows never used)
+  gpt2-medium  GPT-2 medium, 354,823,168 parameters (stored: 354,871,296)
   bench        the reference benchmark shapes (6 layers, 384 wide, 6 heads, vocab 8,192, batch 8 x 256);
                measured on 2 CPU cores: 1,265-1,277 train tokens/s (0.87x HF GPT-2 in the same runs), greedy
                decoding 221-257 / 1,244-1,311 new tokens/s at batch 1 / 8 (1.79x / 2.13x HF generate);
@@ -53,6 +54,9 @@ def get_config(preset: str = 'default'):
   c.data.source = 'pystdlib'
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; else xla) | 'xla' | 'cudnn' | 'jax_nn'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
+  # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
+  # ids are never predicted. Runs saved before this key hold unpadded models (vocab_multiple=1).
+  c.model.vocab_multiple = 128
   c.model.num_layers = 4
   c.model.num_heads = 4
   c.model.width = 256

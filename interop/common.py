@@ -5,7 +5,9 @@ A family describes its tensors once, as a list of `TensorName`s: the HF name, th
 parameter(s) in our model's `nnx.to_pure_dict(nnx.state(model, nnx.Param))`, and whether HF
 stores the matrix transposed. `load_tensors` (import) and `to_hf_tensors` (export) both read
 that list, so the two directions cannot drift apart, and both check that it covers every
-parameter of the model.
+parameter of the model. Our token embeddings (and BERT's MLM bias) may have padded vocabulary
+rows (models/layers.py) that HF does not have: import fills them with zeros and export drops
+them, so HF files keep the tokenizer's vocabulary size.
 """
 from __future__ import annotations
 
@@ -37,10 +39,12 @@ class HFExportError(UserError):
 class TensorName(NamedTuple):
   """One HF tensor. `ours` holds one parameter path, or several whose arrays sit side by side on
   the last axis of the HF tensor (GPT-2's fused query/key/value); `transpose`: HF stores the
-  matrix as [out, in] (torch.nn.Linear) while `nnx.Linear.kernel` is [in, out]."""
+  matrix as [out, in] (torch.nn.Linear) while `nnx.Linear.kernel` is [in, out]; `rows`: HF holds
+  only the first `rows` rows of our (untransposed) parameter, the rest being vocabulary padding."""
   hf: str
   ours: tuple[ParamPath, ...]
   transpose: bool = False
+  rows: int | None = None
 
 
 def linear_names(hf: str, ours: ParamPath, *, transpose: bool) -> list[TensorName]:
@@ -90,6 +94,8 @@ def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list
     targets = [_get(params, path) for path in name.ours]
     shape = targets[0].shape[:-1] + (sum(t.shape[-1] for t in targets),)
     value = np.asarray(tensors[name.hf])
+    if name.rows is not None:
+      value = _pad_rows(value, name.rows, shape)
     expected = shape[::-1] if name.transpose else shape
     if value.shape != expected:
       raise ValueError(f'Shape mismatch for {name.hf}: checkpoint {value.shape} vs model {expected}; is config.json '
@@ -100,6 +106,14 @@ def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list
   nnx.replace_by_pure_dict(state, params)
   nnx.update(module, state)
   return {name.hf for name in names}
+
+
+def _pad_rows(value: np.ndarray, rows: int, shape: tuple[int, ...]) -> np.ndarray:
+  """An HF vocabulary tensor of `rows` rows, zero-padded to our `shape` (a wrong size is left to
+  the caller's shape check)."""
+  if value.shape[:1] != (rows,) or rows > shape[0]:
+    return value
+  return np.concatenate([value, np.zeros((shape[0] - rows,) + value.shape[1:], value.dtype)])
 
 
 def numpy_params(model: nnx.Module) -> dict:
@@ -115,6 +129,7 @@ def to_hf_tensors(params: dict, names: list[TensorName]) -> dict[str, np.ndarray
   for name in names:
     parts = [np.asarray(_get(params, path)) for path in name.ours]
     value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    value = value if name.rows is None else value[:name.rows]
     # safetensors writes an array's buffer as is: a transposed view must be made contiguous first.
     tensors[name.hf] = np.ascontiguousarray(value.T if name.transpose else value)
   return tensors

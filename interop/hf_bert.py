@@ -12,7 +12,9 @@ Export: BertEncoder -> BertModel, BertForPretraining -> BertForPreTraining, Bert
 BertForSequenceClassification (label names in config.json's id2label).
 
 HF stores linear weights as [out, in]; `nnx.Linear.kernel` is [in, out]. The MLM output matrix
-is the tied token embedding (HF does not store `cls.predictions.decoder.*`).
+is the tied token embedding (HF does not store `cls.predictions.decoder.*`). HF's word embeddings
+and MLM bias hold the tokenizer's `vocab_size` rows; ours may be padded (`vocab_multiple`): the
+padded rows are zeros on import and left out on export.
 """
 from __future__ import annotations
 
@@ -52,18 +54,19 @@ class ImportedBert(NamedTuple):
   heads_loaded: bool
 
 
-def encoder_tensor_names(num_layers: int, prefix: str = '', path: tuple = ()) -> list[TensorName]:
+def encoder_tensor_names(config: BertConfig, prefix: str = '', path: tuple = ()) -> list[TensorName]:
   """Every BertEncoder parameter (below `path` in the model) with its HF name: prefix 'bert.'
   inside BertForPreTraining / BertForSequenceClassification files, '' in BertModel ones. HF
   shapes: embeddings [rows, E]; query/key/value/output.dense of attention [E, E], intermediate
   [F, E], output [E, F] (all [out, in], transposed from our kernels)."""
-  names = [TensorName(prefix + 'embeddings.word_embeddings.weight', (path + ('embeddings', 'token', 'embedding'),)),
+  names = [TensorName(prefix + 'embeddings.word_embeddings.weight', (path + ('embeddings', 'token', 'embedding'),),
+                      rows=config.vocab_size),
            TensorName(prefix + 'embeddings.position_embeddings.weight',
                       (path + ('embeddings', 'position', 'embedding'),)),
            TensorName(prefix + 'embeddings.token_type_embeddings.weight',
                       (path + ('embeddings', 'segment', 'embedding'),))]
   names += layer_norm_names(prefix + 'embeddings.LayerNorm', path + ('embeddings', 'norm'))
-  for i in range(num_layers):
+  for i in range(config.num_layers):
     hf, block = f'{prefix}encoder.layer.{i}.', path + ('blocks', i)
     attention = block + ('self_attention',)
     for part in ('query', 'key', 'value'):
@@ -76,29 +79,31 @@ def encoder_tensor_names(num_layers: int, prefix: str = '', path: tuple = ()) ->
   return names + linear_names(prefix + 'pooler.dense', path + ('pooler',), transpose=True)
 
 
-# The MLM transform and bias and the NSP layer of BertForPretraining.
-PRETRAINING_HEAD_NAMES = (linear_names('cls.predictions.transform.dense', ('mlm', 'dense'), transpose=True)
-                          + layer_norm_names('cls.predictions.transform.LayerNorm', ('mlm', 'norm'))
-                          + [TensorName('cls.predictions.bias', (('mlm', 'bias'),))]
-                          + linear_names('cls.seq_relationship', ('nsp',), transpose=True))
+def pretraining_head_names(config: BertConfig) -> list[TensorName]:
+  """The MLM transform and bias and the NSP layer of BertForPretraining."""
+  return (linear_names('cls.predictions.transform.dense', ('mlm', 'dense'), transpose=True)
+          + layer_norm_names('cls.predictions.transform.LayerNorm', ('mlm', 'norm'))
+          + [TensorName('cls.predictions.bias', (('mlm', 'bias'),), rows=config.vocab_size)]
+          + linear_names('cls.seq_relationship', ('nsp',), transpose=True))
 
 
 def tensor_names(model: nnx.Module) -> tuple[str, list[TensorName]]:
   """(HF architecture, every parameter of `model` with its name in that architecture's files)."""
-  layers = model.config.num_layers
+  config = model.config
   if isinstance(model, BertForPretraining):
-    return 'BertForPreTraining', encoder_tensor_names(layers, 'bert.', ('encoder',)) + PRETRAINING_HEAD_NAMES
+    return 'BertForPreTraining', encoder_tensor_names(config, 'bert.', ('encoder',)) + pretraining_head_names(config)
   if isinstance(model, BertClassifier):
-    return 'BertForSequenceClassification', (encoder_tensor_names(layers, 'bert.', ('encoder',))
+    return 'BertForSequenceClassification', (encoder_tensor_names(config, 'bert.', ('encoder',))
                                              + linear_names('classifier', ('classifier',), transpose=True))
   if isinstance(model, BertEncoder):
-    return 'BertModel', encoder_tensor_names(layers)
+    return 'BertModel', encoder_tensor_names(config)
   raise TypeError(f'{type(model).__name__} is not a BERT model of models.bert.')
 
 
 # ---------------------------------------------------------------------------------------- import
-def bert_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'xla') -> BertConfig:
-  """BertConfig from `hf_dir/config.json`; dtype and attention are not stored by HF."""
+def bert_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'xla', vocab_multiple: int = 128
+                        ) -> BertConfig:
+  """BertConfig from `hf_dir/config.json`; dtype, attention and the vocabulary padding are not stored by HF."""
   hf = read_hf_config(hf_dir, 'bert')
   path = os.path.join(hf_dir, 'config.json')
   if hf.get('position_embedding_type', 'absolute') != 'absolute':
@@ -108,7 +113,7 @@ def bert_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'x
   if activation not in HF_ACTIVATIONS:
     raise ValueError(f'{path}: hidden_act={activation!r} is not supported; use one of {sorted(HF_ACTIVATIONS)}.')
   return BertConfig(**fields_from_hf(hf, CONFIG_KEYS, 'BERT'), activation=HF_ACTIVATIONS[activation], dtype=dtype,
-                    attention=attention)
+                    attention=attention, vocab_multiple=vocab_multiple)
 
 
 def read_weights(hf_dir: str) -> dict[str, np.ndarray]:
@@ -157,23 +162,23 @@ def read_hf_tokenizer(hf_dir: str) -> HFTokenizer:
   return wordpiece_from_vocab(vocab, lowercase)
 
 
-def import_bert(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', rngs: nnx.Rngs | None = None,
-                tokenizer: bool = True) -> ImportedBert:
+def import_bert(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', vocab_multiple: int = 128,
+                rngs: nnx.Rngs | None = None, tokenizer: bool = True) -> ImportedBert:
   """(BertForPretraining, tokenizer or None, config, heads_loaded) read from `hf_dir`.
 
   Without pretraining heads in the checkpoint the heads keep their fresh initialisation from
   `rngs` and `heads_loaded` is False (the encoder, the part fine-tuning and features use, is
   complete). A tensor no model here has a place for is an error; classifier layers are skipped.
+  `vocab_multiple` pads the token embedding (as run configs do, see models/layers.py).
   """
-  config = bert_config_from_hf(hf_dir, dtype, attention)
+  config = bert_config_from_hf(hf_dir, dtype, attention, vocab_multiple)
   weights = read_weights(hf_dir)
   model = BertForPretraining(config, rngs=rngs or nnx.Rngs(0))
   heads = has_pretraining_heads(weights)
   if heads:
-    used = load_tensors(model, weights, encoder_tensor_names(config.num_layers, path=('encoder',))
-                        + PRETRAINING_HEAD_NAMES)
+    used = load_tensors(model, weights, encoder_tensor_names(config, path=('encoder',)) + pretraining_head_names(config))
   else:
-    used = load_tensors(model.encoder, weights, encoder_tensor_names(config.num_layers))
+    used = load_tensors(model.encoder, weights, encoder_tensor_names(config))
   unused = sorted(k for k in weights if k not in used and not k.endswith(_IGNORED_SUFFIXES)
                   and not k.startswith('classifier.'))
   if unused:

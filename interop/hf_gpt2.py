@@ -5,6 +5,8 @@ HF GPT-2 stores its linear layers as Conv1D with [in, out] weights, the layout o
 `nnx.Linear.kernel`; the fused `c_attn` [E, 3E] holds our query, key and value kernels side by
 side. The output layer is tied to `wte` and not stored. A GPT with `scan_layers` stacks its block
 parameters on a leading [num_layers] axis; the export writes one `h.<i>` per layer all the same.
+`wte` holds the tokenizer's `vocab_size` rows; our token embedding's padded rows
+(`vocab_multiple`) are zeros on import and left out on export.
 """
 from __future__ import annotations
 
@@ -39,13 +41,13 @@ class ImportedGPT2(NamedTuple):
   config: GPT2Config
 
 
-def tensor_names(num_layers: int, prefix: str = '') -> list[TensorName]:
+def tensor_names(config: GPT2Config, prefix: str = '') -> list[TensorName]:
   """Every parameter of an unscanned GPT with its HF name; prefix 'transformer.' for
   GPT2LMHeadModel files, '' for GPT2Model ones. Shapes (E width, F = mlp_ratio * E): wte [V, E],
   wpe [max_len, E], c_attn [E, 3E] and [3E], attn.c_proj [E, E], c_fc [E, F], mlp.c_proj [F, E]."""
-  names = [TensorName(prefix + 'wte.weight', (('token_embedding', 'embedding'),)),
+  names = [TensorName(prefix + 'wte.weight', (('token_embedding', 'embedding'),), rows=config.vocab_size),
            TensorName(prefix + 'wpe.weight', (('position_embedding', 'embedding'),))]
-  for i in range(num_layers):
+  for i in range(config.num_layers):
     hf, block = f'{prefix}h.{i}.', ('blocks', i)
     attention = block + ('self_attention',)
     names += layer_norm_names(hf + 'ln_1', block + ('self_attention_norm',))
@@ -73,8 +75,9 @@ def read_hf_tokenizer(hf_dir: str) -> HFTokenizer:
   return HFTokenizer(tokenizer, 'bpe')
 
 
-def gpt2_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'xla') -> GPT2Config:
-  """GPT2Config from `hf_dir/config.json`; dtype and attention are not stored by HF."""
+def gpt2_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'xla', vocab_multiple: int = 128
+                        ) -> GPT2Config:
+  """GPT2Config from `hf_dir/config.json`; dtype, attention and the vocabulary padding are not stored by HF."""
   hf = read_hf_config(hf_dir, 'gpt2')
   activation = hf.get('activation_function', 'gelu_new')
   if activation not in ('gelu_new', 'gelu_pytorch_tanh'):
@@ -82,20 +85,21 @@ def gpt2_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'x
                      f'tanh-GELU).')
   fields = fields_from_hf(hf, CONFIG_KEYS, 'GPT-2')
   return GPT2Config(**fields, mlp_ratio=(hf.get('n_inner') or 4 * fields['width']) // fields['width'], dtype=dtype,
-                    attention=attention)
+                    attention=attention, vocab_multiple=vocab_multiple)
 
 
-def import_gpt2(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', rngs: nnx.Rngs | None = None,
-                tokenizer: bool = True) -> ImportedGPT2:
+def import_gpt2(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', vocab_multiple: int = 128,
+                rngs: nnx.Rngs | None = None, tokenizer: bool = True) -> ImportedGPT2:
   """(model, tokenizer or None, config) read from a Hugging Face GPT-2 directory.
 
   `rngs` seeds the dropout stream (the parameters all come from the checkpoint). Every parameter
-  is filled; a tensor the model has no place for is an error.
+  is filled; a tensor the model has no place for is an error. `vocab_multiple` pads the token
+  embedding (as run configs do, see models/layers.py).
   """
-  config = gpt2_config_from_hf(hf_dir, dtype, attention)
+  config = gpt2_config_from_hf(hf_dir, dtype, attention, vocab_multiple)
   tensors = {k.removeprefix('transformer.'): v for k, v in read_tensors(hf_dir).items()}
   model = GPT(config, rngs=rngs or nnx.Rngs(0))
-  used = load_tensors(model, tensors, tensor_names(config.num_layers))
+  used = load_tensors(model, tensors, tensor_names(config))
   unused = sorted(k for k in tensors if k not in used and k not in _IGNORED and not k.endswith(_IGNORED_SUFFIXES))
   if unused:
     raise ValueError(f'The checkpoint has tensors this GPT does not use: {unused[:5]}; is config.json right?')
@@ -115,7 +119,7 @@ def export_gpt2(model: GPT, tokenizer, out_dir: str) -> dict:
     params = numpy_params(model)
     if config.scan_layers:  # [num_layers, ...] stacks -> one entry per layer, as unscanned
       params['blocks'] = {i: jax.tree.map(lambda x, i=i: x[i], params['blocks']) for i in range(config.num_layers)}
-    tensors = to_hf_tensors(params, tensor_names(config.num_layers, 'transformer.'))
+    tensors = to_hf_tensors(params, tensor_names(config, 'transformer.'))
     write_json(staging, 'config.json', {
         'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', **fields_to_hf(config, CONFIG_KEYS),
         # One dropout rate serves embeddings, attention weights and residual branches here.

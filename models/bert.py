@@ -7,11 +7,14 @@ masked LM (dense + GELU + LayerNorm + output projection tied to the token embedd
 bias), next-sentence prediction (2-way on the pooled vector) and sequence classification.
 
 `BertConfig` defaults are BERT-base; with vocabulary 30,522 and 512 positions `BertEncoder` has
-109,482,240 parameters, exactly `transformers.BertModel`'s (large: 335,141,888). Parameter names
-follow the structure of Hugging Face's BERT closely enough for `interop.hf_bert` to map them one
-to one.
+109,482,240 parameters, exactly `transformers.BertModel`'s (large: 335,141,888). `vocab_multiple`
+pads the token embedding and the MLM bias (models/layers.py): run configs use 128, so BERT-base
+stores 30,592 rows, 53,760 more parameters (zero, never used: their logits are masked); the
+default 1 is what runs saved before the field existed hold. Parameter names follow the structure
+of Hugging Face's BERT closely enough for `interop.hf_bert` to map them one to one.
 
-Shape legend: B batch, L length, E width, V vocabulary, P masked positions, C classes.
+Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, P masked positions,
+C classes.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionMask
-from models.layers import ACTIVATIONS, TransformerBlock
+from models.layers import ACTIVATIONS, TransformerBlock, mask_padded_logits, padded_vocab_size, vocab_embedding
 
 
 HEADS = ('pretraining', 'classifier', 'none')
@@ -31,7 +34,8 @@ HEADS = ('pretraining', 'classifier', 'none')
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
-  vocab_size: int = 30522
+  vocab_size: int = 30522  # the tokenizer's ids; the embedding has padded_vocab_size(vocab_size, vocab_multiple) rows
+  vocab_multiple: int = 1
   max_len: int = 512
   type_vocab_size: int = 2
   num_layers: int = 12
@@ -65,7 +69,8 @@ class BertOutput(NamedTuple):
 
 
 class BertPretrainingOutput(NamedTuple):
-  """mlm_logits: [B, P, V] (or [B, L, V] without masked positions); nsp_logits: [B, 2]."""
+  """mlm_logits: [B, P, V'] in the compute dtype, padded ids masked (or [B, L, V'] without masked
+  positions); nsp_logits: [B, 2] float32."""
   mlm_logits: jax.Array
   nsp_logits: jax.Array
   encoder: BertOutput
@@ -79,20 +84,31 @@ def _reinit_linears(module: nnx.Module, init, rngs: nnx.Rngs) -> None:
 
 
 class BertEmbeddings(nnx.Module):
-  """tokens, segments, positions: [B, L] ints -> [B, L, E]."""
+  """tokens, segments: [B, L] ints -> [B, L, E], positions 0..L-1.
+
+  Only the token lookup is a gather (its gradient a scatter-add into [V', E]); positions are a
+  slice of their table and segments a one-hot product, whose gradients are a sum over the batch
+  and a small matmul rather than two more scatter-adds.
+  """
 
   def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(config.dtype)
     init = nnx.initializers.truncated_normal(config.init_std)
     embed = lambda n: nnx.Embed(n, config.width, embedding_init=init, dtype=dtype, rngs=rngs)
-    self.token = embed(config.vocab_size)
+    self.token = vocab_embedding(config.vocab_size, config.vocab_multiple, config.width, embedding_init=init,
+                                 dtype=dtype, rngs=rngs)
     self.position = embed(config.max_len)
     self.segment = embed(config.type_vocab_size)
     self.norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
 
-  def __call__(self, tokens, segments, positions, *, deterministic: bool = True):
-    x = self.token(tokens) + self.position(positions) + self.segment(segments)
+  def __call__(self, tokens, segments, *, deterministic: bool = True):
+    dtype = self.position.dtype
+    positions = self.position.embedding[:tokens.shape[1]].astype(dtype)  # [L, E]
+    segment_one_hot = jax.nn.one_hot(segments, self.segment.num_embeddings, dtype=dtype)  # [B, L, type_vocab_size]
+    segment = jnp.einsum('bls,se->ble', segment_one_hot, self.segment.embedding[...].astype(dtype),
+                         precision=jax.lax.Precision.HIGHEST)  # exact: no reduced-precision passes of the table
+    x = self.token(tokens) + positions + segment
     return self.dropout(self.norm(x), deterministic=deterministic)
 
 
@@ -121,13 +137,12 @@ class BertEncoder(nnx.Module):
       valid: [B, L] bool, False on padding, which follows the real tokens (None: no padding).
         Padded positions are never attended to; their own outputs are computed but meaningless.
     """
-    batch, length = tokens.shape
+    length = tokens.shape[1]
     if length > self.config.max_len:
       raise ValueError(f'Sequence length {length} exceeds the {self.config.max_len} learned positions '
                        f'(model.max_len); shorten data.seq_len.')
     segments = jnp.zeros_like(tokens) if segments is None else segments
-    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    x = self.embeddings(tokens, segments, positions, deterministic=deterministic)
+    x = self.embeddings(tokens, segments, deterministic=deterministic)
     mask = AttentionMask(key_lengths=valid.sum(-1)) if valid is not None else None
     hidden_states = [x]
     for block in self.blocks:
@@ -138,7 +153,8 @@ class BertEncoder(nnx.Module):
 
 
 class BertMLMHead(nnx.Module):
-  """[..., E] hidden -> [..., V] logits through the (tied) token embedding plus a per-token bias."""
+  """[..., E] hidden -> [..., V'] logits in the compute dtype through the (tied) token embedding plus
+  a per-token bias, the padded ids masked."""
 
   def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(config.dtype)
@@ -146,11 +162,13 @@ class BertMLMHead(nnx.Module):
                             kernel_init=nnx.initializers.truncated_normal(config.init_std))
     self.activation = ACTIVATIONS[config.activation]
     self.norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
-    self.bias = nnx.Param(jnp.zeros((config.vocab_size,), jnp.float32))
+    self.vocab_size = config.vocab_size
+    self.bias = nnx.Param(jnp.zeros((padded_vocab_size(config.vocab_size, config.vocab_multiple),), jnp.float32))
 
   def __call__(self, x: jax.Array, token_embedding: nnx.Embed) -> jax.Array:
     h = self.norm(self.activation(self.dense(x)))
-    return token_embedding.attend(h).astype(jnp.float32) + self.bias[...]
+    logits = token_embedding.attend(h)
+    return mask_padded_logits(logits + self.bias[...].astype(logits.dtype), self.vocab_size)
 
 
 class BertForPretraining(nnx.Module):
@@ -170,7 +188,11 @@ class BertForPretraining(nnx.Module):
     out = self.encoder(tokens, segments, valid, deterministic=deterministic)
     hidden = out.sequence
     if masked_positions is not None:
-      hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)
+      # [B, P, L] one-hot x [B, L, E] rather than take_along_axis: the gradient is a batched matmul
+      # instead of a scatter-add into [B, L, E] (on an H100 the train step's slowest fusion was a
+      # scatter). P ~ 0.15 L, so the product costs 2 B P L E FLOPs, little beside the encoder.
+      select = jax.nn.one_hot(masked_positions, hidden.shape[1], dtype=hidden.dtype)
+      hidden = jnp.einsum('bpl,ble->bpe', select, hidden, precision=jax.lax.Precision.HIGHEST)
     mlm_logits = self.mlm(hidden, self.encoder.embeddings.token)
     nsp_logits = self.nsp(out.pooled).astype(jnp.float32)
     return BertPretrainingOutput(mlm_logits, nsp_logits, out)

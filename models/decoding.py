@@ -14,7 +14,9 @@ A model exposes one step function, used by all three searches:
           every leaf of a cache it is given has the row axis N first. `decode` never looks inside,
           so there the GPT's layer-stacked KV cache of `scan_layers` may lead with [layers, N].
   index:  int32 scalar, the position of tokens[:, 0].
-  logits: [N, T, V] next-token scores after each fed token (only the last one is read).
+  logits: [N, T, V] next-token scores after each fed token (only the last one is read), any float
+          dtype. A model with a padded vocabulary masks the padded ids' scores itself
+          (models.layers.mask_padded_logits), so no search here ever emits them.
 
 The model modules build their step functions and call these loops under `jit` with the settings
 static: models.gpt.generate, models.rnn_lm.generate (prompt continuation), and

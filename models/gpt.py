@@ -4,6 +4,11 @@ Token + learned position embeddings, N pre-LayerNorm blocks of causal self-atten
 MLP, a final LayerNorm, and an output layer tied to the token embedding. `GPT2Config` defaults
 are GPT-2 small (124,439,808 parameters with vocabulary 50,257 and 1,024 positions).
 
+`vocab_multiple` pads the token embedding to a multiple of that many rows (models/layers.py): run
+configs use 128, so GPT-2 small stores 50,304 rows and 124,475,904 parameters, the 36,096 extra
+ones zero and never used (their logits are masked). The default 1 is what runs saved before the
+field existed hold.
+
 Two switches for depth and size (as in MaxText):
   scan_layers  the blocks' parameters are stacked on a leading [num_layers] axis and the forward is
                one `nnx.scan` over them, so the compiled program holds one block whatever the depth
@@ -15,7 +20,7 @@ Two switches for depth and size (as in MaxText):
 
 `generate` continues prompts through the shared decoding loop (models/decoding.py).
 
-Shape legend: B batch, L length, E width, V vocabulary, L_max cache length.
+Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, L_max cache length.
 """
 from __future__ import annotations
 
@@ -28,12 +33,13 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import TransformerBlock
+from models.layers import TransformerBlock, mask_padded_logits, vocab_embedding
 
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
-  vocab_size: int = 50257
+  vocab_size: int = 50257  # the tokenizer's ids; the embedding has padded_vocab_size(vocab_size, vocab_multiple) rows
+  vocab_multiple: int = 1
   max_len: int = 1024
   num_layers: int = 12
   num_heads: int = 12
@@ -62,7 +68,8 @@ class GPT(nnx.Module):
     init = nnx.initializers.normal(0.02)
     # GPT-2 scales the init of residual-branch outputs by 1/sqrt(2 * layers).
     residual_init = nnx.initializers.normal(0.02 / (2 * config.num_layers) ** 0.5)
-    self.token_embedding = nnx.Embed(config.vocab_size, config.width, embedding_init=init, dtype=dtype, rngs=rngs)
+    self.token_embedding = vocab_embedding(config.vocab_size, config.vocab_multiple, config.width, embedding_init=init,
+                                           dtype=dtype, rngs=rngs)
     self.position_embedding = nnx.Embed(config.max_len, config.width, embedding_init=nnx.initializers.normal(0.01),
                                         dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
@@ -101,7 +108,7 @@ class GPT(nnx.Module):
       key_valid: [B, L_keys] bool, False on padding keys (L_keys = L, or L_max with a cache).
       cache: the key/value caches from `init_cache`, written at `cache_index`.
     Returns:
-      ([B, L, V] float32 logits, updated cache or None); with `return_hidden`, the final
+      ([B, L, V'] logits (see `logits`), updated cache or None); with `return_hidden`, the final
       [B, L, E] hidden states instead of logits.
     """
     batch, length = tokens.shape
@@ -142,8 +149,17 @@ class GPT(nnx.Module):
     x = self.final_norm(x)
     if return_hidden:
       return x, (new_cache if cache is not None else None)
-    logits = self.token_embedding.attend(x).astype(jnp.float32)
-    return logits, (new_cache if cache is not None else None)
+    return self.logits(x), (new_cache if cache is not None else None)
+
+  def logits(self, hidden: jax.Array, output_matrix: jax.Array | None = None) -> jax.Array:
+    """[B, L, E] final hidden states -> [B, L, V'] logits in the compute dtype, the padded ids
+    masked (V' = the padded vocabulary; losses work in float32 themselves).
+
+    output_matrix: the tied [E, V'] output layer when the caller transposed the token embedding
+    once (decoding); default its transpose here.
+    """
+    head = self.token_embedding.embedding[...].T if output_matrix is None else output_matrix
+    return mask_padded_logits(hidden @ head.astype(hidden.dtype), self.config.vocab_size)
 
   def init_cache(self, batch: int, max_len: int) -> list[dict[str, Any]] | dict[str, Any]:
     """Per-layer {'self': {'k','v': [B, H, L_max, D]}}: a list, or with scan_layers one dict of
@@ -178,7 +194,7 @@ def generate(model: GPT, tokens: jax.Array, valid: jax.Array, rng: jax.Array, *,
     positions = jnp.maximum(index + jnp.arange(step_tokens.shape[1])[None, :] - cache['padding'][:, None], 0)
     hidden, layers = model(step_tokens, positions=positions, key_valid=cache['key_valid'], cache=cache['layers'],
                            cache_index=index, return_hidden=True)
-    return (hidden @ head.astype(hidden.dtype)).astype(jnp.float32), {**cache, 'layers': layers}
+    return model.logits(hidden, head), {**cache, 'layers': layers}
 
   cache = {'layers': model.init_cache(batch, prompt_len + max_new_tokens),
            'key_valid': jnp.concatenate([valid, jnp.ones((batch, max_new_tokens), bool)], axis=1),  # [B, P + N]

@@ -1,6 +1,12 @@
 """Transformer building blocks shared by GPT, BERT, the translation Transformer and the classifier.
 
-Shape legend: B batch, L length, E model width, F feed-forward width.
+Padded vocabularies: an embedding whose transpose is the output layer gets
+`padded_vocab_size(vocab_size, vocab_multiple)` rows, so that the [.., E] x [E, V'] logits matmul
+fills whole hardware tiles (a multiple of 128 suits TPU lanes and GPU tensor cores; GPT-2's 50,257
+ids become 50,304 rows). Ids past `vocab_size` are never inputs and `mask_padded_logits` keeps them
+from ever being predicted.
+
+Shape legend: B batch, L length, E model width, F feed-forward width, V vocabulary, V' padded vocabulary.
 """
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -18,6 +25,30 @@ ACTIVATIONS = {
     'gelu': functools.partial(jax.nn.gelu, approximate=False),
     'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True),  # GPT-2's "gelu_new"
 }
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+  """V' = vocab_size rounded up to a multiple of `multiple` (1: no padding)."""
+  return -(-vocab_size // multiple) * multiple
+
+
+def vocab_embedding(vocab_size: int, multiple: int, features: int, *, embedding_init, dtype: Any,
+                    rngs: nnx.Rngs) -> nnx.Embed:
+  """nnx.Embed with [V', features] rows; the padded rows start at zero (no id looks them up, and
+  masked logits give them no gradient)."""
+  def init(key, shape, dtype):
+    return embedding_init(key, shape, dtype).at[vocab_size:].set(0)
+  return nnx.Embed(padded_vocab_size(vocab_size, multiple), features, embedding_init=init, dtype=dtype, rngs=rngs)
+
+
+def mask_padded_logits(logits: jax.Array, vocab_size: int) -> jax.Array:
+  """[..., V'] logits with every id >= vocab_size at the dtype's lowest finite value, so that no
+  softmax, argmax, sampling or loss picks it. Finite rather than -inf: a zero label-smoothing weight
+  times it stays 0 (times -inf it is NaN). Unchanged when V' = vocab_size."""
+  padded = logits.shape[-1]
+  if padded == vocab_size:
+    return logits
+  return jnp.where(jnp.arange(padded) < vocab_size, logits, jnp.finfo(logits.dtype).min)
 
 
 def sinusoidal_positions(max_len: int, features: int) -> np.ndarray:

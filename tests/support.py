@@ -58,3 +58,12 @@ def last_json(stdout: str) -> dict:
 
 def override_args(config_overrides: dict) -> list[str]:
   return [f'--config.{k}={v}' for k, v in config_overrides.items()]
+
+
+def real_logits(logits, vocab_size: int) -> np.ndarray:
+  """[..., V'] logits of a model with a padded vocabulary -> [..., vocab_size], after checking
+  that every padded id's logit is masked to the dtype's lowest value."""
+  logits = np.asarray(logits)
+  assert logits.shape[-1] % 128 == 0 or logits.shape[-1] == vocab_size, logits.shape
+  assert np.all(logits[..., vocab_size:] == np.finfo(logits.dtype).min)
+  return logits[..., :vocab_size]

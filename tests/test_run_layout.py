@@ -58,6 +58,8 @@ def test_a_gpt_run_saved_before_model_json_reloads_evaluates_and_predicts(tmp_pa
   run = load_run(workdir)
   assert (run.model_config.vocab_size, run.model_config.width, run.step) == (222, 32, 2)
   assert run.model_config.vocab_size == run.tokenizer.vocab_size
+  # Saved before vocabulary padding: unpadded, as its checkpoint is.
+  assert run.model_config.vocab_multiple == 1 and run.model.token_embedding.embedding.shape == (222, 32)
   assert len(run.predict(['def '])) == 1
   results = evaluate_run(workdir)
   # The same checkpoint on the same held-out windows: the loss that run logged when it was trained.
@@ -69,6 +71,8 @@ def test_a_classify_run_saved_before_model_json_keeps_its_labels(tmp_path):
   run = load_run(workdir)
   assert run.model_config.labels == ('business', 'entertainment', 'politics', 'sports', 'tech')
   assert run.model_config.heads == 'classifier' and run.model_config.num_classes == 5
+  assert run.model_config.vocab_multiple == 1
+  assert run.model.encoder.embeddings.token.embedding.shape[0] == run.model_config.vocab_size
   prediction = run.predict(['shares fell on the stock market'])[0]
   assert prediction['label'] in run.model_config.labels and set(prediction['probabilities']) == set(
       run.model_config.labels)

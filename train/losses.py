@@ -1,5 +1,10 @@
 """Losses shared by the families. Metrics are name -> (sum, count) so that averages stay exact
-across gradient-accumulation micro-batches, devices and eval batches (see train/task.py)."""
+across gradient-accumulation micro-batches, devices and eval batches (see train/task.py).
+
+Cross-entropies run in float32 whatever the logits' dtype. Logits may have a padded vocabulary
+V' >= V (models/layers.py: the padded ids' logits are masked to the lowest finite value);
+`vocab_size` = V then keeps label smoothing on the real ids, so the loss equals the unpadded one.
+"""
 from __future__ import annotations
 
 import functools
@@ -9,20 +14,73 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from models.layers import mask_padded_logits
 
-def lm_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None, label_smoothing: float = 0.0):
-  """Token cross-entropy. logits [B, L, V], targets [B, L] -> (mean loss, {'loss','accuracy': (sum, count)})."""
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, label_smoothing: float = 0.0,
+                        vocab_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Per-token float32 cross-entropy against (1 - eps) one-hot + eps / V on the real ids.
+
+  Args:
+    logits: [..., V'] any float dtype, ids >= vocab_size masked; targets: [...] int.
+    vocab_size: V (default V').
+  Returns:
+    (loss [...], correct [...] float32: argmax == target).
+  """
+  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  return _cross_entropy(logits, targets, label_smoothing, vocab_size), correct
+
+
+def _target_distribution(targets, padded: int, label_smoothing: float, vocab_size: int | None):
+  """[..., V'] float32 (1 - eps) one-hot + eps / V on the ids below V, from an iota compare (XLA
+  fuses it into its consumers, so it is never stored)."""
+  target = jax.nn.one_hot(targets, padded, dtype=jnp.float32)
+  if not label_smoothing:
+    return target
+  vocab = padded if vocab_size is None else vocab_size
+  return (1 - label_smoothing) * target + label_smoothing / vocab * (jnp.arange(padded) < vocab)
+
+
+def _cross_entropy_parts(logits, targets, label_smoothing, vocab_size):
+  """(loss [...], log-normalizer [...], target distribution [..., V']), all float32."""
+  logits = logits.astype(jnp.float32)
+  log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+  target = _target_distribution(targets, logits.shape[-1], label_smoothing, vocab_size)
+  return log_normalizer - jnp.sum(target * logits, axis=-1), log_normalizer, target  # -sum(target * log_softmax)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cross_entropy(logits, targets, label_smoothing, vocab_size):
+  """The loss of `token_cross_entropy`, with a hand-written gradient (softmax - target): autodiff
+  of take_along_axis is a scatter-add into [..., V'] (on an H100 the slowest fusion of BERT's
+  step was a scatter), and that of a one-hot product keeps the [..., V'] one-hot as a residual."""
+  return _cross_entropy_parts(logits, targets, label_smoothing, vocab_size)[0]
+
+
+def _cross_entropy_fwd(logits, targets, label_smoothing, vocab_size):
+  loss, log_normalizer, _ = _cross_entropy_parts(logits, targets, label_smoothing, vocab_size)
+  return loss, (logits, targets, log_normalizer)
+
+
+def _cross_entropy_bwd(label_smoothing, vocab_size, residuals, d_loss):
+  logits, targets, log_normalizer = residuals
+  target = _target_distribution(targets, logits.shape[-1], label_smoothing, vocab_size)
+  d_logits = d_loss[..., None] * (jnp.exp(logits.astype(jnp.float32) - log_normalizer[..., None]) - target)
+  return d_logits.astype(logits.dtype), None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def lm_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None, label_smoothing: float = 0.0,
+            vocab_size: int | None = None):
+  """Token cross-entropy. logits [B, L, V'] (V' may be a padded `vocab_size`), targets [B, L] ->
+  (mean loss, {'loss','accuracy': (sum, count)})."""
   weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-  vocab = logits.shape[-1]
-  labels = optax.smooth_labels(jax.nn.one_hot(targets, vocab), label_smoothing) if label_smoothing else None
-  if labels is None:
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  else:
-    per_token = optax.softmax_cross_entropy(logits, labels)
+  per_token, correct = token_cross_entropy(logits, targets, label_smoothing, vocab_size)
   count = weights.sum()
   total = (per_token * weights).sum()
-  correct = ((jnp.argmax(logits, -1) == targets) * weights).sum()
-  return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': (correct, count)}
+  return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': ((correct * weights).sum(), count)}
 
 
 def classification_loss(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
@@ -35,7 +93,8 @@ def classification_loss(logits: jax.Array, labels: jax.Array, label_smoothing: f
 
 
 def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax.Array,
-                    weights: jax.Array | None = None, label_smoothing: float = 0.0, chunk_tokens: int = 2048):
+                    weights: jax.Array | None = None, label_smoothing: float = 0.0, chunk_tokens: int = 2048,
+                    vocab_size: int | None = None):
   """`lm_loss` of the logits hidden @ output_embedding.T, computed `chunk_tokens` tokens at a time.
 
   No [B, L, V] logits tensor exists, in the forward or the backward pass: each chunk's logits are
@@ -46,8 +105,12 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
 
   Args:
     hidden: [B, L, E] final hidden states (compute dtype).
-    output_embedding: [V, E] the output layer (GPT's tied token embedding).
+    output_embedding: [V', E] the output layer (GPT's tied token embedding).
     targets: [B, L] int; weights: [B, L] (default ones).
+    vocab_size: V when the output layer's rows are padded (default V'): the logits of the ids
+      past it are masked (models.layers.mask_padded_logits) and get no gradient. On XLA:CPU the
+      masked [chunk, V'] logits are one more stored temporary (+394 MB at the bench shapes with
+      GPT-2's vocabulary).
   Returns:
     (mean loss, {'loss', 'accuracy': (sum, count)}), as `lm_loss`.
   """
@@ -59,33 +122,28 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
   pad = chunks * chunk - tokens  # padded tokens have weight 0
   flat = lambda x: jnp.pad(x.reshape(tokens, *x.shape[2:]), [(0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
       chunks, chunk, *x.shape[2:])
+  vocab_size = output_embedding.shape[0] if vocab_size is None else vocab_size
   total, correct = _chunked_sums(flat(hidden), output_embedding.astype(hidden.dtype), flat(targets), flat(weights),
-                                 label_smoothing)
+                                 label_smoothing, vocab_size)
   count = weights.sum()
   return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': (correct, count)}
 
 
-def _chunk_forward(h, table, t, w, label_smoothing):
-  """One chunk: (loss sum, correct sum, d loss / d logits [chunk, V] float32)."""
-  logits = (h @ table.T).astype(jnp.float32)
-  log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
-  nll = log_normalizer - picked
-  target = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
-  if label_smoothing:  # cross-entropy against (1 - eps) one-hot + eps / V uniform
-    nll = (1 - label_smoothing) * nll + label_smoothing * (log_normalizer - logits.mean(-1))
-    target = (1 - label_smoothing) * target + label_smoothing / logits.shape[-1]
+def _chunk_forward(h, table, t, w, label_smoothing, vocab_size):
+  """One chunk: (loss sum, correct sum, d loss / d logits [chunk, V'] float32)."""
+  logits = mask_padded_logits(h @ table.T, vocab_size)
+  nll, log_normalizer, target = _cross_entropy_parts(logits, t, label_smoothing, vocab_size)
   correct = (jnp.argmax(logits, -1) == t).astype(jnp.float32)
-  d_logits = (jnp.exp(logits - log_normalizer[:, None]) - target) * w[:, None]
+  d_logits = (jnp.exp(logits.astype(jnp.float32) - log_normalizer[:, None]) - target) * w[:, None]
   return (nll * w).sum(), (correct * w).sum(), d_logits
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size):
   """(loss sum, correct sum) over [C, chunk, E] hidden states; see `chunked_lm_loss`. Without a
   gradient (evaluation) only the sums are computed."""
   def step(carry, chunk_inputs):
-    loss, correct, _ = _chunk_forward(chunk_inputs[0], table, *chunk_inputs[1:], label_smoothing)
+    loss, correct, _ = _chunk_forward(chunk_inputs[0], table, *chunk_inputs[1:], label_smoothing, vocab_size)
     return (carry[0] + loss, carry[1] + correct), None
 
   zero = jnp.zeros((), jnp.float32)
@@ -93,11 +151,11 @@ def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoo
   return sums
 
 
-def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing):
+def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size):
   def step(carry, chunk_inputs):
     loss_sum, correct_sum, d_table = carry
     h, t, w = chunk_inputs
-    loss, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing)
+    loss, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing, vocab_size)
     d_hidden = (d_logits.astype(h.dtype) @ table).astype(h.dtype)
     d_table = d_table + d_logits.T @ h.astype(jnp.float32)
     return (loss_sum + loss, correct_sum + correct, d_table), d_hidden
@@ -108,7 +166,7 @@ def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_
   return (loss, correct), (d_hidden, d_table.astype(table.dtype), target_chunks, weight_chunks)
 
 
-def _chunked_sums_bwd(label_smoothing, residuals, cotangents):
+def _chunked_sums_bwd(label_smoothing, vocab_size, residuals, cotangents):
   d_hidden, d_table, target_chunks, weight_chunks = residuals
   scale = cotangents[0]  # the accuracy sum has no gradient
   return ((scale * d_hidden).astype(d_hidden.dtype), (scale * d_table).astype(d_table.dtype),

@@ -23,7 +23,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import storage
@@ -32,13 +31,13 @@ from data.lm import get_tokenizer
 from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
 from train import task as task_lib
-from train.losses import classification_loss
+from train.losses import classification_loss, token_cross_entropy
 from train import classification
 
 HEADS = {'pretrain': 'pretraining', 'classify': 'classifier', 'features': 'none'}  # config.task -> model heads
 TASKS = tuple(HEADS)
 # Model sizes a fine-tuning run takes from the run it starts from.
-ARCHITECTURE_KEYS = ('vocab_size', 'max_len', 'type_vocab_size', 'num_layers', 'num_heads', 'width', 'mlp_dim',
+ARCHITECTURE_KEYS = ('vocab_size', 'vocab_multiple', 'max_len', 'type_vocab_size', 'num_layers', 'num_heads', 'width', 'mlp_dim',
                      'layer_norm_epsilon', 'activation')
 
 
@@ -47,13 +46,13 @@ def pretraining_loss(model: BertForPretraining, batch, *, deterministic: bool):
   out = model(batch['tokens'], batch['segments'], batch['valid'], masked_positions=batch['masked_positions'],
               deterministic=deterministic)
   weights = batch['masked_weights'].astype(jnp.float32)
-  mlm = optax.softmax_cross_entropy_with_integer_labels(out.mlm_logits, batch['masked_labels'])
+  mlm, mlm_correct = token_cross_entropy(out.mlm_logits, batch['masked_labels'])
   mlm_count = weights.sum()
   mlm_sum = (mlm * weights).sum()
-  mlm_correct = ((out.mlm_logits.argmax(-1) == batch['masked_labels']) * weights).sum()
-  nsp = optax.softmax_cross_entropy_with_integer_labels(out.nsp_logits, batch['next_sentence'])
+  mlm_correct = (mlm_correct * weights).sum()
+  nsp, nsp_correct = token_cross_entropy(out.nsp_logits, batch['next_sentence'])
   batch_size = jnp.asarray(nsp.shape[0], jnp.float32)
-  nsp_correct = (out.nsp_logits.argmax(-1) == batch['next_sentence']).sum().astype(jnp.float32)
+  nsp_correct = nsp_correct.sum()
   loss = mlm_sum / jnp.maximum(mlm_count, 1.0) + nsp.mean()
   return loss, {'loss': (loss * batch_size, batch_size), 'mlm_loss': (mlm_sum, mlm_count),
                 'mlm_accuracy': (mlm_correct, mlm_count), 'nsp_loss': (nsp.sum(), batch_size),
@@ -228,6 +227,7 @@ class Task(task_lib.Task):
       raise ConfigError('Import with --config.task=pretrain (or features), then fine-tune with --config.task=classify '
                         '--config.init_from=<the imported workdir>.')
     model, tokenizer, bert, heads_loaded = import_bert(hf_dir, rngs=rngs, dtype=self.config.model.dtype,
+                                                       vocab_multiple=self.config.model.vocab_multiple,
                                                        attention='xla')
     if task == 'features':
       model = model.encoder

@@ -41,10 +41,11 @@ class Task(task_lib.Task):
     chunk = self.config.train.loss_chunk_tokens
     if not chunk:
       logits, _ = model(tokens[:, :-1], deterministic=deterministic)
-      return lm_loss(logits, tokens[:, 1:])
+      return lm_loss(logits, tokens[:, 1:], vocab_size=self.model_config.vocab_size)
     # The tied output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
     hidden, _ = model(tokens[:, :-1], deterministic=deterministic, return_hidden=True)
-    return chunked_lm_loss(hidden, model.token_embedding.embedding[...], tokens[:, 1:], chunk_tokens=chunk)
+    return chunked_lm_loss(hidden, model.token_embedding.embedding[...], tokens[:, 1:], chunk_tokens=chunk,
+                           vocab_size=self.model_config.vocab_size)
 
   def summarize(self, metrics):
     return {**metrics, 'eval/perplexity': float(np.exp(min(metrics['eval/loss'], 50.0)))}
@@ -75,6 +76,7 @@ class Task(task_lib.Task):
 
   def import_hf(self, hf_dir, rngs):
     from interop.hf_gpt2 import import_gpt2
-    imported = import_gpt2(hf_dir, dtype=self.config.model.dtype, rngs=rngs)
+    imported = import_gpt2(hf_dir, dtype=self.config.model.dtype, vocab_multiple=self.config.model.vocab_multiple,
+                           rngs=rngs)
     return self.bind(task_lib.Prepared(None, imported.tokenizer, imported.config)), imported.model
 
