@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope='session')
-def emulator():
+def emulator(tmp_path_factory):
   """A GCS emulator process (tests/gcs_emulator.py) serving the bucket `bucket`; yields the
   environment that points gcsfs and TensorStore at it (also set in this process, for load_run)."""
   try:
@@ -36,7 +36,11 @@ def emulator():
   port = free_port()
   command = [sys.executable, os.path.join(support.REPO, 'tests', 'gcs_emulator.py'), 'start', f'--port={port}',
              '--in-memory', f'--default-bucket={BUCKET}', '--quiet']
-  process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  # Its output goes to a file, never to a pipe: the emulator prints a traceback for every connection a
+  # client drops, and once an unread pipe's 64 KiB fill up, it blocks and every request hangs.
+  log = tmp_path_factory.mktemp('gcs_emulator') / 'emulator.log'
+  with open(log, 'w') as log_file:
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
   deadline = time.time() + 30
   while True:
     try:
@@ -45,7 +49,8 @@ def emulator():
     except OSError:
       if process.poll() is not None or time.time() > deadline:
         process.kill()
-        pytest.skip(f'the GCS emulator did not start on port {port}: {process.communicate()[0][-500:]}')
+        process.wait()
+        pytest.skip(f'the GCS emulator did not start on port {port}: {log.read_text()[-500:]}')
       time.sleep(0.1)
   environment = storage.emulator_environment(f'http://localhost:{port}')
   saved = {k: os.environ.get(k) for k in environment}
