@@ -128,7 +128,7 @@ def get_config(preset: str = 'default'):
   c.data.mask_prob = 0.15
   c.data.max_predictions = 20  # MLM positions per sequence (>= mask_prob * seq_len)
 
-  c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; else xla) | 'xla' | 'cudnn' | 'jax_nn'
+  c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
   # ids are never predicted. Runs saved before this key hold unpadded models (vocab_multiple=1).

@@ -78,7 +78,7 @@ def get_config(preset: str = 'default'):
   c.data.tokenizer = 'bpe'  # one joint vocabulary for both languages
   c.data.packing = True  # several pairs per row (batch_size counts rows of seq_len); False: length buckets
   c.data.min_bucket_len = 16  # unpacked batches of similar lengths padded to 16, 24, 32, 48, ... <= seq_len; 0 = off
-  c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; else xla) | 'xla' | 'cudnn' | 'jax_nn'
+  c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
   c.model.width = 512
   c.model.num_heads = 8
   c.model.encoder_layers = 6

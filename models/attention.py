@@ -16,8 +16,11 @@ Implementations (`model.attention`):
             bfloat16/float16 only). GPU default for those dtypes.
   'jax_nn'  `jax.nn.dot_product_attention` with the same structured arguments, JAX choosing the
             kernel (XLA's today). GPU default for float32, which cuDNN does not take.
+  'splash'  the Pallas splash-attention kernel (TPU flash attention): causality as a static block
+            mask, padding and packing as segment ids, so masked blocks are skipped. Sequence
+            lengths must be multiples of 128 (others, and cached decoding, run 'xla'). TPU default.
+            On other backends the kernel runs in Pallas's interpreter: for tests, slow.
   'auto'    resolved per backend and dtype by `default_attention_implementation`.
-The Pallas splash-attention kernel for TPU is not wired in (TPUs run 'xla').
 
 Shape legend: B batch, Lq / Lk query / key length, H heads, D head width, E model width.
 Boolean masks are True where attention is allowed and broadcast against [B, H, Lq, Lk].
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from typing import Any
 
 import jax
@@ -34,8 +38,14 @@ from flax import nnx
 
 # Large negative logit for masked positions: finite so fully masked rows stay NaN-free.
 _MASKED_LOGIT = -1e9
-ATTENTION_IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'jax_nn')
+ATTENTION_IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'jax_nn', 'splash')
 _FUSED = ('cudnn', 'jax_nn')  # the implementations calling jax.nn.dot_product_attention
+# Mesh axes (train/sharding.py's names) the splash kernel is split over. A Pallas kernel is opaque
+# to XLA's partitioner, so it runs once per shard under shard_map: the batch split like the
+# activations, the heads like the tensor-parallel projections.
+SPLASH_BATCH_AXES = ('data', 'fsdp')
+SPLASH_HEAD_AXES = ('tensor',)
+SPLASH_BLOCK = 128  # the kernel's default block size: sequence lengths must be multiples of it
 
 
 # ----------------------------------------------------------------------------- masks
@@ -140,10 +150,13 @@ def dot_product_attention(
     raise ValueError(f'Unknown attention implementation {implementation!r}; '
                      f'choose one of {ATTENTION_IMPLEMENTATIONS}.')
   q_len, k_len = query.shape[1], key.shape[1]
-  if implementation in _FUSED and (dropout is None or deterministic):
+  fused_allowed = dropout is None or deterministic
+  if implementation in _FUSED and fused_allowed:
     out = jax.nn.dot_product_attention(query, key, value, **jax_nn_arguments(mask, q_len, k_len),
                                        implementation='cudnn' if implementation == 'cudnn' else None)
     return out, None
+  if implementation == 'splash' and fused_allowed and splash_fits(mask, q_len, k_len):
+    return splash_attention(query, key, value, mask), None
   depth = query.shape[-1]
   scores = jnp.einsum('bqhd,bkhd->bhqk', query, key) / jnp.sqrt(depth).astype(query.dtype)
   weights = masked_softmax(scores, None if mask is None else mask.dense(q_len, k_len))
@@ -153,10 +166,105 @@ def dot_product_attention(
   return out, weights
 
 
+# ----------------------------------------------------------------------------- splash (TPU)
+@functools.cache
+def splash_available() -> bool:
+  """Whether the installed JAX ships the Pallas splash-attention kernel."""
+  try:
+    return importlib.util.find_spec('jax.experimental.pallas.ops.tpu.splash_attention') is not None
+  except ImportError:  # a parent package is missing
+    return False
+
+
+def splash_fits(mask: AttentionMask | None, q_len: int, k_len: int) -> bool:
+  """Whether the splash kernel takes these lengths and mask (whole blocks; causal from position 0).
+  Where the installed JAX lacks the kernel, nothing fits and attention takes the einsum path."""
+  return (q_len % SPLASH_BLOCK == 0 and k_len % SPLASH_BLOCK == 0 and (mask is None or mask.q_offset is None)
+          and splash_available())
+
+
+@functools.cache
+def _splash_kernel(causal: bool, q_len: int, k_len: int, num_heads: int, interpret: bool):
+  """One splash kernel per static mask shape; built once (its block-sparsity tables are numpy)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # imported only where used
+  block_mask = splash.CausalMask((q_len, k_len)) if causal else splash.FullMask((q_len, k_len))
+  return splash.make_splash_mha(splash.MultiHeadMask([block_mask] * num_heads), head_shards=1, q_seq_shards=1,
+                                interpret=interpret)
+
+
+def _splash_segment_ids(mask: AttentionMask | None, batch: int, q_len: int, k_len: int):
+  """([B, Lq], [B, Lk]) int32 segment ids carrying the mask's segments and key padding, or None.
+
+  A padded key gets an id no query has, so it is never attended to. Padded queries keep their ids
+  (a row with no visible key is undefined in the kernel); their outputs are zeroed afterwards.
+  """
+  if mask is None or (mask.query_segment_ids is None and mask.key_lengths is None):
+    return None
+  if (mask.query_segment_ids is None) != (mask.key_segment_ids is None):
+    raise ValueError('AttentionMask needs both query_segment_ids and key_segment_ids, or neither.')
+  zeros = lambda length: jnp.zeros((batch, length), jnp.int32)
+  q_ids = zeros(q_len) if mask.query_segment_ids is None else mask.query_segment_ids.astype(jnp.int32)
+  k_ids = zeros(k_len) if mask.key_segment_ids is None else mask.key_segment_ids.astype(jnp.int32)
+  if mask.key_lengths is not None:
+    real_key = jnp.arange(k_len)[None, :] < jnp.asarray(mask.key_lengths)[:, None]
+    k_ids = jnp.where(real_key, k_ids, jnp.iinfo(jnp.int32).min)
+  return q_ids, k_ids
+
+
+def _dividing_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...] | None:
+  """The axes of `names` in `mesh` whose product divides `size` (greedily, in order), or None."""
+  chosen, product = [], 1
+  for name in names:
+    if name in mesh.axis_names and size % (product * mesh.shape[name]) == 0:
+      chosen.append(name)
+      product *= mesh.shape[name]
+  return tuple(chosen) or None
+
+
+def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                     mask: AttentionMask | None) -> jax.Array:
+  """softmax(q k^T / sqrt(D)) v by the splash kernel: query [B, Lq, H, D], key/value [B, Lk, H, D]
+  -> [B, Lq, H, D]. Lq and Lk must be multiples of SPLASH_BLOCK (`splash_fits`)."""
+  batch, q_len, num_heads, depth = query.shape
+  k_len = key.shape[1]
+  causal = mask is not None and mask.causal
+  interpret = jax.default_backend() != 'tpu'
+  head_major = lambda x: jnp.swapaxes(x, 1, 2)  # the kernel's layout: [B, H, L, D]
+  q, k, v = head_major(query / jnp.sqrt(depth).astype(query.dtype)), head_major(key), head_major(value)
+  segment_ids = _splash_segment_ids(mask, batch, q_len, k_len)
+
+  def per_shard(q, k, v, *ids):  # [b, h, L, D] of one shard; ids: ([b, Lq], [b, Lk]) or ()
+    kernel = _splash_kernel(causal, q.shape[2], k.shape[2], q.shape[1], interpret)
+    if not ids:
+      return jax.vmap(kernel)(q, k, v)
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+    return jax.vmap(lambda q, k, v, q_ids, k_ids: kernel(q, k, v, segment_ids=SegmentIds(q=q_ids, kv=k_ids)))(
+        q, k, v, *ids)
+
+  args = (q, k, v) + (segment_ids or ())
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    out = per_shard(*args)
+  else:
+    batch_axes = _dividing_axes(mesh, SPLASH_BATCH_AXES, batch)
+    head_axes = _dividing_axes(mesh, SPLASH_HEAD_AXES, num_heads)
+    heads = jax.P(batch_axes, head_axes, None, None)
+    in_specs = (heads,) * 3 + ((jax.P(batch_axes, None),) * 2 if segment_ids else ())
+    out = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
+  out = head_major(out)
+  if mask is not None and mask.query_lengths is not None:
+    real_query = jnp.arange(q_len)[None, :] < jnp.asarray(mask.query_lengths)[:, None]
+    out = jnp.where(real_query[:, :, None, None], out, 0)
+  return out
+
+
 @functools.cache
 def default_attention_implementation(dtype: Any = 'float32') -> str:
   """Per backend and compute dtype: cuDNN flash attention on GPU for bfloat16/float16 (the only
-  dtypes it takes), `jax.nn`'s own choice on GPU for float32, the einsum path elsewhere."""
+  dtypes it takes), `jax.nn`'s own choice on GPU for float32, splash on TPU, the einsum path
+  elsewhere."""
+  if jax.default_backend() == 'tpu':
+    return 'splash'
   if jax.default_backend() != 'gpu':
     return 'xla'
   return 'cudnn' if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else 'jax_nn'

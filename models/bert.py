@@ -80,7 +80,7 @@ def _reinit_linears(module: nnx.Module, init, rngs: nnx.Rngs) -> None:
   """BERT initialises every dense kernel from N(0, init_std) (truncated); biases stay zero."""
   for _, m in nnx.iter_modules(module):
     if isinstance(m, nnx.Linear):
-      m.kernel[...] = init(rngs.params(), m.kernel.shape, m.kernel.dtype)
+      m.kernel.set_value(init(rngs.params(), m.kernel.shape, m.kernel.dtype))
 
 
 class BertEmbeddings(nnx.Module):

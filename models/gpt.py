@@ -84,9 +84,9 @@ class GPT(nnx.Module):
           attention_implementation=config.attention, rngs=rngs)
       for linear in (block.self_attention.query, block.self_attention.key, block.self_attention.value,
                      block.mlp.up):
-        linear.kernel[...] = init(rngs.params(), linear.kernel.shape)
+        linear.kernel.set_value(init(rngs.params(), linear.kernel.shape))
       for linear in (block.self_attention.out, block.mlp.down):
-        linear.kernel[...] = residual_init(rngs.params(), linear.kernel.shape)
+        linear.kernel.set_value(residual_init(rngs.params(), linear.kernel.shape))
       return block
 
     if config.scan_layers:

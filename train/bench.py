@@ -223,6 +223,8 @@ def attention_kernel(hlo_text: str) -> str:
   """Which attention the compiled program runs, read from its HLO: fused kernels are custom calls."""
   if '__cudnn$fmha' in hlo_text:
     return 'cudnn fused attention'
+  if 'splash_mha' in hlo_text:
+    return 'splash attention (pallas)'
   if 'tpu_custom_call' in hlo_text:
     return 'pallas kernel (tpu_custom_call)'
   return 'xla (einsum + softmax)'

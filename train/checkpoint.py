@@ -53,6 +53,31 @@ class _NoMissingMetricsWarning(logging.Filter):
 logging.getLogger('absl').addFilter(_NoMissingMetricsWarning())
 
 
+def _replica_parallel_saving_only_for_large_slices(min_bytes: int = 2**20) -> None:
+  """Orbax's jax.Array handler, with replica-parallel saving (each replica of a replicated array
+  writes one slice of it) kept for slices of at least `min_bytes`.
+
+  Below that, slicing every small array (biases, LayerNorms, their optimizer moments) on every
+  device costs more than it parallelises: on 8 CPU devices the two saves of a 4-step tiny
+  Transformer run took 16.2 s, and 1.9 s with this. (Orbax already turns it off when
+  JAX_PLATFORMS names a GPU.) The metadata store is the one Orbax's default handler has: it
+  records which PRNG implementation a key array uses.
+  """
+  from orbax.checkpoint._src.metadata import array_metadata_store  # no public alias in Orbax 0.12
+  handler = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
+                                           min_slice_bytes_for_replica_parallel=min_bytes)
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)  # the registry warns that it replaces the default handler
+  try:
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+  finally:
+    absl_logger.setLevel(level)
+
+
+_replica_parallel_saving_only_for_large_slices()
+
+
 class Checkpointer:
   """Keeps the latest `keep` checkpoints plus the best one by `best_metric`."""
 
