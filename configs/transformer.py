@@ -5,9 +5,9 @@ Command (the CPU main job; built-in offline data, English number words -> French
 Expected result: test BLEU above 99 (sacreBLEU, detokenized, beam 4) on 1,000 held-out numbers
 that never occur in training, five printed translations and three attention heatmaps (PNG,
 cross-attention and decoder self-attention per head) whose paths are printed.
-Measured (seed 0, 800 steps of batch 64, 2 idle CPU cores): test BLEU 99.88 with beam 4 and with
-greedy decoding, exact match 99.6%, token accuracy 99.96%; 2 min 40 s wall clock, 4 min 22 s of
-CPU time.
+Measured (seed 0, 800 steps of 32 packed rows, 2 idle CPU cores): test BLEU 99.95 with beam 4 and
+with greedy decoding, exact match 99.9%, token accuracy 99.99%; the train step compiled once;
+2 min 46 s wall clock, 4 min 22 s of CPU time.
 
 Your own parallel corpus (one `source<TAB>target` pair per line; 5% each held out for
 validation and test unless data.eval_source / data.test_source name files, used whole):
@@ -50,7 +50,7 @@ PRESETS = {
     'default': dict(model=dict(width=128, num_heads=4, encoder_layers=2, decoder_layers=2, mlp_dim=512,
                                dropout=0.1),
                     data=dict(vocab_size=1000, seq_len=24),
-                    train=dict(steps=800, batch_size=64, lr=2e-3, warmup_steps=200, eval_every=400,
+                    train=dict(steps=800, batch_size=32, lr=2e-3, warmup_steps=200, eval_every=400,
                                eval_steps=8, checkpoint_every=400, log_every=50)),
     'base': dict(model=dict(width=512, num_heads=8, encoder_layers=6, decoder_layers=6, mlp_dim=2048, dropout=0.1),
                  data=dict(source='tfds:wmt14_translate/de-en', source_lang='en', target_lang='de',
