@@ -61,8 +61,8 @@ Presets:
             109,536,000, the embedding padded to 30,592 rows (model.vocab_multiple, zero rows never used)
   large     BERT-large 24/1024/16/4096: encoder 335,141,888 parameters
   bench     speed only (--mode=bench): the reference benchmark's shapes, 6/384/6/1536, vocabulary 8,192,
-            batch 16 x 128, MLM + NSP, dropout 0, AdamW; measured on 2 CPU cores: 1,640 tokens/s
-            (0.96x HF BertForPreTraining at load 0.4-0.9; README 'Speed')
+            batch 16 x 128, MLM + NSP, dropout 0, AdamW; measured on 2 CPU cores: 1,347-1,652 tokens/s
+            (1.04x HF BertForPreTraining in the same runs; README 'Speed')
 
 Other data: --config.data.source=text:'/path/*.txt' (one document per file, or documents
 separated by blank lines in a single file), tfds:<name>[:<split>] (a `data.text_field`

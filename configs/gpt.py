@@ -14,8 +14,9 @@ Presets:
                124,475,904, the embedding padded to 50,304 rows (model.vocab_multiple, zero rows never used)
   gpt2-medium  GPT-2 medium, 354,823,168 parameters (stored: 354,871,296)
   bench        the reference benchmark shapes (6 layers, 384 wide, 6 heads, vocab 8,192, batch 8 x 256);
-               measured on 2 CPU cores: 1,265-1,277 train tokens/s (0.87x HF GPT-2 in the same runs), greedy
-               decoding 221-257 / 1,244-1,311 new tokens/s at batch 1 / 8 (1.79x / 2.13x HF generate);
+               measured on 2 CPU cores: 1,098-1,201 train tokens/s (1.02x-1.21x HF GPT-2 in the same runs),
+               greedy decoding 198-245 / 1,034-1,184 new tokens/s at batch 1 / 8 (1.48x-2.27x / 1.92x-2.51x
+               HF generate);
                README 'Speed' has the table
 
 Other data: --config.data.source=text:'/path/*.txt' or tfds:<name>[:<split>] (a 'text' feature).

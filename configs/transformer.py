@@ -27,8 +27,8 @@ Presets:
   big      the paper's big model: width 1024, 16 heads, FFN 4096, dropout 0.3
   bench    speed only (--mode=bench): the reference benchmark's torch.nn.Transformer shapes, width 256,
            4 heads, 3 + 3 layers, FFN 1024, vocabulary 8,000 (separate embeddings), batch 32 x 64, dropout 0,
-           AdamW, plain cross-entropy; measured on 2 CPU cores: 2,039-2,108 target tokens/s (0.76x and
-           0.82x torch.nn.Transformer in the same rounds; README 'Speed')
+           AdamW, plain cross-entropy; measured on 2 CPU cores: 1,776-1,848 target tokens/s (0.89x and
+           0.81x torch.nn.Transformer in the same rounds; README 'Speed')
 
 Parameter counts (they depend on the vocabulary; tests/test_transformer.py checks them):
   base, vocab 37,000:  63,082,496 (the paper's Table 3: 65M)

@@ -72,8 +72,7 @@ def test_rbg_runs_resume_bit_exactly(tmp_path):
                'train.log_every': 1}
   straight = str(tmp_path / 'straight')
   train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 6}), straight)
-  resumed = str(tmp_path / 'resumed')
-  train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 3}), resumed)
+  resumed = support.copy_run_back_to(straight, 3, str(tmp_path / 'resumed'))
   train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 6}), resumed)
   with open(os.path.join(resumed, 'model.json')) as f:
     assert json.load(f)['rng_impl'] == 'rbg'

@@ -11,14 +11,14 @@ from flax import nnx
 import support
 from configs import gpt as gpt_configs
 from models import decoding
-from models.gpt import GPT, GPT2Config, count_parameters, generate
+from models.gpt import GPT, GPT2Config, generate
 
 
 def abstract_params(preset, **overrides):
   config = gpt_configs.get_config(preset)
   gpt_config = GPT2Config(**{**{k: v for k, v in config.model.items() if k in GPT2Config.__dataclass_fields__},
                              'vocab_size': config.data.vocab_size, 'attention': 'xla', **overrides})
-  return count_parameters(nnx.eval_shape(lambda: GPT(gpt_config, rngs=nnx.Rngs(0))))
+  return support.count_at_depth(gpt_config, lambda c: GPT(c, rngs=nnx.Rngs(0)))
 
 
 def gpt2_count_by_hand(vocab, positions, layers, width):

@@ -360,19 +360,18 @@ def test_packed_batches_have_one_shape_and_are_the_same_for_any_process_count(tm
 
 
 def test_packed_training_resumes_bit_exactly(tmp_path):
+  import support
   from train import checkpoint as ckpt
   from train import trainer
   config, _ = tiny_task(tmp_path)
-  config.train.update(eval_every=2, checkpoint_every=2, log_every=1, eval_steps=1)
+  config.train.update(steps=4, eval_every=4, checkpoint_every=2, log_every=1, eval_steps=1)
   config.decode.beam_size = 1
   config.pictures.count = 0
-  runs = {'straight': 4, 'resumed': 2}
-  for name, steps in runs.items():
-    config.train.steps = steps
-    trainer.train_and_evaluate(config, str(tmp_path / name))
-  config.train.steps = 4
-  trainer.train_and_evaluate(config, str(tmp_path / 'resumed'))
-  a, b = (nnx.state(ckpt.load_run(str(tmp_path / name)).model, nnx.Param) for name in runs)
+  straight = str(tmp_path / 'straight')
+  trainer.train_and_evaluate(config, straight)
+  resumed = support.copy_run_back_to(straight, 2, str(tmp_path / 'resumed'))  # the packer's position too
+  trainer.train_and_evaluate(config, resumed)
+  a, b = (nnx.state(ckpt.load_run(workdir).model, nnx.Param) for workdir in (straight, resumed))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
