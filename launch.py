@@ -96,11 +96,15 @@ def maybe_initialize_distributed() -> None:
 
 
 def read_lines(path: str) -> list[str]:
+  """The lines of --input (a file, or - for stdin), which must be UTF-8 either way."""
+  from data.sources import decode_utf8  # one rule for every text the project reads
   if path == '-':
-    return [line.rstrip('\n') for line in sys.stdin]
-  if not storage.path(path).exists():
+    raw, name = sys.stdin.buffer.read(), '<stdin>'
+  elif not storage.path(path).exists():
     raise UserError(f'--input={path} does not exist; pass a file with one input per line, or - for stdin.')
-  text = storage.path(path).read_text()
+  else:
+    raw, name = storage.path(path).read_bytes(), path
+  text = decode_utf8(raw, name).replace('\r\n', '\n')
   return text.removesuffix('\n').split('\n') if text else []  # not splitlines(): it also cuts at \f, U+2028, ...
 
 

@@ -154,6 +154,26 @@ def test_a_broken_latest_checkpoint_is_skipped_and_metrics_are_not_repeated(corp
   assert os.path.isdir(f'{workdir}/{ckpt.BROKEN_DIR}/20') and results['step'] == 30
   train_steps = [m['step'] for m in metrics(workdir) if 'train/loss' in m]
   assert train_steps == list(range(1, 31))  # steps 11-20 of the first run were dropped, not repeated
+  # TensorBoard: the resumed writer starts with a START session log at step 11, which tells
+  # TensorBoard to drop every earlier event from step 11 on (its purge rule).
+  starts = [e.step for e in tensorboard_events(f'{workdir}/tensorboard')
+            if e.HasField('session_log') and e.session_log.status == e.session_log.START]
+  assert starts == [11], starts
+
+
+def tensorboard_events(directory: str) -> list:
+  """Every event of the event files in `directory` (TFRecord framing: length, its CRC, the record, its CRC)."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  events = []
+  for path in sorted(glob.glob(f'{directory}/events.out.tfevents.*')):
+    data = open(path, 'rb').read()
+    offset = 0
+    while offset < len(data):
+      (length,) = struct.unpack('<Q', data[offset:offset + 8])
+      events.append(event_pb2.Event.FromString(data[offset + 12:offset + 12 + length]))
+      offset += 12 + length + 4
+  return events
 
 
 def wandb_history(path: str) -> dict[int, dict]:
@@ -206,6 +226,20 @@ def test_predict_says_when_an_input_is_cut_to_the_window(corpus, tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   notes = [line for line in result.stderr.splitlines() if line.startswith('note:')]
   assert len(notes) == 1 and 'input 2 has 12000 tokens; the model read only its last 48' in notes[0], notes
+
+  # Predict inputs follow the data files' rule, from a file and from stdin alike: UTF-8, or one line
+  # naming the input, line and byte.
+  cp1252 = tmp_path / 'cp1252.txt'
+  cp1252.write_bytes(b'alpha\ncaf\xe9 beta\n')
+  from_file = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={cp1252}'])
+  with open(cp1252, 'rb') as stdin:
+    process = support.launch(['--mode=predict', f'--workdir={workdir}', '--input=-'], stdin=stdin)
+    _, stdin_errors = process.communicate(timeout=300)
+  for name, returncode, stderr in ((str(cp1252), from_file.returncode, from_file.stderr),
+                                   ('<stdin>', process.returncode, stdin_errors)):
+    assert returncode == 1 and stderr.strip().splitlines() == [
+        f'error: {name}:2: byte 4 of the line (0xe9) is not UTF-8; data files must be UTF-8: convert it '
+        '(e.g. iconv -f cp1252 -t utf-8) or fix that line.'], stderr[-2000:]
 
 
 def test_an_eval_split_smaller_than_one_batch_fails_before_training(corpus, tmp_path):

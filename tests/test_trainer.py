@@ -166,6 +166,11 @@ def test_checkpoints_keep_the_latest_and_the_best(tmp_path):
     ({'train.schedule': 'warmup'}, 'train.schedule'),
     ({'train.steps': 0}, 'train.steps=0 must be positive'),
     ({'data.seq_len': 1000}, 'exceeds config.model.max_len'),
+    ({'train.eval_batch_size': -8}, 'train.eval_batch_size=-8'),
+    ({'train.warmup_steps': -1}, 'train.warmup_steps=-1'),
+    ({'decode.max_new_tokens': -5}, r'decode.max_new_tokens=-5 must be at least 1'),
+    ({'decode.temperature': -1.0}, r'decode.temperature=-1.0 must be >= 0'),
+    ({'decode.top_p': 1.5}, r'decode.top_p=1.5 must be in \(0, 1\]'),
 ])
 def test_bad_config_values_fail_before_any_workdir(corpus, tmp_path, overrides, message):
   config = support.tiny_gpt_config(corpus, **overrides)
@@ -186,6 +191,11 @@ def test_unknown_key_and_wrong_type_are_rejected(corpus, tmp_path):
   assert 'Traceback' not in result.stderr and not os.path.exists(tmp_path / 'cli')
   result = support.launch(['--config=configs/gpt.py:tiny', '--config.train.steps=many'])
   assert result.returncode == 1 and 'train.steps' in result.stderr and 'Traceback' not in result.stderr
+  result = support.launch(['--config=configs/gpt.py:nope', f'--workdir={tmp_path}/preset'])
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+      "error: bad flag or config override: Unknown gpt preset 'nope'; choose one of "
+      "['bench', 'default', 'gpt2', 'gpt2-medium', 'tiny']."], result.stderr
+  assert not os.path.exists(tmp_path / 'preset')
 
 
 def test_bad_data_fails_clearly_and_leaves_no_workdir(tmp_path):
