@@ -68,6 +68,9 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.train.max_minutes = 0.0  # wall-clock budget (resumes included): save and evaluate when spent; 0 = none
   c.train.log_every = 10
   c.train.async_checkpoints = True
+  # Resuming a workdir with other data.source / eval_source / test_source is refused unless True;
+  # then config.json's data_history records each with the step it started at.
+  c.train.allow_data_change = False
 
   c.logging = ml_collections.ConfigDict()
   c.logging.wandb_project = ''  # log to Weights & Biases as well as TensorBoard; '' = off

@@ -149,6 +149,11 @@ def test_launch_predict_applies_config_overrides_to_a_trained_run(tmp_path):
                             f'--config.data.eval_source={held_out}', '--config.train.steps=4',
                             '--config.train.eval_every=4', '--config.train.checkpoint_every=4', f'--workdir={workdir}'])
   assert trained.returncode == 0, trained.stderr[-2000:]
+  # One value per metric name and step: the final evaluation adds no second eval/loss at step 4.
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    keyed = [(m['step'], key) for m in map(json.loads, f) for key in m if key != 'step']
+  assert len(keyed) == len(set(keyed)) and (4, 'eval/loss') in keyed
+  assert {'eval/loss', 'eval/mlm_loss', 'eval/nsp_accuracy'} <= set(support.last_json(trained.stdout))
   lines = tmp_path / 'lines.txt'
   lines.write_text('alpha beta gamma.\ndelta epsilon\tzeta eta theta.\n')
   output_dir = tmp_path / 'vectors'

@@ -37,20 +37,26 @@ def logged(workdir, key, step):
 
 def test_early_stopping_ends_the_run_and_the_final_evaluation_scores_the_best_checkpoint(corpus, tmp_path):
   workdir = str(tmp_path / 'run')
-  # best_mode=max on a falling eval loss: the first evaluation (step 5) stays the best.
+  # best_mode=max on a falling eval loss: the first evaluation (step 5) stays the best. eval_steps=0:
+  # every evaluation scores the whole split (54 windows: 6 batches of 8 and one of 6 real rows).
   config = tiny(corpus, **{'train.steps': 40, 'train.eval_every': 5, 'train.checkpoint_every': 100,
-                           'train.best_mode': 'max', 'train.early_stopping_patience': 2})
+                           'train.best_mode': 'max', 'train.early_stopping_patience': 2, 'train.eval_steps': 0})
   results = train_and_evaluate(config, workdir)
   assert results['step'] == 15 and 'early stopping' in results['stopped'], results
   assert results['final_eval_step'] == 5
   assert sorted(ckpt.Checkpointer(workdir, read_only=True).manager.all_steps()) == [5, 10, 15]
-  # --mode=eval scores the same best checkpoint: its eval loss is the one logged at step 5.
+  # The final line holds the scored checkpoint's metrics (step 5), not the last step's, and
+  # --mode=eval gives the same numbers: both are the eval loss logged at step 5.
   best = evaluate_run(workdir)
   assert best['step'] == 5
-  assert best['eval/loss'] == pytest.approx(logged(workdir, 'eval/loss', 5), abs=1e-6)
+  assert results['eval/loss'] == best['eval/loss'] == pytest.approx(logged(workdir, 'eval/loss', 5), abs=1e-6)
+  assert results['eval/loss'] != pytest.approx(logged(workdir, 'eval/loss', 15), abs=1e-3)
   last = evaluate_run(workdir, {'train.final_eval_from': 'last'})
   assert last['step'] == 15
   assert last['eval/loss'] == pytest.approx(logged(workdir, 'eval/loss', 15), abs=1e-6)
+  # One value per name and step: --mode=eval wrote nothing into the run's metrics.
+  keyed = [(m['step'], key) for m in metrics(workdir) for key in m if key != 'step']
+  assert len(keyed) == len(set(keyed))
 
 
 def test_max_minutes_saves_and_evaluates_and_the_budget_spans_resumes(corpus, tmp_path):
@@ -242,9 +248,55 @@ def test_predict_says_when_an_input_is_cut_to_the_window(corpus, tmp_path):
         '(e.g. iconv -f cp1252 -t utf-8) or fix that line.'], stderr[-2000:]
 
 
-def test_an_eval_split_smaller_than_one_batch_fails_before_training(corpus, tmp_path):
-  from errors import UserError
+def test_evaluation_scores_every_example_of_a_split_that_does_not_fill_its_batches(corpus, tmp_path):
+  """54 validation windows in one eval batch of 64: the 10 fillers count for nothing, so the
+  metrics equal the loss of the 54 windows computed in one unpadded batch."""
+  import numpy as np
+  from train.checkpoint import load_run
   workdir = str(tmp_path / 'run')
-  with pytest.raises(UserError, match='54 examples, fewer than one eval batch of 512'):
-    train_and_evaluate(tiny(corpus, **{'train.eval_batch_size': 512}), workdir)
-  assert not os.path.exists(workdir)
+  results = train_and_evaluate(tiny(corpus, **{'train.steps': 1, 'train.eval_batch_size': 64}), workdir)
+  run = load_run(workdir)
+  windows = run.task.prepare(workdir).datasets.eval
+  assert len(windows) == 54
+  batch = {'tokens': np.stack([windows[i]['tokens'] for i in range(len(windows))])}
+  _, expected = run.task.loss(run.model, batch, deterministic=True)
+  for name in ('loss', 'accuracy'):
+    total, count = (float(x) for x in expected[name])
+    assert count == 54 * 32
+    assert results[f'eval/{name}'] == pytest.approx(total / count, rel=1e-5)
+    assert logged(workdir, f'eval/{name}', 1) == pytest.approx(total / count, rel=1e-5)
+
+
+def test_resuming_on_other_data_is_refused_unless_allowed_and_then_recorded(corpus, tmp_path):
+  workdir = str(tmp_path / 'run')
+  # best_mode=max on a falling loss: the first evaluation of each dataset is its best.
+  settings = {'train.eval_every': 2, 'train.checkpoint_every': 2, 'train.best_mode': 'max', 'train.eval_steps': 0}
+  train_and_evaluate(tiny(corpus, **settings, **{'train.steps': 4}), workdir)
+  saved = open(os.path.join(workdir, 'config.json')).read()
+  other = support.write_corpus(str(tmp_path / 'other'), seed=1)
+  with pytest.raises(ckpt.CheckpointError, match=r"data.source=.*allow_data_change=True"):
+    train_and_evaluate(tiny(other, **settings, **{'train.steps': 8}), workdir)
+  assert open(os.path.join(workdir, 'config.json')).read() == saved  # the record is untouched
+  results = train_and_evaluate(tiny(other, **settings, **{'train.steps': 8, 'train.allow_data_change': True}), workdir)
+  history = json.load(open(os.path.join(workdir, 'config.json')))['data_history']
+  assert [(h['step'], h['source']) for h in history] == [(0, corpus), (4, other)]
+  # The best checkpoint is picked among the evaluations on the new validation data (steps 6, 8):
+  # the old data's step 2 scored a higher loss, on other examples, and does not compete.
+  assert results['final_eval_step'] == 6
+  assert evaluate_run(workdir)['step'] == 6
+
+
+def test_max_new_tokens_beyond_the_window_is_announced_not_cut_silently(capsys):
+  import ml_collections
+  from train import sampling
+
+  class Characters:
+    def encode(self, text):
+      return list(text.encode())
+
+  decode = ml_collections.ConfigDict({'max_new_tokens': 1000})
+  notes = sampling.prompt_truncation_notes(Characters(), ['ab'], decode, max_len=64)
+  assert len(notes) == 2 and 'decode.max_new_tokens=1000' in notes[0] and 'at most 63 new tokens' in notes[0]
+  assert 'input 1 has 2 tokens; the model read only its last 1' in notes[1]
+  decode.max_new_tokens = 63  # fits: prompt and new tokens share the 64 positions
+  assert sampling.prompt_truncation_notes(Characters(), ['a'], decode, max_len=64) == []

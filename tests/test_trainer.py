@@ -54,6 +54,8 @@ def test_loss_decreases_and_metrics_are_written(fsdp_run):
   losses = [m['train/loss'] for m in metrics if 'train/loss' in m]
   assert losses[-1] < losses[0] - 0.5
   assert {'train/lr', 'train/grad_norm', 'train/tokens_per_s'} <= set(metrics[-2]) | set(metrics[-1])
+  speeds = [m for m in metrics if 'train/tokens_per_s' in m]
+  assert all(m['train/real_tokens_per_s'] == pytest.approx(m['train/tokens_per_s']) for m in speeds)  # no padding
   assert results['eval/loss'] < 4.0 and np.isclose(results['eval/perplexity'], np.exp(results['eval/loss']))
   assert any(name.startswith('events.out.tfevents') for name in os.listdir(os.path.join(workdir, 'tensorboard')))
   assert json.load(open(os.path.join(workdir, 'config.json')))['mesh']['fsdp'] == 2

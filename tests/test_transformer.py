@@ -359,8 +359,9 @@ def test_packed_batches_have_one_shape_and_are_the_same_for_any_process_count(tm
   np.testing.assert_array_equal(np.concatenate(halves), batches[17]['source'])
 
 
-def test_packed_training_resumes_bit_exactly(tmp_path):
+def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
   import support
+  from train.tasks.transformer import Task
   from train import checkpoint as ckpt
   from train import trainer
   config, _ = tiny_task(tmp_path)
@@ -374,6 +375,18 @@ def test_packed_training_resumes_bit_exactly(tmp_path):
   a, b = (nnx.state(ckpt.load_run(workdir).model, nnx.Param) for workdir in (straight, resumed))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # tokens/s counts target positions, padding included; real_tokens/s only the real target tokens
+  # of the same batches: their ratio at step 1 is the first batch's share of real tokens.
+  import json
+  import os
+  with open(os.path.join(straight, 'metrics.jsonl')) as f:
+    first = next(m for m in map(json.loads, f) if m['step'] == 1 and 'train/tokens_per_s' in m)
+  task = Task(config)
+  datasets = task.prepare(straight).datasets
+  batch = task.train_batches(datasets.train, config.train.batch_size, config.seed, 0, 1)[0]
+  real_share = (batch['target_out'] != task.tokenizer.pad_id).mean()
+  assert 0.2 < real_share < 1.0
+  assert first['train/real_tokens_per_s'] / first['train/tokens_per_s'] == pytest.approx(real_share, rel=1e-5)
 
 
 def test_train_evaluate_predict_on_a_tsv_corpus(tmp_path):

@@ -19,6 +19,8 @@ training runs. Ends with one JSON line:
                                     > 0 makes training run the einsum path (the fused kernels cannot
                                     drop attention weights); attention_kernel then reads 'xla'
   step_ms, tokens_per_s             median over the timed steps (tokens = batch x seq_len)
+  real_tokens_per_s                 the same, counting only the batch's non-padding tokens
+                                    (`Task.count_tokens`; translation: target tokens)
   step_cpu_ms                       this process's CPU time per step, all threads (less sensitive than
                                     wall time to other jobs on a shared machine)
   model_flops_per_token             `Task.flops_per_token()` (each family documents its formula)
@@ -168,6 +170,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
     decode_speed = _decode_speed(task, model, new_tokens) if decode else None
   step_s = statistics.median(times)
   tokens_per_s = batch_size * seq_len / step_s
+  real_tokens_per_s = float(task.count_tokens(local)[1]) * jax.process_count() / step_s
   flops = task.flops_per_token()
   achieved = tokens_per_s * flops / 1e12 if flops else None
   device = jax.devices()[0]
@@ -176,6 +179,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   return {
       'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
       'batch': batch_size, 'seq_len': seq_len, 'tokens_per_s': round(tokens_per_s, 1),
+      'real_tokens_per_s': round(real_tokens_per_s, 1),
       'step_ms': round(1000 * step_s, 2), 'step_ms_min_max': [round(1000 * min(times), 2), round(1000 * max(times), 2)],
       'step_cpu_ms': round(1000 * cpu_per_step, 2),
       'compile_s': round(compile_s, 2), 'init_s': round(init_s, 2), 'rng_impl': spec.rng_impl,

@@ -37,6 +37,8 @@ CHECKPOINT_DIR = 'checkpoints'
 BROKEN_DIR = 'checkpoints_broken'  # checkpoints that failed to restore, moved aside by a resume
 CONFIG_FILE = 'config.json'
 MODEL_FILE = 'model.json'
+DATA_KEYS = ('source', 'eval_source', 'test_source')  # config.data keys that name what a run reads
+DATA_HISTORY = 'data_history'  # config.json: [{'step': the step it started at, 'source': ..., ...}], oldest first
 
 
 class CheckpointError(UserError):
@@ -79,9 +81,14 @@ _replica_parallel_saving_only_for_large_slices()
 
 
 class Checkpointer:
-  """Keeps the latest `keep` checkpoints plus the best one by `best_metric`."""
+  """Keeps the latest `keep` checkpoints plus the best one by `best_metric`.
 
-  def __init__(self, workdir: str, train_config=None, *, read_only: bool = False):
+  Only checkpoints evaluated on the current validation data compete for best: each evaluated
+  step's metrics carry `data_since`, the step at which the run's data last changed
+  (`train.allow_data_change`); older scores were taken on other data and rank last."""
+
+  def __init__(self, workdir: str, train_config=None, *, read_only: bool = False, data_since: int = 0):
+    self.data_since = data_since
     location = workdir if storage.is_remote(workdir) else os.path.abspath(workdir)
     self.directory = storage.path(location) / CHECKPOINT_DIR
     policies = []
@@ -92,8 +99,7 @@ class Checkpointer:
     if not read_only and train_config is not None:
       policies.append(ocp.checkpoint_managers.LatestN(n=train_config.keep_checkpoints))
       policies.append(ocp.checkpoint_managers.BestN(
-          get_metric_fn=lambda metrics: metrics[best_metric], reverse=best_mode == 'min', n=1,
-          keep_checkpoints_without_metrics=False))
+          get_metric_fn=self._rank, reverse=best_mode == 'min', n=1, keep_checkpoints_without_metrics=False))
     options = ocp.CheckpointManagerOptions(
         create=not read_only, read_only=read_only,
         # best_fn only makes Orbax write each step's metrics (retention is the policies' job), so the
@@ -107,13 +113,22 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def _on_current_data(self, metrics: dict) -> bool:
+    return metrics.get('data_since', 0) == self.data_since
+
+  def _rank(self, metrics: dict) -> float:
+    """BestN's sort key: the metric, or the worst value for scores taken on earlier data."""
+    if self._on_current_data(metrics):
+      return float(metrics[self.best_metric])
+    return float('inf') if self.best_mode == 'min' else float('-inf')
+
   def best_step(self) -> tuple[int, float] | None:
     """(step, value) of the kept checkpoint with the best `best_metric`; None if none was saved
     with that metric (every evaluated step saves its eval metrics beside the checkpoint)."""
     scored = []
     for step in self.manager.all_steps():
       metrics = self.manager.metrics(step) or {}
-      if self.best_metric in metrics:
+      if self.best_metric in metrics and self._on_current_data(metrics):
         scored.append((float(metrics[self.best_metric]), step))
     if not scored:
       return None
@@ -155,6 +170,8 @@ class Checkpointer:
     self.manager.reload()
 
   def save(self, step: int, model_state, opt_state, data_state: dict, metrics: dict | None = None) -> None:
+    if metrics is not None:
+      metrics = {**metrics, 'data_since': self.data_since}
     self.manager.save(step, args=ocp.args.Composite(
         model=ocp.args.StandardSave(model_state), optimizer=ocp.args.StandardSave(opt_state),
         data=ocp.args.JsonSave(data_state)), metrics=metrics, force=True)
@@ -180,8 +197,30 @@ class Checkpointer:
     self.manager.close()
 
 
-def save_config(config, workdir: str) -> None:
-  storage.write_atomically(os.path.join(workdir, CONFIG_FILE), config.to_json(indent=2))
+def save_config(config, workdir: str, data_history: list[dict] | None = None) -> None:
+  """`config.json`: the config, and the run's `data_history` when given (see `data_history`)."""
+  record = json.loads(config.to_json())
+  if data_history:
+    record[DATA_HISTORY] = data_history
+  storage.write_atomically(os.path.join(workdir, CONFIG_FILE), json.dumps(record, indent=2))
+
+
+def data_history(workdir: str) -> list[dict]:
+  """[{'step', 'source', 'eval_source', 'test_source'}]: the data a run in `workdir` has read, each
+  entry from the step it started at (a run saved before the history existed: its one source, from
+  step 0); [] when the workdir holds no config.json."""
+  if not (storage.path(workdir) / CONFIG_FILE).exists():
+    return []
+  saved = json.loads((storage.path(workdir) / CONFIG_FILE).read_text())
+  if DATA_HISTORY in saved:
+    return list(saved[DATA_HISTORY])
+  return [{'step': 0, **{key: saved.get('data', {}).get(key, '') for key in DATA_KEYS}}]
+
+
+def data_since(workdir: str) -> int:
+  """The step at which the run's current data started (0 unless `train.allow_data_change` was used)."""
+  history = data_history(workdir)
+  return history[-1]['step'] if history else 0
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:

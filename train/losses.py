@@ -14,7 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from data.batching import EXAMPLE_WEIGHT
 from models.layers import mask_padded_logits
+
+
+def example_weights(batch: dict, weights: jax.Array | None = None) -> jax.Array | None:
+  """`weights` (per example [B] or per token [B, ...]; None = all ones) times the batch's
+  `example_weight` [B] when it has one (evaluation fillers weigh 0, data/batching.py); float32."""
+  if EXAMPLE_WEIGHT not in batch:
+    return None if weights is None else weights.astype(jnp.float32)
+  row = batch[EXAMPLE_WEIGHT].astype(jnp.float32)
+  if weights is None:
+    return row
+  return weights.astype(jnp.float32) * row.reshape(row.shape + (1,) * (weights.ndim - 1))
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, label_smoothing: float = 0.0,
@@ -74,22 +86,32 @@ _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 def lm_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None, label_smoothing: float = 0.0,
             vocab_size: int | None = None):
-  """Token cross-entropy. logits [B, L, V'] (V' may be a padded `vocab_size`), targets [B, L] ->
-  (mean loss, {'loss','accuracy': (sum, count)})."""
-  weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+  """Token cross-entropy. logits [B, L, V'] (V' may be a padded `vocab_size`), targets [B, L],
+  weights [B, L] or [B] (per example; default ones) -> (mean loss, {'loss','accuracy': (sum, count)})."""
+  weights = _token_weights(weights, targets.shape)
   per_token, correct = token_cross_entropy(logits, targets, label_smoothing, vocab_size)
   count = weights.sum()
   total = (per_token * weights).sum()
   return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': ((correct * weights).sum(), count)}
 
 
-def classification_loss(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0):
-  """logits [B, C], labels [B] -> (mean cross-entropy, {'loss', 'accuracy': (sum, count)})."""
+def _token_weights(weights: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+  """float32 weights of `shape` [B, L] from None (ones), [B] (per example) or [B, L]."""
+  if weights is None:
+    return jnp.ones(shape, jnp.float32)
+  weights = weights.astype(jnp.float32)
+  return jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (len(shape) - weights.ndim)), shape)
+
+
+def classification_loss(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0,
+                        weights: jax.Array | None = None):
+  """logits [B, C], labels [B], weights [B] (default ones) -> (mean cross-entropy, {'loss', 'accuracy': (sum, count)})."""
   targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
-  per_example = optax.softmax_cross_entropy(logits, targets)
-  count = jnp.asarray(labels.shape[0], jnp.float32)
-  correct = (jnp.argmax(logits, -1) == labels).sum().astype(jnp.float32)
-  return per_example.mean(), {'loss': (per_example.sum(), count), 'accuracy': (correct, count)}
+  weights = _token_weights(weights, labels.shape)
+  per_example = optax.softmax_cross_entropy(logits, targets) * weights
+  count = weights.sum()
+  correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
+  return per_example.sum() / jnp.maximum(count, 1.0), {'loss': (per_example.sum(), count), 'accuracy': (correct, count)}
 
 
 def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax.Array,
@@ -106,7 +128,7 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
   Args:
     hidden: [B, L, E] final hidden states (compute dtype).
     output_embedding: [V', E] the output layer (GPT's tied token embedding).
-    targets: [B, L] int; weights: [B, L] (default ones).
+    targets: [B, L] int; weights: [B, L] or [B] per example (default ones).
     vocab_size: V when the output layer's rows are padded (default V'): the logits of the ids
       past it are masked (models.layers.mask_padded_logits) and get no gradient. On XLA:CPU the
       masked [chunk, V'] logits are one more stored temporary (+394 MB at the bench shapes with
@@ -116,7 +138,7 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
   """
   batch, length, width = hidden.shape
   tokens = batch * length
-  weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+  weights = _token_weights(weights, targets.shape)
   chunk = min(chunk_tokens, tokens)
   chunks = -(-tokens // chunk)
   pad = chunks * chunk - tokens  # padded tokens have weight 0

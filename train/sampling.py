@@ -38,10 +38,20 @@ def continue_prompts(generate: Callable, model, tokenizer, prompts: list[str], d
   return [tokenizer.decode(row[:n][row[:n] != tokenizer.eos_id]) for row, n in zip(out, lengths)]
 
 
+def max_new_tokens_note(decode_config, max_len: int | None) -> str | None:
+  """A note when `decode.max_new_tokens` does not fit the model's window and `continue_prompts` cuts it."""
+  asked = int(decode_config.max_new_tokens)
+  if max_len is None or asked <= max_len - 1:
+    return None
+  return (f'decode.max_new_tokens={asked} does not fit the model\'s window: each input gets at most {max_len - 1} '
+          f'new tokens (model.max_len={max_len} positions, one of them for the prompt).')
+
+
 def prompt_truncation_notes(tokenizer, prompts: list[str], decode_config, max_len: int) -> list[str]:
-  """Notes for the prompts `continue_prompts` shortens to fit max_len positions with the new tokens."""
+  """Notes for what `continue_prompts` cuts to fit max_len positions: decode.max_new_tokens, and
+  the prompts it shortens to make room for the new tokens."""
   room = max_len - min(int(decode_config.max_new_tokens), max_len - 1)
-  notes = []
+  notes = [note for note in [max_new_tokens_note(decode_config, max_len)] if note]
   for number, prompt in enumerate(prompts, 1):
     length = len(tokenizer.encode(prompt))
     if length > room:
@@ -56,6 +66,9 @@ def sample_prompts(generate: Callable, model, tokenizer, decode_config, workdir:
   prompts = [p for p in decode_config.prompts.split('|') if p]
   if not prompts:
     return []
+  note = max_new_tokens_note(decode_config, max_len)
+  if note:
+    print(f'note: {note}', flush=True)
   samples = continue_prompts(generate, model, tokenizer, prompts, decode_config, seed=seed, max_len=max_len)
   with storage.path(os.path.join(workdir, 'samples.json')).open('w') as f:
     json.dump([{'prompt': p, 'continuation': s} for p, s in zip(prompts, samples)], f, indent=1)

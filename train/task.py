@@ -16,7 +16,8 @@ Loss metrics are dicts name -> (sum, count) so that averages over tokens stay ex
 gradient-accumulation micro-batches, devices and eval batches.
 
 Metric names, for every family:
-  train/<name>   the training step's loss metrics, loss, grad_norm, lr, tokens_per_s
+  train/<name>   the training step's loss metrics, loss, grad_norm, lr, tokens_per_s (positions the
+                 step computes on, padding included), real_tokens_per_s (padding excluded)
   eval/<name>    the validation split (`data.eval_source`): the loss metrics during training, and
                  whatever `Task.evaluate` adds about it (e.g. eval/stream_perplexity)
   test/<name>    the test split (`data.test_source`), scored after training by `Task.evaluate`
@@ -135,9 +136,6 @@ class Task:
     """The endless order in which training examples are read."""
     return examples.shuffle(seed=seed).repeat()
 
-  def eval_batches(self, examples: grain.MapDataset, batch_size: int) -> grain.MapDataset:
-    return examples.batch(batch_size, drop_remainder=True)
-
   @property
   def eval_batch_size(self) -> int:
     return self.config.train.eval_batch_size or self.config.train.batch_size
@@ -159,6 +157,14 @@ class Task:
   def summarize(self, eval_metrics: dict[str, float]) -> dict[str, float]:
     """Derived eval metrics (e.g. perplexity from the mean loss). Default: unchanged."""
     return eval_metrics
+
+  def count_tokens(self, batch: dict) -> tuple[int, Any]:
+    """(positions, real tokens) of a training batch, for tokens/s: positions are what the step
+    computes on, padding included (an int, from the shapes); real tokens the non-padding ones
+    among them (a scalar; works on numpy arrays and under jit). Default: `tokens` [B, L], with
+    `valid` [B, L] marking the real ones when the batch has it."""
+    tokens = batch['tokens']
+    return tokens.size, (tokens.size if 'valid' not in batch else batch['valid'].sum())
 
   def flops_per_token(self) -> float | None:
     """Training FLOPs per token (forward + backward), for MFU in benchmark mode."""

@@ -32,6 +32,7 @@ from flax import nnx
 import storage
 from errors import UserError
 from train import checkpoint as ckpt
+from data import batching
 from train import compilation, memory, sharding
 from train.workdir_lock import WorkdirLock
 from train import state as state_lib
@@ -83,7 +84,7 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(params=params, extra=extra, opt_state=opt_state, step=state.step + 1)
-    scalars = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
+    scalars = {'loss': loss, 'grad_norm': optax.tree.norm(grads), 'real_tokens': task.count_tokens(batch)[1]}
     return new_state, (scalars, metrics)
 
   return train_step
@@ -109,6 +110,7 @@ class Setup:
   schedule: Callable
   spec: StateSpec
   state: TrainState
+  eval_step: Callable  # jit-compiled (params, extra, batch) -> loss metrics
 
   def model(self) -> nnx.Module:
     return state_lib.model_of(self.spec, self.state)
@@ -134,7 +136,8 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
   memory.log_estimate(config, spec.abstract, spec.shardings, mesh)
   state = state_lib.init_state(spec, task.build_model, tx, config.seed)
-  setup = Setup(config, task, prepared, mesh, tx, schedule, spec, state)
+  eval_step = jax.jit(make_eval_step(task, spec.graphdef))
+  setup = Setup(config, task, prepared, mesh, tx, schedule, spec, state, eval_step)
   if config.init_from:
     setup.state = _init_from(setup, config.init_from)
   return setup
@@ -242,38 +245,38 @@ def train_iterator(setup: Setup):
 
 # ============================================================================ stage 4: the loop
 def eval_batches(setup: Setup):
-  """This process's eval batches; an eval split smaller than one batch is an error (checked before
-  the loop, so a run never trains to find it out)."""
-  batch_size = setup.task.eval_batch_size
+  """This process's rows of every eval batch: the whole validation split, the last batch filled
+  with weight-0 copies (data/batching.py), the same number of batches on every process."""
+  examples, batch_size = setup.prepared.datasets.eval, setup.task.eval_batch_size
+  if len(examples) == 0:
+    raise UserError('The eval split is empty; give a data.eval_source with examples (or more data to carve it from).')
   processes, index = jax.process_count(), jax.process_index()
-  examples = setup.prepared.datasets.eval
-  batches = setup.task.eval_batches(examples[index::processes], batch_size // processes)
-  if len(batches) == 0:
-    raise UserError(f'The eval split has {len(examples)} examples, fewer than one eval batch of '
-                    f'{batch_size}; lower train.eval_batch_size (or give a larger data.eval_source).')
-  return batches
+  return batching.padded_batches(examples[index::processes], batch_size // processes,
+                                 num_batches=-(-len(examples) // batch_size))
+
+
+def eval_batches_during_training(setup: Setup) -> int:
+  """How many eval batches each evaluation during training scores (`train.eval_steps`, 0 = all)."""
+  total = -(-len(setup.prepared.datasets.eval) // setup.task.eval_batch_size)
+  return min(setup.config.train.eval_steps or total, total)
 
 
 def describe_eval(setup: Setup) -> str:
   """One line: how many validation examples each evaluation during training scores."""
   total, batch_size = len(setup.prepared.datasets.eval), setup.task.eval_batch_size
-  full_batches = total // batch_size
-  steps = min(setup.config.train.eval_steps or full_batches, full_batches)
-  line = f'Each evaluation during training scores {steps * batch_size} of the {total} validation examples'
-  if steps < full_batches:
-    return line + f' (train.eval_steps={setup.config.train.eval_steps}; 0 = all).'
-  left = total - steps * batch_size
-  return line + (f' (the last {left} do not fill a batch of {batch_size}; the final evaluation scores all).'
-                 if left else '.')
+  scored = min(eval_batches_during_training(setup) * batch_size, total)
+  line = f'Each evaluation during training scores {scored} of the {total} validation examples'
+  if scored < total:
+    return line + (f' (train.eval_steps={setup.config.train.eval_steps}; 0 = all); the final evaluation '
+                   f'scores all {total}.')
+  return line + '.'
 
 
-def evaluate_loss(setup: Setup, eval_step) -> dict[str, float]:
-  """Mean loss metrics over `train.eval_steps` eval batches (0 = every full eval batch)."""
+def evaluate_loss(setup: Setup, eval_step, num_batches: int | None = None) -> dict[str, float]:
+  """Mean loss metrics (eval/...) over the first `num_batches` eval batches (None: the whole split)."""
   batches = eval_batches(setup)
-  eval_steps = setup.config.train.eval_steps
-  steps = len(batches) if not eval_steps else min(eval_steps, len(batches))
   total = None
-  for i in range(steps):
+  for i in range(len(batches) if num_batches is None else min(num_batches, len(batches))):
     metrics = eval_step(setup.state.params, setup.state.extra, sharding.global_batch(batches[i], setup.mesh))
     total = _add_metrics(total, metrics)
   return setup.task.summarize({f'eval/{k}': v for k, v in reduce_metrics(total).items()})
@@ -334,22 +337,26 @@ def _interruptible():
 class StepLogger:
   """Checks and logs completed steps one step late, so that reading the loss never stalls the device."""
 
-  def __init__(self, setup: Setup, writer: MetricWriter, checkpointer: ckpt.Checkpointer, start_step: int):
+  def __init__(self, setup: Setup, writer: MetricWriter, checkpointer: ckpt.Checkpointer):
     self.setup, self.writer, self.checkpointer = setup, writer, checkpointer
-    self.pending = None  # (step, scalars, metrics, tokens) of the step in flight
-    self.last_time, self.last_step = time.time(), start_step
+    self.pending = None  # (step, scalars, metrics, positions) of the step in flight
+    self.last_time = time.time()
+    self.positions, self.real_tokens = 0, 0.0  # summed over the steps since the last log line
 
-  def add(self, step: int, scalars, metrics, tokens: int) -> None:
+  def add(self, step: int, scalars, metrics, positions: int) -> None:
+    """`positions`: token positions of the step's global batch (padding included)."""
     self.flush()
-    self.pending = (step, scalars, metrics, tokens)
+    self.pending = (step, scalars, metrics, positions)
 
   def flush(self) -> None:
     """Check and log the pending step; raises on NaN before anything saves its parameters."""
     if self.pending is None:
       return
-    step, scalars, metrics, tokens = self.pending
+    step, scalars, metrics, positions = self.pending
     self.pending = None
     scalars = {k: float(v) for k, v in jax.device_get(scalars).items()}
+    self.positions += positions
+    self.real_tokens += scalars['real_tokens']
     if not np.isfinite(scalars['loss']):
       raise TrainingDiverged(
           f'The loss is {scalars["loss"]} at step {step}. Training stopped; the last good checkpoint in '
@@ -357,11 +364,12 @@ class StepLogger:
     train = self.setup.config.train
     if step % train.log_every == 0 or step == train.steps:
       now = time.time()
+      elapsed = max(now - self.last_time, 1e-9)
       out = {f'train/{k}': v for k, v in reduce_metrics(jax.device_get(metrics)).items()}
       out.update({'train/loss': scalars['loss'], 'train/grad_norm': scalars['grad_norm'],
-                  'train/lr': float(self.setup.schedule(step - 1)),
-                  'train/tokens_per_s': tokens * (step - self.last_step) / max(now - self.last_time, 1e-9)})
-      self.last_time, self.last_step = now, step
+                  'train/lr': float(self.setup.schedule(step - 1)), 'train/tokens_per_s': self.positions / elapsed,
+                  'train/real_tokens_per_s': self.real_tokens / elapsed})
+      self.last_time, self.positions, self.real_tokens = now, 0, 0.0
       self.writer.write(step, out)
       self.writer.progress(step, out)
 
@@ -374,8 +382,7 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
   train_step = jax.jit(make_train_step(setup.task, setup.spec.graphdef, setup.tx, train.grad_accum),
                        in_shardings=(setup.spec.shardings, sharding.batch_sharding(setup.mesh)),
                        out_shardings=(setup.spec.shardings, None), donate_argnums=(0,))
-  eval_step = jax.jit(make_eval_step(setup.task, setup.spec.graphdef))
-  logger, watcher = StepLogger(setup, writer, checkpointer, start_step), PreemptionWatcher(writer.log)
+  logger, watcher = StepLogger(setup, writer, checkpointer), PreemptionWatcher(writer.log)
   compiled_before = compilation.compiled('train_step')
   compiles = lambda: compilation.compiled('train_step') - compiled_before
   seconds_before = progress.seconds
@@ -405,18 +412,18 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
           checkpointer.wait()
           writer.log(f'{watcher.requested or "Preemption"}: saved step {step} to {checkpointer.directory}; rerun the '
                      f'same command to resume.')
-          return {'step': step, 'preempted': True, 'train/compiles': compiles(), **last_eval}
-        local = next(data_iter)
-        setup.state, (scalars, metrics) = train_step(setup.state, sharding.global_batch(local, setup.mesh))
+          return {'step': step, 'preempted': True, 'train/compiles': compiles()}
+        batch = sharding.global_batch(next(data_iter), setup.mesh)
+        setup.state, (scalars, metrics) = train_step(setup.state, batch)
         step += 1
-        logger.add(step, scalars, metrics, _tokens_in(local) * jax.process_count())
+        logger.add(step, scalars, metrics, setup.task.count_tokens(batch)[0])
         if out_of_time(step):
           stopped = f'train.max_minutes={train.max_minutes} reached'
         evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
         if evaluated:
           logger.flush()
           try:
-            last_eval = evaluate_loss(setup, eval_step)
+            last_eval = evaluate_loss(setup, setup.eval_step, eval_batches_during_training(setup))
           except BaseException:
             save(step)  # the step's checkpoint outlives a failed evaluation
             checkpointer.wait()
@@ -440,7 +447,7 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
     writer.log(f'The train step was compiled {compiles()} time(s). ' + (compilation.cache_summary() or ''))
   if stopped:
     writer.log(f'Stopped at step {step} of {train.steps}: {stopped}.')
-  return {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {}), **last_eval}
+  return {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {})}
 
 
 def _agreed(flag: bool) -> bool:
@@ -449,11 +456,6 @@ def _agreed(flag: bool) -> bool:
     return flag
   from jax.experimental import multihost_utils
   return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
-
-
-def _tokens_in(batch: dict[str, np.ndarray]) -> int:
-  first = next(iter(batch.values()))
-  return int(np.prod(first.shape[:2])) if first.ndim >= 2 else int(first.shape[0])
 
 
 def _add_metrics(total: dict | None, metrics: dict) -> dict:
@@ -467,18 +469,26 @@ def _add_metrics(total: dict | None, metrics: dict) -> dict:
 
 
 # ============================================================================ stage 5: final evaluation
-def final_evaluation(setup: Setup, workdir: str, writer: MetricWriter, step: int) -> dict[str, Any]:
-  """The family's evaluation of the current model (test metrics, samples, pictures), logged at `step`."""
-  model = setup.model()
-  model.eval()
+def final_evaluation(setup: Setup, workdir: str, writer: MetricWriter | None, step: int) -> dict[str, Any]:
+  """What the final line reports about the current model (the checkpoint being scored): eval/...
+  over the whole validation split, and the family's evaluation (test metrics, samples, pictures).
+
+  Training and `--mode=eval` both call this, so their numbers agree. With a `writer` (training),
+  the family's metrics and pictures are logged at `step`; the whole-split eval/... are not (the
+  loop logged eval/... for its own steps: one value per name and step)."""
   with jax.set_mesh(setup.mesh):
-    results = setup.task.evaluate(model, setup.prepared.datasets, workdir)
-  scalars = {k: v for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-  if scalars:
+    results = evaluate_loss(setup, setup.eval_step)
+    print('Final evaluation, whole validation split: ' + ' '.join(f'{k}={v:.4f}' for k, v in results.items()),
+          flush=True)
+    model = setup.model()
+    model.eval()
+    family = setup.task.evaluate(model, setup.prepared.datasets, workdir)
+  scalars = {k: v for k, v in family.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+  if writer is not None and scalars:
     writer.write(step, scalars)
-  for name, path in results.get('images', {}).items():
+  for name, path in family.get('images', {}).items() if writer is not None else ():
     writer.write_image(step, name, path)
-  return results
+  return {**results, **family}
 
 
 def evaluated_step(setup: Setup, checkpointer: ckpt.Checkpointer, current_step: int, log=print) -> int:
@@ -513,7 +523,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       _check_run_files(config, workdir)
       setup = setup_run(config, workdir)
       eval_batches(setup)
-      checkpointer = ckpt.Checkpointer(workdir, config.train)
+      checkpointer = ckpt.Checkpointer(workdir, config.train, data_since=ckpt.data_since(workdir))
     except BaseException:
       _release(lock)
       raise
@@ -522,8 +532,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       # 3. resume
       data_iter = train_iterator(setup)
       start_step, progress = restore_latest(setup, checkpointer, data_iter)
+      history, progress = _record_data(config, workdir, start_step, progress, checkpointer)
       if jax.process_index() == 0:
-        ckpt.save_config(config, workdir)
+        ckpt.save_config(config, workdir, history)
         ckpt.save_model_config(setup.prepared.model_config, setup.spec.rng_impl, workdir)
       writer = MetricWriter(workdir, config.train.steps, start_step, trim_after=start_step,
                             wandb=_wandb_settings(config, workdir))
@@ -532,7 +543,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       writer.log(describe_eval(setup))
       # 4. loop
       results = train_loop(setup, checkpointer, data_iter, writer, start_step, progress, started)
-      # 5. final evaluation
+      # 5. final evaluation: only the scored checkpoint's metrics reach the results
       if not results.get('preempted'):
         results['final_eval_step'] = evaluated_step(setup, checkpointer, results['step'], writer.log)
     finally:
@@ -562,9 +573,29 @@ def _release(lock: WorkdirLock) -> None:
     lock.release()
 
 
+def _record_data(config, workdir: str, start_step: int, progress: Progress, checkpointer: ckpt.Checkpointer
+                 ) -> tuple[list[dict], Progress]:
+  """(the run's data history with this run's data, the loop's progress). A resume on other data
+  (`train.allow_data_change`, checked by `_check_run_files`) starts a history entry at
+  `start_step` and restarts best-checkpoint tracking: validation losses of two datasets do not compare."""
+  current = {key: config.data[key] for key in ckpt.DATA_KEYS}
+  history = ckpt.data_history(workdir) if start_step else []
+  if history and {key: history[-1][key] for key in ckpt.DATA_KEYS} == current:
+    return history, progress
+  if history:
+    print(f'Data changed at step {start_step} (train.allow_data_change): ' +
+          ', '.join(f'data.{k}={v!r}' for k, v in current.items() if history[-1][k] != v) +
+          f'; the tokenizer stays the run\'s own; the best checkpoint is tracked again from step {start_step}.',
+          flush=True)
+    progress = Progress(seconds=progress.seconds)
+  checkpointer.data_since = start_step
+  return history + [{'step': start_step, **current}], progress
+
+
 def _check_run_files(config, workdir: str) -> None:
   """Tokenizer files without config.json are left by a setup that was killed: remove them so this
-  run builds its own. A resumed run must ask for the tokenizer it was built with."""
+  run builds its own. A resumed run must ask for the tokenizer it was built with, and read the
+  data it was trained on unless `train.allow_data_change`."""
   from data import tokenizers
   saved_config = os.path.join(workdir, ckpt.CONFIG_FILE)
   if not storage.path(saved_config).exists():
@@ -586,6 +617,14 @@ def _check_run_files(config, workdir: str) -> None:
         ' (its tokenizer is saved there) but the config asks for ' +
         ', '.join(f'data.{k}={config.data[k]!r}' for k in changed) +
         f". Resume with the run's own settings ({saved_config}) or use a fresh --workdir.")
+  trained_on = ckpt.data_history(workdir)[-1]
+  changed = [k for k in ckpt.DATA_KEYS if trained_on[k] != config.data[k]]
+  if changed and not config.train.allow_data_change:
+    raise ckpt.CheckpointError(
+        f'{workdir} was trained on ' + ', '.join(f'data.{k}={trained_on[k]!r}' for k in changed) +
+        ' but the config asks for ' + ', '.join(f'data.{k}={config.data[k]!r}' for k in changed) +
+        '. Resume with the same data, use a fresh --workdir, or pass --config.train.allow_data_change=True '
+        '(the run keeps its tokenizer, config.json records both, the best checkpoint is tracked anew).')
 
 
 def _wandb_settings(config, workdir: str) -> dict | None:
@@ -605,7 +644,7 @@ def evaluate_run(workdir: str, config_overrides: dict | None = None) -> dict[str
   on another number of devices evaluates data-parallel over the devices present.
   """
   config, model_config = ckpt.run_config(workdir, config_overrides)
-  checkpointer = ckpt.Checkpointer(workdir, config.train, read_only=True)
+  checkpointer = ckpt.Checkpointer(workdir, config.train, read_only=True, data_since=ckpt.data_since(workdir))
   if checkpointer.latest_step() is None:
     raise ckpt.CheckpointError(f'No checkpoint in {checkpointer.directory}; train first or check --workdir.')
   setup = setup_run(config, workdir, model_config, ckpt.read_rng_impl(workdir))
@@ -613,13 +652,8 @@ def evaluate_run(workdir: str, config_overrides: dict | None = None) -> dict[str
   setup.state = dataclasses.replace(setup.state, params=restored['model']['params'], extra=restored['model']['extra'])
   step = evaluated_step(setup, checkpointer, latest)
   checkpointer.close()
-  eval_step = jax.jit(make_eval_step(setup.task, setup.spec.graphdef))
-  with jax.set_mesh(setup.mesh):
-    results = {'step': step, **evaluate_loss(setup, eval_step)}
-  writer = MetricWriter(workdir, config.train.steps, step)
-  results.update(final_evaluation(setup, workdir, writer, step))
-  writer.close()
-  return results
+  # The run's metrics.jsonl and TensorBoard logs are training's record: evaluating writes nothing there.
+  return {'step': step, **final_evaluation(setup, workdir, None, step)}
 
 
 def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:

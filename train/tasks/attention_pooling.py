@@ -21,6 +21,7 @@ import storage
 from errors import ConfigError, UserError
 from models.attention_pooling import NadarayaWatson, NadarayaWatsonConfig
 from train import task as task_lib
+from train.losses import example_weights
 
 NUM_TRAIN = 50
 NOISE_STD = 0.5
@@ -57,7 +58,9 @@ def squared_error(model, batch):
   """(mean loss, {'loss': (sum of (f(q) - y)^2 / 2, count), 'mse': ...})."""
   predictions, _ = model(batch['query'], batch['keys'], batch['values'], batch['key_valid'][:, None, :])
   error = jnp.square(predictions - batch['target'])
-  count = jnp.asarray(error.size, jnp.float32)
+  weights = example_weights(batch, jnp.ones(error.shape))
+  error = error * weights
+  count = weights.sum()
   return error.sum() / 2 / count, {'loss': (error.sum() / 2, count), 'mse': (error.sum(), count)}
 
 
@@ -93,6 +96,9 @@ class Task(task_lib.Task):
 
   def loss(self, model, batch, *, deterministic):
     return squared_error(model, batch)
+
+  def count_tokens(self, batch):
+    return batch['query'].size, batch['query'].size  # one query point per example
 
   def example_batch(self, batch_size):
     data = regression_data(0)

@@ -31,7 +31,7 @@ from data.lm import get_tokenizer
 from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
 from train import task as task_lib
-from train.losses import classification_loss, token_cross_entropy
+from train.losses import classification_loss, example_weights, token_cross_entropy
 from train import classification
 
 HEADS = {'pretrain': 'pretraining', 'classify': 'classifier', 'features': 'none'}  # config.task -> model heads
@@ -45,18 +45,19 @@ def pretraining_loss(model: BertForPretraining, batch, *, deterministic: bool):
   """MLM cross-entropy over the chosen positions + NSP cross-entropy -> (loss, metrics)."""
   out = model(batch['tokens'], batch['segments'], batch['valid'], masked_positions=batch['masked_positions'],
               deterministic=deterministic)
-  weights = batch['masked_weights'].astype(jnp.float32)
+  weights = example_weights(batch, batch['masked_weights'])  # [B, P]
   mlm, mlm_correct = token_cross_entropy(out.mlm_logits, batch['masked_labels'])
   mlm_count = weights.sum()
   mlm_sum = (mlm * weights).sum()
   mlm_correct = (mlm_correct * weights).sum()
   nsp, nsp_correct = token_cross_entropy(out.nsp_logits, batch['next_sentence'])
-  batch_size = jnp.asarray(nsp.shape[0], jnp.float32)
-  nsp_correct = nsp_correct.sum()
-  loss = mlm_sum / jnp.maximum(mlm_count, 1.0) + nsp.mean()
-  return loss, {'loss': (loss * batch_size, batch_size), 'mlm_loss': (mlm_sum, mlm_count),
-                'mlm_accuracy': (mlm_correct, mlm_count), 'nsp_loss': (nsp.sum(), batch_size),
-                'nsp_accuracy': (nsp_correct, batch_size)}
+  rows = example_weights(batch, jnp.ones(nsp.shape))  # [B]
+  examples = rows.sum()
+  nsp_sum = (nsp * rows).sum()
+  loss = mlm_sum / jnp.maximum(mlm_count, 1.0) + nsp_sum / jnp.maximum(examples, 1.0)
+  return loss, {'loss': (loss * examples, examples), 'mlm_loss': (mlm_sum, mlm_count),
+                'mlm_accuracy': (mlm_correct, mlm_count), 'nsp_loss': (nsp_sum, examples),
+                'nsp_accuracy': ((nsp_correct * rows).sum(), examples)}
 
 
 def encoder_of(model: nnx.Module) -> BertEncoder:
@@ -172,7 +173,7 @@ class Task(task_lib.Task):
     if self.config.task == 'pretrain':
       return pretraining_loss(model, batch, deterministic=deterministic)
     logits = model(batch['tokens'], batch['segments'], batch['valid'], deterministic=deterministic)
-    return classification_loss(logits, batch['label'], self.config.train.label_smoothing)
+    return classification_loss(logits, batch['label'], self.config.train.label_smoothing, example_weights(batch))
 
   def example_batch(self, batch_size):
     c = self.model_config
@@ -246,16 +247,7 @@ class Task(task_lib.Task):
     if self.config.task == 'classify':
       return classification.evaluate_classifier(self._logits_fn(model), datasets, list(self.model_config.labels),
                                                  workdir, self.eval_batch_size, 'BERT')
-    metrics_fn = nnx.jit(lambda m, batch: pretraining_loss(m, batch, deterministic=True)[1])
-    total = {}
-    batches = datasets.eval.batch(self.eval_batch_size)
-    for i in range(len(batches)):
-      for name, (s, c) in jax.device_get(metrics_fn(model, batches[i])).items():
-        previous = total.get(name, (0.0, 0.0))
-        total[name] = (previous[0] + float(s), previous[1] + float(c))
-    results = {f'eval/{name}': s / max(c, 1.0) for name, (s, c) in total.items()}
-    print('Whole eval split: ' + ' '.join(f'{k}={v:.4f}' for k, v in results.items()), flush=True)
-    return results
+    return {}  # pretraining: the trainer's eval/... over the whole validation split say it all
 
   def predict_truncation(self, lines):
     return classification.truncation_notes(self.tokenizer, self.config.data.seq_len, lines)

@@ -15,7 +15,7 @@ from models.classifier import POOLINGS, ClassifierConfig, TransformerClassifier
 from train import task as task_lib
 from train.classification import (classification_data, evaluate_classifier, example_classification_batch,
                                   predict_labels, truncation_notes)
-from train.losses import classification_loss
+from train.losses import classification_loss, example_weights
 
 
 def validate(config):
@@ -48,7 +48,7 @@ class Task(task_lib.Task):
 
   def loss(self, model, batch, *, deterministic):
     logits = model(batch['tokens'], batch['valid'], deterministic=deterministic)
-    return classification_loss(logits, batch['label'], self.config.train.label_smoothing)
+    return classification_loss(logits, batch['label'], self.config.train.label_smoothing, example_weights(batch))
 
   def example_batch(self, batch_size):
     return example_classification_batch(self.model_config, self.config.data.seq_len, batch_size)

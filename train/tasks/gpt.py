@@ -9,7 +9,7 @@ from models import gpt as gpt_model
 from models.gpt import GPT, REMAT_POLICIES, GPT2Config
 from train import sampling
 from train import task as task_lib
-from train.losses import chunked_lm_loss, lm_loss
+from train.losses import chunked_lm_loss, example_weights, lm_loss
 
 
 def validate(config):
@@ -41,11 +41,16 @@ class Task(task_lib.Task):
     chunk = self.config.train.loss_chunk_tokens
     if not chunk:
       logits, _ = model(tokens[:, :-1], deterministic=deterministic)
-      return lm_loss(logits, tokens[:, 1:], vocab_size=self.model_config.vocab_size)
+      return lm_loss(logits, tokens[:, 1:], example_weights(batch), vocab_size=self.model_config.vocab_size)
     # The tied output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
     hidden, _ = model(tokens[:, :-1], deterministic=deterministic, return_hidden=True)
-    return chunked_lm_loss(hidden, model.token_embedding.embedding[...], tokens[:, 1:], chunk_tokens=chunk,
+    return chunked_lm_loss(hidden, model.token_embedding.embedding[...], tokens[:, 1:], example_weights(batch),
+                           chunk_tokens=chunk,
                            vocab_size=self.model_config.vocab_size)
+
+  def count_tokens(self, batch):
+    inputs = batch['tokens'][:, :-1]  # windows of seq_len + 1: the model reads seq_len of them
+    return inputs.size, inputs.size
 
   def summarize(self, metrics):
     return {**metrics, 'eval/perplexity': float(np.exp(min(metrics['eval/loss'], 50.0)))}

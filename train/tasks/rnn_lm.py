@@ -30,7 +30,7 @@ from models import rnn_lm as rnn_lm_model
 from models.rnn_lm import RNNLM, RNNLMConfig
 from train import sampling
 from train import task as task_lib
-from train.losses import lm_loss
+from train.losses import example_weights, lm_loss
 
 SAMPLERS = ('random', 'sequential')
 
@@ -165,7 +165,11 @@ class Task(task_lib.Task):
     logits, final = model(tokens[:, :-1], state, deterministic=deterministic)
     if carry:
       model.carried.set_value(jax.lax.stop_gradient(final))
-    return lm_loss(logits, tokens[:, 1:])
+    return lm_loss(logits, tokens[:, 1:], example_weights(batch))
+
+  def count_tokens(self, batch):
+    inputs = batch['tokens'][:, :-1]  # windows of seq_len + 1: the model reads seq_len of them
+    return inputs.size, inputs.size
 
   def summarize(self, metrics):
     return {**metrics, 'eval/perplexity': float(np.exp(min(metrics['eval/loss'], 50.0)))}

@@ -22,7 +22,7 @@ from data import translation
 from errors import ConfigError
 from models.seq2seq import ATTENTION_TYPES, Seq2Seq, Seq2SeqConfig, translate
 from train import pictures
-from train.losses import lm_loss
+from train.losses import example_weights, lm_loss
 from train.translation import TranslationTask
 
 HEATMAPS = 3  # test sentences drawn for the Bahdanau model
@@ -95,7 +95,8 @@ class Task(TranslationTask):
   def loss(self, model, batch, *, deterministic):
     pad = self.tokenizer.pad_id
     logits, _ = model(batch['source'], batch['source'] != pad, batch['target_in'], deterministic=deterministic)
-    return lm_loss(logits, batch['target_out'], batch['target_out'] != pad, self.config.train.label_smoothing)
+    return lm_loss(logits, batch['target_out'], example_weights(batch, batch['target_out'] != pad),
+                   self.config.train.label_smoothing)
 
   def translate_batch(self, model, source, beam_size):
     tok, decode = self.tokenizer, self.config.decode

@@ -40,7 +40,7 @@ from models.attention import record_attention_weights
 from data import translation
 from models.transformer import Transformer, TransformerConfig, translate
 from train import pictures
-from train.losses import lm_loss
+from train.losses import example_weights, lm_loss
 from train.translation import TranslationTask
 
 BATCH_WINDOW = 16  # batches made together: sorted by length (buckets), or packed
@@ -172,7 +172,7 @@ class Task(TranslationTask):
     # Packed batches (data.packing) carry segment ids; the loss is the same mean over real tokens.
     logits = model(batch['source'], batch['target_in'], source_segments=batch.get('source_segments'),
                    target_segments=batch.get('target_segments'), deterministic=deterministic)
-    return lm_loss(logits, batch['target_out'], batch['target_out'] != self.model_config.pad_id,
+    return lm_loss(logits, batch['target_out'], example_weights(batch, batch['target_out'] != self.model_config.pad_id),
                    self.config.train.label_smoothing)
 
   def flops_per_token(self):
