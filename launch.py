@@ -108,6 +108,38 @@ def read_lines(path: str) -> list[str]:
   return text.removesuffix('\n').split('\n') if text else []  # not splitlines(): it also cuts at \f, U+2028, ...
 
 
+def prepare_output(location: str) -> None:
+  """Create --output's directory now, so that a place that cannot take the file fails before the
+  decoding, not after it."""
+  output = storage.path(location)
+  if output.is_dir():
+    raise UserError(f'--output={location} is a directory; name a file in it, e.g. '
+                    f'--output={os.path.join(location, "predictions.jsonl")}.')
+  try:
+    output.parent.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    reason = 'a file of that name exists' if isinstance(e, FileExistsError) else e.strerror or str(e)
+    raise UserError(f'--output={location}: its directory {output.parent} cannot be created ({reason}); '
+                    f'name a file in a directory you can write.') from None
+
+
+def predict(workdir: str) -> None:
+  """--mode=predict: each --input line and its output, the outputs also in --output, one JSON line."""
+  from train.checkpoint import load_run
+  lines = read_lines(FLAGS.input)
+  if not lines:
+    raise UserError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
+  if FLAGS.output:
+    prepare_output(FLAGS.output)
+  run = load_run(workdir, config_overrides=explicit_overrides())
+  outputs = _jsonable(run.predict(lines))
+  if FLAGS.output:
+    storage.path(FLAGS.output).write_text(''.join(json.dumps(o) + '\n' for o in outputs))
+  for line, output in zip(lines, outputs):
+    print(f'>>> {line}\n{output}', flush=True)
+  print(json.dumps({'mode': 'predict', 'workdir': workdir, 'step': run.step, 'outputs': outputs}), flush=True)
+
+
 def explicit_overrides() -> dict:
   """{'task': 'features', ...}: the `--config.<key>=<value>` overrides given on the command line."""
   if not FLAGS['config'].present:
@@ -148,16 +180,7 @@ def main(argv):
     results = trainer.evaluate_run(workdir, explicit_overrides())
     print(json.dumps({'mode': 'eval', 'workdir': workdir, **_jsonable(results)}), flush=True)
   elif mode == 'predict':
-    lines = read_lines(FLAGS.input)
-    if not lines:
-      raise UserError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
-    run = load_run(workdir, config_overrides=explicit_overrides())
-    outputs = _jsonable(run.predict(lines))
-    if FLAGS.output:
-      storage.path(FLAGS.output).write_text(''.join(json.dumps(o) + '\n' for o in outputs))
-    for line, output in zip(lines, outputs):
-      print(f'>>> {line}\n{output}', flush=True)
-    print(json.dumps({'mode': 'predict', 'workdir': workdir, 'step': run.step, 'outputs': outputs}), flush=True)
+    predict(workdir)
   elif mode == 'import_hf':
     if not FLAGS.hf_dir:
       raise app.UsageError('--mode=import_hf needs --hf_dir=DIR (config.json + weights).')
@@ -214,10 +237,27 @@ def _unknown_override(argv) -> str | None:
   return None
 
 
+def _missing_config_file(config_arg: str | None) -> str | None:
+  """The message for a `--config=FILE[:preset]` whose file is not there (config_flags reports it
+  only when the config is first used, as two chained tracebacks)."""
+  path = (config_arg or '').partition(':')[0]
+  if not path or os.path.isfile(path):
+    return None
+  configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+  names = sorted(n for n in os.listdir(configs) if n.endswith('.py') and n not in ('__init__.py', 'base.py', 'run.py'))
+  problem = 'is a directory' if os.path.isdir(path) else 'does not exist'
+  return (f'--config={config_arg}: {path} {problem}. Name a config file, one of configs/{{{",".join(names)}}} '
+          f'with an optional :preset, e.g. --config=configs/gpt.py:tiny.')
+
+
 def parse_flags(argv):
   """absl flag parsing, with config override mistakes (unknown key, bad value) as one clear line."""
   argv = _with_config_file(argv)
   run_file = _flag_value(argv, 'config')
+  missing = _missing_config_file(run_file)
+  if missing:
+    print(f'error: {missing}', file=sys.stderr)
+    sys.exit(1)
   if run_file and run_file.startswith('configs/run.py:'):
     path = os.path.join(run_file.split(':', 1)[1], 'config.json')
     try:

@@ -35,6 +35,7 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.data.eval_source = ''  # validation (evaluated during training, picks the best checkpoint); '' = out of `source`
   c.data.test_source = ''  # the final evaluation; '' = the eval_source data (out of `source` when that is '' too)
   c.data.max_malformed_fraction = 0.01  # tsv: malformed lines are skipped and counted; above this share, an error
+  c.data.tsv_header = False  # tsv: True skips the first line (column names); False warns when it looks like one
   c.data.seq_len = 128
   c.data.tokenizer = 'bpe'  # 'char' | 'bpe' | 'wordpiece'
   c.data.vocab_size = 8192

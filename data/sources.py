@@ -24,16 +24,22 @@ evaluation) carve validation only: their test split is the validation split unle
 Each family prints one line per split at the start of a run: its size and where it came from.
 
 Every reader fails with one message naming the source and the fix: no files matched, empty or
-undecodable data (naming the file and line), an unknown TFDS name. Malformed tsv lines are skipped
-and counted, up to data.max_malformed_fraction of the file.
+undecodable data (naming the file and line), an unknown TFDS name. A tsv file may be gzipped
+(known by its magic bytes) and may end its lines with empty fields (a tab at the end, as
+spreadsheets export); a header line is skipped with data.tsv_header=True, and a first line that
+looks like one (source<TAB>target, text<TAB>label) gets a warning when it is not. Malformed tsv
+lines are skipped and counted, up to data.max_malformed_fraction of the file.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob as globlib
+import gzip
 import hashlib
 import os
+import re
 import sysconfig
+import zlib
 from typing import Callable, Sequence
 
 import storage
@@ -50,6 +56,12 @@ TFDS_SPLITS = {'train': 'train', 'valid': 'validation', 'test': 'test'}
 # Examples cut or dropped to fit data.seq_len: a warning above this share of a split.
 WARN_FRACTION = 0.01
 MAX_MALFORMED_FRACTION = 0.01  # the default of data.max_malformed_fraction
+GZIP_MAGIC = b'\x1f\x8b'
+# Column names a tsv header line uses: the layouts' own names and a few common ones, and language
+# codes (en, es, pt_BR). A first line of these only is taken for a header.
+HEADER_WORDS = frozenset('source target src tgt text label labels sentence sentence1 sentence2 text_a text_b '
+                         'input output question answer category class'.split())
+LANGUAGE_CODE = re.compile(r'[a-z]{2}([-_][A-Za-z]{2,4})?')
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -93,9 +105,11 @@ def decode_utf8(raw: bytes, path: str) -> str:
                     f'must be UTF-8: convert it (e.g. iconv -f cp1252 -t utf-8) or fix that line.') from e
 
 
-def read_lines(path: str, form: str) -> tuple[list[tuple[int, str]], str]:
-  """([(line number, line)] of the non-blank lines of a UTF-8 file (local or gs://), its expanded path); `form`
-  names the expected lines (e.g. 'source<TAB>target') for the message when the file is missing.
+def read_lines(path: str, form: str, header: bool = False) -> tuple[list[tuple[int, str]], str]:
+  """([(line number, line)] of the non-blank lines of a UTF-8 file (local or gs://, gzipped or not), its
+  expanded path); `form` names the expected lines (e.g. 'source<TAB>target') for the messages.
+  `header`: the first line names the columns and is skipped; when False, a first line that looks
+  like a header is kept with a warning.
 
   Lines end at '\n' (or '\r\n') only: str.splitlines() also breaks at form feeds, U+2028 and
   other separators that occur inside real messages, which cuts a record in two and misnumbers
@@ -103,11 +117,50 @@ def read_lines(path: str, form: str) -> tuple[list[tuple[int, str]], str]:
   """
   path = path if storage.is_remote(path) else os.path.expanduser(path)
   file = storage.path(path)
+  if file.is_dir():
+    raise DataError(f'tsv:{path} is a directory; tsv: reads one file: name a file of {form} lines in it.')
   if not file.is_file():
     raise DataError(f'tsv:{path} does not exist; give the path of a file of {form} lines.')
-  text = decode_utf8(file.read_bytes(), path)
-  return [(number, line.removesuffix('\r')) for number, line in enumerate(text.split('\n'), 1)
-          if line.strip()], path
+  text = decode_utf8(_gunzipped(file.read_bytes(), path), path)
+  lines = [(number, line.removesuffix('\r')) for number, line in enumerate(text.split('\n'), 1) if line.strip()]
+  if header:
+    return lines[1:], path
+  if lines and looks_like_header(lines[0][1]):
+    print(f'WARNING: tsv:{path}: the first line ({lines[0][1].strip()!r}) looks like a header of column names '
+          f'and is read as data; pass --config.data.tsv_header=True to skip it.', flush=True)
+  return lines, path
+
+
+def _gunzipped(raw: bytes, path: str) -> bytes:
+  """The bytes of a file, decompressed when they are gzip's (whatever the file's name)."""
+  if not raw.startswith(GZIP_MAGIC):
+    return raw
+  try:
+    return gzip.decompress(raw)
+  except (OSError, EOFError, zlib.error) as e:
+    raise DataError(f'{path} is gzip-compressed but does not decompress ({e}); the file is cut short or '
+                    f'corrupt: copy it again, or gunzip it to see where.') from e
+
+
+def tsv_fields(line: str, min_fields: int = 2) -> list[str]:
+  """The stripped tab-separated fields of a line, less the empty ones at its end beyond `min_fields`
+  (a tab at the end of every line, as spreadsheets export, is not a field)."""
+  fields = [field.strip() for field in line.split('\t')]
+  while len(fields) > min_fields and not fields[-1]:
+    fields.pop()
+  return fields
+
+
+def looks_like_header(line: str) -> bool:
+  """Whether a line of 2-3 fields holds column names only (source<TAB>target, text<TAB>label, en<TAB>es)."""
+  fields = tsv_fields(line)
+  return 2 <= len(fields) <= 3 and all(f.lower() in HEADER_WORDS or LANGUAGE_CODE.fullmatch(f) for f in fields)
+
+
+def tsv_options(data_config) -> dict:
+  """The read_tsv options a data config sets (configs saved before data.tsv_header skip no line)."""
+  return {'max_malformed_fraction': max_malformed_fraction(data_config),
+          'header': data_config.get('tsv_header', False)}
 
 
 def max_malformed_fraction(data_config) -> float:

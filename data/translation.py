@@ -3,7 +3,8 @@
 Sources (`data.source`):
   numbers_en_fr            built-in and offline: English number words -> French number words
                            (num2words), generated deterministically from the seed
-  tsv:<path>               one `source<TAB>target` pair per line (UTF-8; malformed lines are
+  tsv:<path>               one `source<TAB>target` pair per line (UTF-8, gzipped or not; a header
+                           line is skipped with data.tsv_header=True; malformed lines are
                            skipped, up to data.max_malformed_fraction); held-out pairs are a
                            90/5/5 split by a hash of the line
   tfds:<name>[:<split>]    a TFDS translation set, e.g. tfds:wmt14_translate/de-en; the language
@@ -116,16 +117,18 @@ def numbers_en_fr(seed: int = 0, sizes: tuple[int, int, int] = NUMBERS_SIZES) ->
 
 
 # ----------------------------------------------------------------------------- files and TFDS
-def read_tsv(path: str, max_malformed_fraction: float = sources.MAX_MALFORMED_FRACTION) -> list[Pair]:
-  """`source<TAB>target` lines -> pairs, both sides stripped; blank lines are skipped.
+def read_tsv(path: str, max_malformed_fraction: float = sources.MAX_MALFORMED_FRACTION,
+             header: bool = False) -> list[Pair]:
+  """`source<TAB>target` lines -> pairs, both sides stripped; blank lines are skipped, and the first
+  line too with `header` (sources.read_lines).
 
   Malformed lines (not two fields, an empty side) are skipped and counted, or stop the run with a
   DataError when they are more than `max_malformed_fraction` of the non-blank lines.
   """
-  lines, path = sources.read_lines(path, 'source<TAB>target')
+  lines, path = sources.read_lines(path, 'source<TAB>target', header)
   pairs, malformed = [], []
   for number, line in lines:
-    fields = [field.strip() for field in line.split('\t')]
+    fields = sources.tsv_fields(line)
     if len(fields) != 2:
       malformed.append((number, f'{len(fields)} tab-separated fields, not source<TAB>target'))
     elif not fields[0] or not fields[1]:
@@ -189,7 +192,7 @@ def _carve(source: str, held_out: tuple[str, ...], data_config, seed: int) -> di
     own = {'valid': numbers.validation, 'test': numbers.test}
     return {'train': Part(numbers.train, origin), **{role: Part(own[role], origin) for role in held_out}}
   if kind == 'tsv':
-    pairs = read_tsv(argument, sources.max_malformed_fraction(data_config))
+    pairs = read_tsv(argument, **sources.tsv_options(data_config))
     if not held_out:
       return {'train': Part(pairs, f'{source}, whole (data.source)')}
     parts = dict(zip(sources.ROLES, sources.deterministic_split([f'{s}\t{t}' for s, t in pairs], TSV_FRACTIONS,
@@ -222,7 +225,7 @@ def _read_whole(source: str, role: str, data_config, seed: int) -> list[Pair]:
     numbers = _numbers(data_config, seed, train=False)
     return numbers.validation if role == 'valid' else numbers.test
   if kind == 'tsv':
-    return read_tsv(argument, sources.max_malformed_fraction(data_config))
+    return read_tsv(argument, **sources.tsv_options(data_config))
   if kind == 'tfds':
     name, split = sources.split_tfds_source(argument, sources.TFDS_SPLITS[role])
     return tfds_pairs(name, split, *language_pair(name, data_config))

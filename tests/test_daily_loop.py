@@ -1,9 +1,12 @@
 """The daily loop: early stopping and the best checkpoint, the wall-clock budget, one training per
-workdir, Ctrl-C and interrupted setups, broken checkpoints, metrics after a resume, Weights &
-Biases (offline), long predict inputs."""
+workdir, Ctrl-C and interrupted setups, broken checkpoints, a full disk, metrics after a resume,
+Weights & Biases (offline), long predict inputs."""
+import errno
 import glob
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -167,6 +170,39 @@ def test_a_broken_latest_checkpoint_is_skipped_and_metrics_are_not_repeated(corp
   assert starts == [11], starts
 
 
+def test_a_full_disk_during_a_checkpoint_is_one_error_and_the_rerun_resumes_from_the_last_intact_step(
+    corpus, tmp_path, monkeypatch, capfd, caplog):
+  from errors import UserError
+  from orbax.checkpoint._src.path import async_path  # writes the commit marker, where a real disk filled
+  workdir = str(tmp_path / 'run')
+  real_write_text = async_path.write_text
+
+  async def disk_full_in_step_4(path, text):
+    if path.parent.name == '4.orbax-checkpoint-tmp' and path.name == 'commit_success.txt':
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return await real_write_text(path, text)
+
+  monkeypatch.setattr(async_path, 'write_text', disk_full_in_step_4)
+  config = tiny(corpus, **{'train.steps': 4, 'train.checkpoint_every': 2, 'train.async_checkpoints': True})
+  with pytest.raises(UserError) as error:  # raised in a background thread of Orbax, as on a real disk
+    train_and_evaluate(config, workdir)
+  message = str(error.value)
+  assert '\n' not in message, message
+  assert message.startswith(f'No space left on device: the checkpoint of step 4 could not be written to '
+                            f'{workdir}/checkpoints ('), message
+  assert re.search(r'The run needs about [0-9.]+ MB there \(5 checkpoints of [0-9.]+ MB: train.keep_checkpoints=3, '
+                   r'the best one, the one being written\)', message), message
+  assert message.endswith('the last intact checkpoint is step 2, where rerunning the same command resumes.'), message
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # Orbax's threads log theirs
+  assert os.listdir(f'{workdir}/checkpoints') == ['2']  # the half-written step 4 is gone
+  # TensorStore's form of the same error (the arrays' writes) has no errno, only the text.
+  assert ckpt.disk_full_reason(ValueError("RESOURCE_EXHAUSTED: Failed to write 12461 bytes to file 8: No space left on "
+                                          "device [os_error_code='28']")) == 'No space left on device'
+  monkeypatch.undo()
+  assert train_and_evaluate(config, workdir)['step'] == 4
+  assert 'Resumed from the checkpoint at step 2' in capfd.readouterr().out
+
+
 def tensorboard_events(directory: str) -> list:
   """Every event of the event files in `directory` (TFRecord framing: length, its CRC, the record, its CRC)."""
   import struct
@@ -228,10 +264,16 @@ def test_predict_says_when_an_input_is_cut_to_the_window(corpus, tmp_path):
   train_and_evaluate(tiny(corpus, **{'train.steps': 2}), workdir)
   lines = tmp_path / 'lines.txt'
   lines.write_text('alpha beta\n' + 'gamma ' * 2000 + '\n')
-  result = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={lines}'])
+  output = tmp_path / 'new' / 'folder' / 'outputs.jsonl'  # its directory is made before the decoding
+  result = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={lines}', f'--output={output}'])
   assert result.returncode == 0, result.stderr[-2000:]
   notes = [line for line in result.stderr.splitlines() if line.startswith('note:')]
   assert len(notes) == 1 and 'input 2 has 12000 tokens; the model read only its last 48' in notes[0], notes
+  assert [json.loads(line) for line in output.read_text().splitlines()] == support.last_json(result.stdout)['outputs']
+  refused = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={lines}', f'--output={tmp_path}'])
+  assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+      f'error: --output={tmp_path} is a directory; name a file in it, e.g. --output={tmp_path}/predictions.jsonl.']
+  assert '>>>' not in refused.stdout  # refused before decoding
 
   # Predict inputs follow the data files' rule, from a file and from stdin alike: UTF-8, or one line
   # naming the input, line and byte.

@@ -235,6 +235,51 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
   assert translation.read_tsv(str(path)) == [('hello', 'bonjour')]
 
 
+def test_a_directory_is_named_as_such_not_as_missing(tmp_path):
+  with pytest.raises(sources.DataError) as error:
+    translation.read_tsv(str(tmp_path))
+  assert str(error.value) == (f'tsv:{tmp_path} is a directory; tsv: reads one file: name a file of '
+                              f'source<TAB>target lines in it.')
+
+
+def test_gzipped_tsv_files_are_read_whatever_their_name(tmp_path):
+  import gzip
+  pairs = ['hello\tbonjour', 'caf\u00e9\tcaf\u00e9']
+  for name in ('pairs.tsv.gz', 'pairs.tsv'):  # known by gzip's magic bytes, not only by the suffix
+    (tmp_path / name).write_bytes(gzip.compress(''.join(f'{p}\n' for p in pairs).encode()))
+    assert translation.read_tsv(str(tmp_path / name)) == [('hello', 'bonjour'), ('caf\u00e9', 'caf\u00e9')]
+  (tmp_path / 'cut.tsv.gz').write_bytes(gzip.compress(b'hello\tbonjour\n' * 100)[:30])
+  with pytest.raises(sources.DataError, match='cut.tsv.gz is gzip-compressed but does not decompress'):
+    translation.read_tsv(str(tmp_path / 'cut.tsv.gz'))
+
+
+def test_empty_fields_at_the_end_of_each_line_are_not_fields(tmp_path):
+  pairs = write(tmp_path / 'pairs.tsv', ['hello\tbonjour\t', 'cat\tchat\t\t', 'empty\t\t'])
+  with pytest.raises(sources.DataError, match=r'1 of 3 lines are malformed.*\(line 3: empty target\)'):
+    translation.read_tsv(pairs)
+  assert translation.read_tsv(pairs, max_malformed_fraction=0.5) == [('hello', 'bonjour'), ('cat', 'chat')]
+  labelled = write(tmp_path / 'labelled.tsv', ['a text\tsport\t', 'another\ttech\t', 'a\tb\tpair\t'])
+  examples = classification.read_tsv(labelled, max_malformed_fraction=0.5)
+  assert [(e.text, e.label) for e in examples] == [('a text', 'sport'), ('another', 'tech')]
+
+
+def test_a_header_line_is_skipped_when_asked_and_warned_about_when_not(tmp_path, capsys):
+  path = write(tmp_path / 'pairs.tsv', ['source\ttarget', 'hello\tbonjour', 'cat\tchat'])
+  assert translation.read_tsv(path)[0] == ('source', 'target')
+  assert capsys.readouterr().out == (f"WARNING: tsv:{path}: the first line ('source\\ttarget') looks like a header "
+                                     f'of column names and is read as data; pass --config.data.tsv_header=True to '
+                                     f'skip it.\n')
+  splits = translation.load_pairs(data_config(source=f'tsv:{path}', eval_source=f'tsv:{path}', tsv_header=True), 0)
+  assert splits.train == splits.validation == [('hello', 'bonjour'), ('cat', 'chat')]
+  assert 'WARNING' not in capsys.readouterr().out
+  for first in ('en\tes', 'text\tlabel', 'sentence1\tsentence2\tlabel'):
+    assert sources.looks_like_header(first), first
+  for first in ('hello\tbonjour', 'the cat\tanimal', 'text\t', 'go\tgo now'):
+    assert not sources.looks_like_header(first), first
+  labelled = write(tmp_path / 'labelled.tsv', ['text\tlabel', 'a text\tsport'])
+  assert [e.label for e in classification.read_source(f'tsv:{labelled}', data_config(tsv_header=True))] == ['sport']
+
+
 # ----------------------------------------------------------------------------- examples longer than seq_len
 def test_long_pairs_are_counted_dropped_in_training_and_truncated_in_evaluation(capsys):
   tokenizer = CharTokenizer.train(['abcdefghij'])

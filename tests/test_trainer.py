@@ -200,6 +200,15 @@ def test_unknown_key_and_wrong_type_are_rejected(corpus, tmp_path):
   assert not os.path.exists(tmp_path / 'preset')
 
 
+def test_a_missing_config_file_is_one_line(tmp_path):
+  result = support.launch(['--config=configs/nope.py', f'--workdir={tmp_path}/run'])
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+      'error: --config=configs/nope.py: configs/nope.py does not exist. Name a config file, one of configs/'
+      '{attention_pooling.py,bert.py,classifier.py,default.py,gpt.py,rnn_lm.py,seq2seq.py,transformer.py} with an '
+      'optional :preset, e.g. --config=configs/gpt.py:tiny.'], result.stderr[-2000:]
+  assert not os.path.exists(tmp_path / 'run')
+
+
 def test_bad_data_fails_clearly_and_leaves_no_workdir(tmp_path):
   empty = tmp_path / 'empty'
   empty.mkdir()

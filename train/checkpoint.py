@@ -18,11 +18,16 @@ devices reloads on 1 (or the reverse).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
+import shutil
 import sys
+import threading
+import time
 from typing import Any
 
 import jax
@@ -45,6 +50,55 @@ class CheckpointError(UserError):
   """A missing, corrupt or incompatible checkpoint; the message names the fix."""
 
 
+class DiskFullError(CheckpointError):
+  """The disk (or the user's quota) filled while a checkpoint was written; earlier ones are intact."""
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# TensorStore (the arrays) reports a full disk as ValueError('RESOURCE_EXHAUSTED: ... No space left on
+# device [os_error_code=28]'), without an errno: its text is matched too.
+_DISK_FULL_TEXTS = tuple(os.strerror(code) for code in _DISK_FULL_ERRNOS)
+
+
+def disk_full_reason(error: BaseException | None) -> str | None:
+  """'No space left on device' or 'Disk quota exceeded' when `error`, or an exception it was raised
+  from or while handling, is a full disk or quota; else None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
+      return os.strerror(error.errno)
+    reason = next((text for text in _DISK_FULL_TEXTS if text in str(error)), None)
+    if reason:
+      return reason
+    error = error.__cause__ or error.__context__
+  return None
+
+
+class _NoDiskFullTracebacks(logging.Filter):
+  """Orbax's save threads log a full disk with a traceback each (129 of them in one run); the
+  Checkpointer raises it in the main thread as one DiskFullError instead."""
+
+  def filter(self, record):
+    error = record.exc_info[1] if record.exc_info else None
+    return not (disk_full_reason(error) or any(text in record.getMessage() for text in _DISK_FULL_TEXTS))
+
+
+def _without_closed_loop_callbacks(previous_hook):
+  """sys.unraisablehook, less the "Event loop is closed" errors of TensorStore writes that finish after
+  the save they belong to failed (a full disk): Orbax closed that save's event loop on the first
+  failure, and the failure itself is raised by the save (on a 1 MB disk, 29 tracebacks of 6 lines)."""
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == 'Event loop is closed'):
+      previous_hook(unraisable)
+
+  return hook
+
+
+sys.unraisablehook = _without_closed_loop_callbacks(sys.unraisablehook)
+
+
 class _NoMissingMetricsWarning(logging.Filter):
   """Steps saved between evaluations (and on preemption) have no metrics by design."""
 
@@ -53,6 +107,7 @@ class _NoMissingMetricsWarning(logging.Filter):
 
 
 logging.getLogger('absl').addFilter(_NoMissingMetricsWarning())
+logging.getLogger('absl').addFilter(_NoDiskFullTracebacks())
 
 
 def _replica_parallel_saving_only_for_large_slices(min_bytes: int = 2**20) -> None:
@@ -96,6 +151,9 @@ class Checkpointer:
     if train_config is not None:
       best_metric, best_mode = train_config.best_metric, train_config.best_mode
     self.best_metric, self.best_mode = best_metric, best_mode
+    self.keep = train_config.keep_checkpoints if train_config is not None else None
+    self._in_flight: int | None = None  # the step of the newest save, whose writes may still run
+    self._saved_bytes = 0  # the array bytes of that save
     if not read_only and train_config is not None:
       policies.append(ocp.checkpoint_managers.LatestN(n=train_config.keep_checkpoints))
       policies.append(ocp.checkpoint_managers.BestN(
@@ -170,11 +228,17 @@ class Checkpointer:
     self.manager.reload()
 
   def save(self, step: int, model_state, opt_state, data_state: dict, metrics: dict | None = None) -> None:
+    """Start writing the checkpoint of `step` (asynchronously when train.async_checkpoints). A full
+    disk, here or in the previous save's background writes, raises DiskFullError."""
+    self.wait()  # the previous save's failure is reported as that save's
+    self._in_flight = step
+    self._saved_bytes = sum(getattr(leaf, 'nbytes', 0) for leaf in jax.tree.leaves((model_state, opt_state)))
     if metrics is not None:
       metrics = {**metrics, 'data_since': self.data_since}
-    self.manager.save(step, args=ocp.args.Composite(
-        model=ocp.args.StandardSave(model_state), optimizer=ocp.args.StandardSave(opt_state),
-        data=ocp.args.JsonSave(data_state)), metrics=metrics, force=True)
+    with self._disk_full_as_error():
+      self.manager.save(step, args=ocp.args.Composite(
+          model=ocp.args.StandardSave(model_state), optimizer=ocp.args.StandardSave(opt_state),
+          data=ocp.args.JsonSave(data_state)), metrics=metrics, force=True)
 
   def restore(self, step: int, abstract_model, abstract_opt=None) -> dict[str, Any]:
     """Restore `model` (and `optimizer` and `data` when `abstract_opt` is given) at `step`."""
@@ -191,10 +255,61 @@ class Checkpointer:
           f'Use the config the run was trained with (its config.json), or a fresh --workdir.') from e
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    with self._disk_full_as_error():
+      self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.close()
+    with self._disk_full_as_error():
+      self.manager.close()
+
+  @contextlib.contextmanager
+  def _disk_full_as_error(self):
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001 - Orbax re-raises its threads' OSError / TensorStore ValueError
+      reason = disk_full_reason(e)
+      if reason is None:
+        raise
+      raise DiskFullError(self._disk_full_message(reason)) from e
+
+  def _disk_full_message(self, reason: str) -> str:
+    """What filled, where, how much the run needs there, and the step a rerun resumes from; the
+    half-written checkpoint is removed first (its space is free again and no resume may read it)."""
+    _join_orbax_threads()
+    if jax.process_index() == 0:
+      for unfinished in ocp.path.step.all_temporary_paths(self.directory):
+        unfinished.get().rmtree(missing_ok=True)
+    self.manager.reload()
+    last = self.manager.latest_step()
+    each = _tree_bytes(self.directory / str(last)) if last is not None else self._saved_bytes
+    count = self.keep + 2  # the latest train.keep_checkpoints, the best one, the one being written
+    free = '' if storage.is_remote(self.directory) else f' ({_size(shutil.disk_usage(self.directory).free)} free)'
+    resume = (f'the last intact checkpoint is step {last}, where rerunning the same command resumes' if last is not None
+              else 'no checkpoint is complete yet, so a rerun starts from step 0')
+    return (f'{reason}: the checkpoint of step {self._in_flight} could not be written to {self.directory}{free}. '
+            f'The run needs about {_size(count * each)} there ({count} checkpoints of {_size(each)}: '
+            f'train.keep_checkpoints={self.keep}, the best one, the one being written): free space or lower '
+            f'train.keep_checkpoints. Nothing half-written is left; {resume}.')
+
+
+def _join_orbax_threads(timeout_s: float = 60) -> None:
+  """Wait for Orbax's background threads (at most `timeout_s` in all). Orbax raises the first failure
+  of a save while the save's other writes still run: without this they write into the directory
+  after it was cleaned, and log tracebacks at exit."""
+  deadline = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and type(thread).__module__.startswith('orbax.'):
+      with contextlib.suppress(Exception):  # Orbax's threads re-raise their error: the save's, reported already
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _tree_bytes(directory) -> int:
+  """Bytes of the files under `directory` (epath globs no `**`)."""
+  return sum(_tree_bytes(p) if p.is_dir() else p.stat().length for p in directory.iterdir())
+
+
+def _size(num_bytes: int) -> str:
+  return f'{num_bytes / 2**30:.1f} GB' if num_bytes >= 2**30 else f'{num_bytes / 2**20:.1f} MB'
 
 
 def save_config(config, workdir: str, data_history: list[dict] | None = None) -> None:
