@@ -33,6 +33,8 @@ CONFIG_KEYS = (
 _IGNORED = ('lm_head.weight',)
 _IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')
 QKV = ('query', 'key', 'value')  # their order in c_attn
+# What a GPT needs to be a GPT2LMHeadModel (besides one key/value head per query head).
+GPT2_STEPS = {'positions': 'learned', 'norm': 'layernorm', 'mlp': 'gelu', 'use_bias': True, 'tie_embeddings': True}
 
 
 class ImportedGPT2(NamedTuple):
