@@ -153,7 +153,7 @@ def export_llama(model: GPT, tokenizer, out_dir: str) -> dict:
     rope = rope_parameters(config)
     write_json(staging, 'config.json', {
         'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **fields_to_hf(config, CONFIG_KEYS),
-        'num_key_value_heads': config.kv_heads, 'head_dim': config.width // config.num_heads, 'hidden_act': 'silu',
+        'intermediate_size': config.mlp_width, 'num_key_value_heads': config.kv_heads, 'head_dim': config.width // config.num_heads, 'hidden_act': 'silu',
         'attention_bias': config.use_bias, 'mlp_bias': config.use_bias, 'attention_dropout': config.dropout,
         'rope_parameters': rope, 'rope_theta': config.rope_theta,  # transformers 5; 4 reads these two:
         'rope_scaling': None if config.rope_scaling == 'none' else rope,
