@@ -4,7 +4,7 @@
   python launch.py --config=configs/gpt.py:tiny --config.train.steps=50 --workdir=runs/try
   python launch.py --mode=eval --workdir=runs/try             # metrics of the latest checkpoint
   echo 'def main():' | python launch.py --mode=predict --workdir=runs/try --input=-
-  python launch.py --config=configs/gpt.py:gpt2 --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2
+  python launch.py --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2   # family from its config.json
   python launch.py --mode=export_hf --workdir=runs/try --hf_dir=hf/try   # GPT/BERT run -> transformers directory
   python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
