@@ -3,6 +3,7 @@ transformers' frequencies, grouped-query attention against repeated K/V heads, m
 bit), packing and cached decoding against the plain forward, the presets' parameter counts, and
 Hugging Face parity: a random LlamaForCausalLM imported through launch.py (no --config), its logits
 and greedy generation, its export (byte-identical tensors) and the export of a run trained here."""
+import functools
 import json
 import os
 
@@ -86,15 +87,24 @@ def test_grouped_query_attention_equals_attention_over_repeated_heads_on_each_pa
   np.testing.assert_allclose(grouped_weights, weights, atol=1e-7)  # the einsum path's [B, H, Lq, Lk]
 
 
-def test_splash_takes_grouped_heads():
+def test_splash_takes_grouped_heads_alone_and_split_over_a_mesh():
+  from train import sharding
   rng = np.random.default_rng(1)
-  q = jnp.asarray(rng.normal(size=(1, 128, 4, 16)), jnp.float32)
-  k, v = (jnp.asarray(rng.normal(size=(1, 128, 2, 16)), jnp.float32) for _ in range(2))
-  segments = jnp.asarray(np.repeat([1, 2], [50, 78])[None], jnp.int32)
-  mask = attention.AttentionMask(causal=True, query_segment_ids=segments, key_segment_ids=segments)
-  out, weights = attention.dot_product_attention(q, k, v, mask, implementation='splash')
-  assert weights is None  # the kernel ran
-  expected, _ = attention.dot_product_attention(q, k, v, mask)
+  q = jnp.asarray(rng.normal(size=(4, 128, 4, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(4, 128, 2, 16)), jnp.float32) for _ in range(2))
+  segments = jnp.asarray(np.repeat([1, 2], [50, 78])[None].repeat(4, 0), jnp.int32)
+
+  def attend(implementation, q, k, v):
+    mask = attention.AttentionMask(causal=True, query_segment_ids=segments[:len(q)], key_segment_ids=segments[:len(q)])
+    return attention.dot_product_attention(q, k, v, mask, implementation=implementation)[0]
+
+  expected = attend('xla', q, k, v)
+  # One row alone: the outputs, and the multi-query kernel's backward per K/V head.
+  assert max_difference(attend('splash', q[:1], k[:1], v[:1]), expected[:1]) < 1e-5
+  key_grad = lambda implementation: jax.grad(lambda k: jnp.sum(jnp.sin(attend(implementation, q[:1], k, v[:1]))))(k[:1])
+  assert max_difference(key_grad('splash'), key_grad('xla')) < 1e-4
+  with jax.set_mesh(sharding.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})):  # 2 KV heads over tensor=2
+    out = jax.jit(functools.partial(attend, 'splash'))(q, k, v)
   assert max_difference(out, expected) < 1e-5
 
 
@@ -196,6 +206,8 @@ def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_lla
   _, hf_model = hf_llama
   run = load_run(imported_run)
   assert run.config.family == 'gpt' and run.model.config.kv_heads == 2 and not run.model.config.tie_embeddings
+  # config.json describes the checkpoint (not the `llama` preset the import started from).
+  assert (run.config.model.num_kv_heads, run.config.model.width, run.config.model.rope_scaling) == (2, 32, 'llama3')
   vocab = hf_model.config.vocab_size
   tokens = np.random.default_rng(0).integers(0, vocab, (2, 20))
   with torch.no_grad():
