@@ -57,7 +57,8 @@ def test_rope_frequencies_are_transformers_and_the_rotation_matches_numpy():
   segments = np.array([[1, 1, 1, 1, 2, 2, 2]])
   mask = attention.AttentionMask(causal=True, query_segment_ids=jnp.asarray(segments),
                                  key_segment_ids=jnp.asarray(segments))
-  out, _ = layer(jnp.asarray(x), mask=mask, positions=jnp.asarray(positions))
+  out = nnx.jit(lambda layer, *args: layer(args[0], mask=args[1], positions=args[2])[0])(
+      layer, jnp.asarray(x), mask, jnp.asarray(positions))
 
   inv_freq = 10000.0 ** (-np.arange(0, 8, 2) / 8)
   def heads(linear):
@@ -122,17 +123,20 @@ def test_cached_greedy_decoding_and_packing_agree_with_the_plain_forward():
   tokens, valid = decoding.left_pad(prompts, pad_id=0)
   out, _ = generate(model, tokens, valid, jax.random.key(0), max_new_tokens=6, temperature=0.0, top_k=0,
                     top_p=1.0, eos_id=None, pad_id=0)
-  forward = nnx.jit(lambda m, t: m(t)[0])
-  for row, prompt in zip(np.asarray(out).tolist(), prompts):
-    sequence = prompt + row
-    logits = forward(model, jnp.asarray([sequence]))
-    assert row == np.asarray(jnp.argmax(logits[0, len(prompt) - 1:-1], -1)).tolist()
+  # Each prompt and its continuation in one uncached forward (right-padded: causal rows ignore the padding).
+  sequences = [prompt + row for prompt, row in zip(prompts, np.asarray(out).tolist())]
+  padded = jnp.asarray([sequence + [0] * (13 - len(sequence)) for sequence in sequences])
+  logits = np.asarray(nnx.jit(lambda m, t: m(t)[0])(model, padded))
+  for row, prompt, row_logits in zip(np.asarray(out).tolist(), prompts, logits):
+    assert row == row_logits[len(prompt) - 1:len(prompt) + 5].argmax(-1).tolist()
   # Two sequences packed in one row (positions restarting, segment ids) = each on its own.
   first, second = [4, 9, 2, 7, 1], [8, 3, 6]
-  packed = nnx.jit(lambda m, t, p, s: m(t, positions=p, segment_ids=s)[0])(
-      model, jnp.asarray([first + second]), jnp.asarray([[0, 1, 2, 3, 4, 0, 1, 2]]), jnp.asarray([[1] * 5 + [2] * 3]))
-  alone = np.concatenate([forward(model, jnp.asarray([first])), forward(model, jnp.asarray([second]))], axis=1)
-  assert max_difference(packed, alone) < 1e-5
+  rows = {'tokens': [first + second, first + [0] * 3, second + [0] * 5],  # packed, then each alone
+          'positions': [[0, 1, 2, 3, 4, 0, 1, 2], list(range(8)), list(range(8))],
+          'segment_ids': [[1] * 5 + [2] * 3, [1] * 8, [1] * 8]}
+  logits = nnx.jit(lambda m, rows: m(rows['tokens'], positions=rows['positions'], segment_ids=rows['segment_ids'])[0])(
+      model, {name: jnp.asarray(value) for name, value in rows.items()})
+  assert max_difference(logits[0], np.concatenate([logits[1, :5], logits[2, :3]])) < 1e-5
 
 
 def test_presets_have_the_published_parameter_counts():

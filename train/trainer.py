@@ -648,10 +648,11 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
 def _with_model_of(config, model_config):
   """A copy of `config` whose `model.*` keys hold the imported model's values (runtime fields
   aside), so that its config.json describes the checkpoint and a resume resolves the same model
-  whatever preset the import started from."""
+  whatever preset the import started from; `data.seq_len` is capped at the model's positions."""
   config = config.copy_and_resolve_references()
   with config.unlocked():
     for field in dataclasses.fields(model_config):
       if field.name in config.model and field.name not in RUNTIME_FIELDS:
         config.model[field.name] = getattr(model_config, field.name)
+    config.data.seq_len = min(config.data.seq_len, config.model.get('max_len', config.data.seq_len))
   return config
