@@ -205,6 +205,17 @@ def imported_run(hf_llama, tmp_path_factory):
   return workdir
 
 
+def test_import_with_another_family_config_is_a_one_line_error(hf_llama, tmp_path):
+  directory, _ = hf_llama
+  result = support.launch(['--config=configs/bert.py:tiny', '--mode=import_hf', f'--hf_dir={directory}',
+                           f'--workdir={tmp_path / "run"}'])
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [
+      f"error: {directory} holds a 'llama' model, which configs/gpt.py imports, not the 'bert' config given; drop "
+      f"--config (it follows from config.json) or pass --config=configs/gpt.py."]
+  assert not os.path.exists(tmp_path / 'run')
+
+
 def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_llama, imported_run):
   from train.checkpoint import load_run
   _, hf_model = hf_llama
@@ -253,7 +264,9 @@ def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, 
   assert type(exported).__name__ == 'LlamaForCausalLM'
   tokens = torch.tensor(np.random.default_rng(1).integers(0, hf_model.config.vocab_size, (2, 16)))
   with torch.no_grad():
-    assert max_difference(exported(tokens).logits, hf_model(tokens).logits) < 1e-4
+    difference = max_difference(exported(tokens).logits, hf_model(tokens).logits)
+  print(f'\nLlama logits (import -> export, AutoModelForCausalLM): max |exported - original| = {difference:.2e}')
+  assert difference < 1e-4
 
 
 def test_trained_scanned_sharded_llama_exports_to_transformers(tmp_path):
