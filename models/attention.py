@@ -22,7 +22,8 @@ Implementations (`model.attention`):
             On other backends the kernel runs in Pallas's interpreter: for tests, slow.
   'auto'    resolved per backend and dtype by `default_attention_implementation`.
 
-Shape legend: B batch, Lq / Lk query / key length, H heads, D head width, E model width.
+Shape legend: B batch, Lq / Lk query / key length, H heads, K key/value heads (K = H but for
+grouped-query attention, where K divides H), D head width, E model width.
 Boolean masks are True where attention is allowed and broadcast against [B, H, Lq, Lk].
 """
 from __future__ import annotations
