@@ -122,6 +122,15 @@ def numpy_params(model: nnx.Module) -> dict:
   return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
+def unscanned_params(model: nnx.Module) -> dict:
+  """`numpy_params` of a GPT, a scanned one's [num_layers, ...] block stacks split into one
+  'blocks' entry per layer, as an unscanned GPT holds them (HF files have one tensor per layer)."""
+  params = numpy_params(model)
+  if model.config.scan_layers:
+    params['blocks'] = {i: jax.tree.map(lambda x, i=i: x[i], params['blocks']) for i in range(model.config.num_layers)}
+  return params
+
+
 def to_hf_tensors(params: dict, names: list[TensorName]) -> dict[str, np.ndarray]:
   """{HF name: array in HF's layout} from a `numpy_params` dict."""
   _check_covers(params, names)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 from flax import nnx
 
 from data.tokenizers import HFTokenizer
 from interop.common import (HFExportError, TensorName, fields_from_hf, fields_to_hf, linear_names, load_tensors,
-                            numpy_params, output_directory, read_hf_config, read_tensors, to_hf_tensors, write_json,
+                            output_directory, read_hf_config, read_tensors, to_hf_tensors, unscanned_params, write_json,
                             write_safetensors, write_tokenizer)
 from interop.hf_gpt2 import read_hf_tokenizer
 from models.gpt import GPT, GPT2Config
@@ -31,11 +30,12 @@ from models.gpt import GPT, GPT2Config
 CONFIG_KEYS = (
     ('vocab_size', 'vocab_size', None), ('max_position_embeddings', 'max_len', None),
     ('num_hidden_layers', 'num_layers', None), ('num_attention_heads', 'num_heads', None),
-    ('hidden_size', 'width', None), ('intermediate_size', 'mlp_hidden', None), ('rms_norm_eps', 'layer_norm_epsilon', 1e-6),
-    ('tie_word_embeddings', 'tie_embeddings', False))
+    ('hidden_size', 'width', None), ('intermediate_size', 'mlp_hidden', None),
+    ('rms_norm_eps', 'layer_norm_epsilon', 1e-6), ('tie_word_embeddings', 'tie_embeddings', False))
 # Llama 3's rope_scaling entries: (HF key, GPT2Config field).
 LLAMA3_KEYS = (('factor', 'rope_factor'), ('low_freq_factor', 'rope_low_freq_factor'),
-               ('high_freq_factor', 'rope_high_freq_factor'), ('original_max_position_embeddings', 'rope_original_max_len'))
+               ('high_freq_factor', 'rope_high_freq_factor'),
+               ('original_max_position_embeddings', 'rope_original_max_len'))
 # What a GPT needs to be a LlamaForCausalLM (the other steps are options of both).
 LLAMA_STEPS = {'positions': 'rope', 'norm': 'rmsnorm', 'mlp': 'swiglu'}
 PROJECTIONS = (('q_proj', 'query'), ('k_proj', 'key'), ('v_proj', 'value'), ('o_proj', 'out'))
@@ -146,14 +146,12 @@ def export_llama(model: GPT, tokenizer, out_dir: str) -> dict:
   if mismatched:
     raise HFExportError(f'A LlamaForCausalLM needs {LLAMA_STEPS}; this GPT has {mismatched}.')
   with output_directory(out_dir) as staging:
-    params = numpy_params(model)
-    if config.scan_layers:  # [num_layers, ...] stacks -> one entry per layer, as unscanned
-      params['blocks'] = {i: jax.tree.map(lambda x, i=i: x[i], params['blocks']) for i in range(config.num_layers)}
-    tensors = to_hf_tensors(params, tensor_names(config))
+    tensors = to_hf_tensors(unscanned_params(model), tensor_names(config))
     rope = rope_parameters(config)
     write_json(staging, 'config.json', {
         'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **fields_to_hf(config, CONFIG_KEYS),
-        'intermediate_size': config.mlp_width, 'num_key_value_heads': config.kv_heads, 'head_dim': config.width // config.num_heads, 'hidden_act': 'silu',
+        'intermediate_size': config.mlp_width, 'num_key_value_heads': config.kv_heads,
+        'head_dim': config.width // config.num_heads, 'hidden_act': 'silu',
         'attention_bias': config.use_bias, 'mlp_bias': config.use_bias, 'attention_dropout': config.dropout,
         'rope_parameters': rope, 'rope_theta': config.rope_theta,  # transformers 5; 4 reads these two:
         'rope_scaling': None if config.rope_scaling == 'none' else rope,

@@ -73,7 +73,8 @@ def generate(args, torch, model):
       start = time.perf_counter()
       run()
       rates.append(batch * args.new / (time.perf_counter() - start))
-    print(json.dumps({'bench': 'hf_llama_generate', 'batch': batch, 'new_tokens_per_s': round(statistics.median(rates), 1),
+    print(json.dumps({'bench': 'hf_llama_generate', 'batch': batch,
+                      'new_tokens_per_s': round(statistics.median(rates), 1),
                       'new_tokens_per_s_min_max': [round(min(rates), 1), round(max(rates), 1)],
                       'prompt_len': args.prompt, 'new_tokens': args.new, 'attn': args.attn,
                       'threads': torch.get_num_threads(), 'torch': torch.__version__}), flush=True)
