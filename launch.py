@@ -4,7 +4,7 @@
   python launch.py --config=configs/gpt.py:tiny --config.train.steps=50 --workdir=runs/try
   python launch.py --mode=eval --workdir=runs/try             # metrics of the latest checkpoint
   echo 'def main():' | python launch.py --mode=predict --workdir=runs/try --input=-
-  python launch.py --config=configs/gpt.py:gpt2 --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2
+  python launch.py --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2   # family from its config.json
   python launch.py --mode=export_hf --workdir=runs/try --hf_dir=hf/try   # GPT/BERT run -> transformers directory
   python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
@@ -42,14 +42,34 @@ def _flag_value(argv, name: str) -> str | None:
   return value
 
 
-def _with_config_file(argv: list[str]) -> list[str]:
-  """argv with an explicit `--config=` when `--config.*` overrides come without one.
+# --mode=import_hf without --config: the config of the HF directory's config.json `model_type`.
+HF_IMPORT_CONFIGS = {'gpt2': 'configs/gpt.py:gpt2', 'llama': 'configs/gpt.py:llama', 'bert': 'configs/bert.py:base'}
 
-  eval/predict: `configs/run.py:<workdir>`, so that the overrides are checked against (and applied
-  to) the run's own config.json instead of configs/default.py. Other modes: the default file,
-  named, so that the overrides are parsed (and their mistakes reported) by `parse_flags`.
+
+def hf_model_type(hf_dir: str | None) -> str | None:
+  """The `model_type` of hf_dir/config.json; None when there is no readable one."""
+  try:
+    with open(os.path.join(hf_dir or '', 'config.json')) as f:
+      return json.load(f).get('model_type')
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def _with_config_file(argv: list[str]) -> list[str]:
+  """argv with an explicit `--config=` when none is given but one follows from the others.
+
+  import_hf: the family (and its full-size preset) of the HF directory's model_type
+  (HF_IMPORT_CONFIGS). eval/predict with `--config.*` overrides: `configs/run.py:<workdir>`, so that
+  the overrides are checked against (and applied to) the run's own config.json instead of
+  configs/default.py. Other modes with overrides: the default file, named, so that the overrides
+  are parsed (and their mistakes reported) by `parse_flags`.
   """
-  if _flag_value(argv, 'config') is not None or not any(re.match(r'--(no)?config\.', a) for a in argv):
+  if _flag_value(argv, 'config') is not None:
+    return list(argv)
+  import_config = HF_IMPORT_CONFIGS.get(hf_model_type(_flag_value(argv, 'hf_dir')))
+  if _flag_value(argv, 'mode') == 'import_hf' and import_config:
+    return [argv[0], f'--config={import_config}', *argv[1:]]
+  if not any(re.match(r'--(no)?config\.', a) for a in argv):
     return list(argv)
   if _flag_value(argv, 'mode') in ('eval', 'predict') and _flag_value(argv, 'workdir'):
     return [argv[0], f'--config=configs/run.py:{_flag_value(argv, "workdir")}', *argv[1:]]
@@ -184,6 +204,7 @@ def main(argv):
   elif mode == 'import_hf':
     if not FLAGS.hf_dir:
       raise app.UsageError('--mode=import_hf needs --hf_dir=DIR (config.json + weights).')
+    check_import_family(FLAGS.hf_dir, FLAGS.config.family)
     results = trainer.import_hf_run(FLAGS.config, FLAGS.hf_dir, workdir)
     print(json.dumps({'mode': 'import_hf', 'workdir': workdir, **_jsonable(results)}), flush=True)
   elif mode == 'export_hf':
@@ -201,6 +222,20 @@ def main(argv):
     results = run_benchmark(FLAGS.config, steps=FLAGS.bench_steps, profile_dir=FLAGS.bench_profile,
                             decode=FLAGS.bench_decode)
     print(json.dumps(_jsonable(results)), flush=True)
+
+
+def check_import_family(hf_dir: str, family: str) -> None:
+  """UserError unless hf_dir's model_type is one `family` imports (when config.json says)."""
+  model_type = hf_model_type(hf_dir)
+  if model_type is None:
+    return  # no readable config.json: the importer reports what is missing
+  if model_type not in HF_IMPORT_CONFIGS:
+    raise UserError(f'{hf_dir}/config.json has model_type={model_type!r}; import_hf reads '
+                    f'{sorted(HF_IMPORT_CONFIGS)} directories.')
+  expected = HF_IMPORT_CONFIGS[model_type].split(':')[0]
+  if expected != f'configs/{family}.py':
+    raise UserError(f'{hf_dir} holds a {model_type!r} model, which {expected} imports, not the {family!r} '
+                    f'config given; drop --config (it follows from config.json) or pass --config={expected}.')
 
 
 def _jsonable(value):

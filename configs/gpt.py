@@ -18,6 +18,14 @@ Presets:
                greedy decoding 198-245 / 1,034-1,184 new tokens/s at batch 1 / 8 (1.48x-2.27x / 1.92x-2.51x
                HF generate);
                README 'Speed' has the table
+  llama        the Llama-style decoder (RoPE, RMSNorm, SwiGLU, 2 KV heads for 4 query heads, no biases)
+               at the `default` preset's size (3,746,048 parameters against 3,749,376) on the same text
+  llama-bench  the `bench` shapes, Llama-style (2 KV heads, SwiGLU 1,024 wide)
+  smollm-135m  SmolLM-135M: 134,515,008 parameters (30 layers, 576 wide, 9 heads, 3 KV heads)
+  llama-3.2-1b Llama 3.2 1B: 1,235,814,400 parameters (16 layers, 2,048 wide, 32 heads, 8 KV heads,
+               Llama 3 RoPE scaling)
+  Import either from Hugging Face instead of training it: python launch.py --mode=import_hf --hf_dir=DIR
+  --workdir=RUN (README 'Llama-style decoders').
 
 Other data: --config.data.source=text:'/path/*.txt' or tfds:<name>[:<split>] (a 'text' feature).
 """
@@ -48,6 +56,21 @@ PRESETS = {
                   train=dict(batch_size=8, weight_decay=0.0, grad_clip=0.0),
                   decode=dict(max_new_tokens=128, temperature=0.0)),
 }
+# The Llama steps (models/gpt.py); tied embeddings as in SmolLM and Llama 3.2 1B.
+LLAMA = dict(positions='rope', norm='rmsnorm', mlp='swiglu', use_bias=False, dropout=0.0)
+PRESETS |= {
+    'llama': dict(model=dict(LLAMA, num_layers=4, num_heads=4, num_kv_heads=2, width=256, mlp_hidden=792, max_len=256),
+                  data=PRESETS['default']['data'], train=PRESETS['default']['train'],
+                  decode=PRESETS['default']['decode']),
+    'llama-bench': dict(PRESETS['bench'], model=dict(LLAMA, num_layers=6, num_heads=6, num_kv_heads=2, width=384,
+                                                       mlp_hidden=1024, max_len=256)),
+    'smollm-135m': dict(model=dict(LLAMA, num_layers=30, num_heads=9, num_kv_heads=3, width=576, mlp_hidden=1536,
+                                   max_len=2048),
+                        data=dict(tokenizer='bpe', vocab_size=49152, seq_len=2048)),
+    'llama-3.2-1b': dict(model=dict(LLAMA, num_layers=16, num_heads=32, num_kv_heads=8, width=2048, mlp_hidden=8192,
+                                    max_len=131072, rope_theta=500000.0, rope_scaling='llama3', rope_factor=32.0),
+                         data=dict(tokenizer='bpe', vocab_size=128256, seq_len=2048)),
+}
 
 
 def get_config(preset: str = 'default'):
@@ -66,6 +89,20 @@ def get_config(preset: str = 'default'):
   c.model.layer_norm_epsilon = 1e-5
   c.model.scan_layers = False  # one nnx.scan over stacked blocks: compile time flat in depth
   c.model.remat = 'none'  # 'none' | 'dots' | 'full': recompute activations in the backward pass
+  # The Llama steps, each usable alone (models/gpt.py); these defaults are GPT-2.
+  c.model.positions = 'learned'  # 'learned' | 'rope' (rotary, models/rope.py)
+  c.model.rope_theta = 10000.0
+  c.model.rope_scaling = 'none'  # 'none' | 'llama3' (Llama 3.1's long-context frequency scaling):
+  c.model.rope_factor = 8.0
+  c.model.rope_low_freq_factor = 1.0
+  c.model.rope_high_freq_factor = 4.0
+  c.model.rope_original_max_len = 8192
+  c.model.norm = 'layernorm'  # 'layernorm' | 'rmsnorm'
+  c.model.mlp = 'gelu'  # 'gelu' | 'swiglu'
+  c.model.mlp_hidden = 0  # the MLP's hidden width; 0 = mlp_ratio * width
+  c.model.num_kv_heads = 0  # key/value heads: 0 = num_heads (multi-head), 1 = multi-query, else grouped-query
+  c.model.use_bias = True
+  c.model.tie_embeddings = True  # the output layer is the token embedding's transpose
   # Cross-entropy this many tokens at a time, so no [B, L, V] float32 logits exist; 0 = all at once.
   # XLA's temporaries for the bench shapes with GPT-2's 50,257-token vocabulary (8 x 256 tokens, CPU
   # memory analysis): 1,526 MB at once, 916 MB with 512-token chunks, 867 MB with 256.

@@ -122,6 +122,15 @@ def numpy_params(model: nnx.Module) -> dict:
   return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
+def unscanned_params(model: nnx.Module) -> dict:
+  """`numpy_params` of a GPT, a scanned one's [num_layers, ...] block stacks split into one
+  'blocks' entry per layer, as an unscanned GPT holds them (HF files have one tensor per layer)."""
+  params = numpy_params(model)
+  if model.config.scan_layers:
+    params['blocks'] = {i: jax.tree.map(lambda x, i=i: x[i], params['blocks']) for i in range(model.config.num_layers)}
+  return params
+
+
 def to_hf_tensors(params: dict, names: list[TensorName]) -> dict[str, np.ndarray]:
   """{HF name: array in HF's layout} from a `numpy_params` dict."""
   _check_covers(params, names)
@@ -169,14 +178,14 @@ def _read_tensor_file(path: str) -> dict[str, np.ndarray]:
   return {k: v.float().numpy() for k, v in state.items()}
 
 
-def read_hf_config(hf_dir: str, model_type: str) -> dict:
-  """config.json of `hf_dir`, checked to describe a `model_type` model."""
+def read_hf_config(hf_dir: str, model_type: str | None = None) -> dict:
+  """config.json of `hf_dir`, checked to describe a `model_type` model (None: any)."""
   path = os.path.join(hf_dir, 'config.json')
   if not os.path.exists(path):
-    raise FileNotFoundError(f'{path} not found: --hf_dir must be a Hugging Face {model_type} directory.')
+    raise FileNotFoundError(f'{path} not found: --hf_dir must be a Hugging Face {model_type or "model"} directory.')
   with open(path) as f:
     hf = json.load(f)
-  if hf.get('model_type') not in (None, model_type):
+  if model_type is not None and hf.get('model_type') not in (None, model_type):
     raise ValueError(f"{path} describes a {hf.get('model_type')!r} model, not {model_type!r}; use that family's "
                      f"config.")
   return hf

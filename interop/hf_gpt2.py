@@ -13,14 +13,13 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-import jax
 import tokenizers
 from flax import nnx
 from tokenizers import decoders, pre_tokenizers
 
 from data.tokenizers import HFTokenizer
 from interop.common import (TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names, load_tensors,
-                            numpy_params, output_directory, read_hf_config, read_tensors, to_hf_tensors, write_json,
+                            output_directory, read_hf_config, read_tensors, to_hf_tensors, unscanned_params, write_json,
                             write_safetensors, write_tokenizer)
 from models.gpt import GPT, GPT2Config
 
@@ -33,6 +32,8 @@ CONFIG_KEYS = (
 _IGNORED = ('lm_head.weight',)
 _IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')
 QKV = ('query', 'key', 'value')  # their order in c_attn
+# What a GPT needs to be a GPT2LMHeadModel (besides one key/value head per query head).
+GPT2_STEPS = {'positions': 'learned', 'norm': 'layernorm', 'mlp': 'gelu', 'use_bias': True, 'tie_embeddings': True}
 
 
 class ImportedGPT2(NamedTuple):
@@ -116,10 +117,7 @@ def export_gpt2(model: GPT, tokenizer, out_dir: str) -> dict:
   """
   config = model.config
   with output_directory(out_dir) as staging:
-    params = numpy_params(model)
-    if config.scan_layers:  # [num_layers, ...] stacks -> one entry per layer, as unscanned
-      params['blocks'] = {i: jax.tree.map(lambda x, i=i: x[i], params['blocks']) for i in range(config.num_layers)}
-    tensors = to_hf_tensors(params, tensor_names(config, 'transformer.'))
+    tensors = to_hf_tensors(unscanned_params(model), tensor_names(config, 'transformer.'))
     write_json(staging, 'config.json', {
         'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', **fields_to_hf(config, CONFIG_KEYS),
         # One dropout rate serves embeddings, attention weights and residual branches here.

@@ -22,7 +22,8 @@ Implementations (`model.attention`):
             On other backends the kernel runs in Pallas's interpreter: for tests, slow.
   'auto'    resolved per backend and dtype by `default_attention_implementation`.
 
-Shape legend: B batch, Lq / Lk query / key length, H heads, D head width, E model width.
+Shape legend: B batch, Lq / Lk query / key length, H heads, K key/value heads (K = H but for
+grouped-query attention, where K divides H), D head width, E model width.
 Boolean masks are True where attention is allowed and broadcast against [B, H, Lq, Lk].
 """
 from __future__ import annotations
@@ -30,11 +31,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from models.rope import apply_rope
 
 # Large negative logit for masked positions: finite so fully masked rows stay NaN-free.
 _MASKED_LOGIT = -1e9
@@ -135,7 +138,10 @@ def dot_product_attention(
   """Scaled dot-product attention softmax(q k^T / sqrt(D)) v.
 
   Args:
-    query: [B, Lq, H, D]; key, value: [B, Lk, H, D].
+    query: [B, Lq, H, D]; key, value: [B, Lk, K, D] with K dividing H: grouped-query attention
+      (K = H: multi-head, K = 1: multi-query), query head h reading key/value head h // (H / K).
+      No path repeats the K/V heads in memory: the einsum groups the query heads, jax.nn takes
+      grouped heads natively, splash runs its multi-query kernel once per K/V head.
     mask: which keys each query sees (None: all).
     dropout: optional dropout on the attention weights. The fused kernels cannot drop weights,
       so while it is active (training) every implementation runs the einsum path
@@ -157,13 +163,21 @@ def dot_product_attention(
     return out, None
   if implementation == 'splash' and fused_allowed and splash_fits(mask, q_len, k_len):
     return splash_attention(query, key, value, mask), None
-  depth = query.shape[-1]
-  scores = jnp.einsum('bqhd,bkhd->bhqk', query, key) / jnp.sqrt(depth).astype(query.dtype)
+  batch, _, num_heads, depth = query.shape
+  kv_heads = key.shape[2]
+  if kv_heads == num_heads:  # multi-head (GPT-2, BERT, ...): these einsums, bit for bit as before GQA
+    scores = jnp.einsum('bqhd,bkhd->bhqk', query, key)
+  else:  # query heads grouped by the K/V head they read: [B, Lq, K, G, D], G = H / K, head h = k * G + g
+    grouped = query.reshape(batch, q_len, kv_heads, num_heads // kv_heads, depth)
+    scores = jnp.einsum('bqkgd,bskd->bkgqs', grouped, key).reshape(batch, num_heads, q_len, k_len)
+  scores = scores / jnp.sqrt(depth).astype(query.dtype)
   weights = masked_softmax(scores, None if mask is None else mask.dense(q_len, k_len))
   if dropout is not None:
     weights = dropout(weights, deterministic=deterministic)
-  out = jnp.einsum('bhqk,bkhd->bqhd', weights, value)
-  return out, weights
+  if kv_heads == num_heads:
+    return jnp.einsum('bhqk,bkhd->bqhd', weights, value), weights
+  out = jnp.einsum('bkgqs,bskd->bqkgd', weights.reshape(batch, kv_heads, -1, q_len, k_len), value)
+  return out.reshape(query.shape), weights
 
 
 # ----------------------------------------------------------------------------- splash (TPU)
@@ -184,12 +198,13 @@ def splash_fits(mask: AttentionMask | None, q_len: int, k_len: int) -> bool:
 
 
 @functools.cache
-def _splash_kernel(causal: bool, q_len: int, k_len: int, num_heads: int, interpret: bool):
-  """One splash kernel per static mask shape; built once (its block-sparsity tables are numpy)."""
+def _splash_kernel(causal: bool, q_len: int, k_len: int, num_heads: int, interpret: bool, shared_kv: bool = False):
+  """One splash kernel per static mask shape; built once (its block-sparsity tables are numpy).
+  shared_kv: the multi-query kernel, whose `num_heads` query heads read one K/V head."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # imported only where used
   block_mask = splash.CausalMask((q_len, k_len)) if causal else splash.FullMask((q_len, k_len))
-  return splash.make_splash_mha(splash.MultiHeadMask([block_mask] * num_heads), head_shards=1, q_seq_shards=1,
-                                interpret=interpret)
+  make = splash.make_splash_mqa if shared_kv else splash.make_splash_mha
+  return make(splash.MultiHeadMask([block_mask] * num_heads), head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _splash_segment_ids(mask: AttentionMask | None, batch: int, q_len: int, k_len: int):
@@ -223,23 +238,30 @@ def _dividing_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...] |
 
 def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                      mask: AttentionMask | None) -> jax.Array:
-  """softmax(q k^T / sqrt(D)) v by the splash kernel: query [B, Lq, H, D], key/value [B, Lk, H, D]
-  -> [B, Lq, H, D]. Lq and Lk must be multiples of SPLASH_BLOCK (`splash_fits`)."""
+  """softmax(q k^T / sqrt(D)) v by the splash kernel: query [B, Lq, H, D], key/value [B, Lk, K, D]
+  -> [B, Lq, H, D]. Lq and Lk must be multiples of SPLASH_BLOCK (`splash_fits`). With K < H
+  (grouped-query attention) the multi-query kernel runs once per K/V head on its G = H / K query
+  heads, so the K/V heads are never repeated."""
   batch, q_len, num_heads, depth = query.shape
-  k_len = key.shape[1]
+  k_len, kv_heads = key.shape[1], key.shape[2]
+  grouped = kv_heads < num_heads
   causal = mask is not None and mask.causal
   interpret = jax.default_backend() != 'tpu'
   head_major = lambda x: jnp.swapaxes(x, 1, 2)  # the kernel's layout: [B, H, L, D]
   q, k, v = head_major(query / jnp.sqrt(depth).astype(query.dtype)), head_major(key), head_major(value)
+  if grouped:  # [B, K, G, Lq, D]: the query heads of each K/V head together
+    q = q.reshape(batch, kv_heads, num_heads // kv_heads, q_len, depth)
   segment_ids = _splash_segment_ids(mask, batch, q_len, k_len)
 
-  def per_shard(q, k, v, *ids):  # [b, h, L, D] of one shard; ids: ([b, Lq], [b, Lk]) or ()
-    kernel = _splash_kernel(causal, q.shape[2], k.shape[2], q.shape[1], interpret)
-    if not ids:
-      return jax.vmap(kernel)(q, k, v)
+  def per_shard(q, k, v, *ids):  # [b, h, L, D] ([b, k, G, L, D] grouped) of one shard; ids: ([b, Lq], [b, Lk]) or ()
+    kernel = _splash_kernel(causal, q.shape[-2], k.shape[-2], q.shape[2] if grouped else q.shape[1], interpret,
+                            shared_kv=grouped)
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
-    return jax.vmap(lambda q, k, v, q_ids, k_ids: kernel(q, k, v, segment_ids=SegmentIds(q=q_ids, kv=k_ids)))(
-        q, k, v, *ids)
+    segments = (lambda q_ids, k_ids: {'segment_ids': SegmentIds(q=q_ids, kv=k_ids)}) if ids else (lambda: {})
+    one_row = lambda q, k, v, *ids: kernel(q, k, v, **segments(*ids))
+    if grouped:  # the multi-query kernel per K/V head, the row's segment ids shared by all
+      one_row = jax.vmap(one_row, in_axes=(0, 0, 0) + (None,) * len(ids))
+    return jax.vmap(one_row)(q, k, v, *ids)
 
   args = (q, k, v) + (segment_ids or ())
   mesh = jax.sharding.get_abstract_mesh()
@@ -247,11 +269,12 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     out = per_shard(*args)
   else:
     batch_axes = _dividing_axes(mesh, SPLASH_BATCH_AXES, batch)
-    head_axes = _dividing_axes(mesh, SPLASH_HEAD_AXES, num_heads)
+    head_axes = _dividing_axes(mesh, SPLASH_HEAD_AXES, kv_heads)  # grouped: split by K/V head, groups whole
     heads = jax.P(batch_axes, head_axes, None, None)
-    in_specs = (heads,) * 3 + ((jax.P(batch_axes, None),) * 2 if segment_ids else ())
-    out = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
-  out = head_major(out)
+    query_heads = jax.P(batch_axes, head_axes, None, None, None) if grouped else heads
+    in_specs = (query_heads, heads, heads) + ((jax.P(batch_axes, None),) * 2 if segment_ids else ())
+    out = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=query_heads, check_vma=False)(*args)
+  out = head_major(out.reshape(batch, num_heads, q_len, depth))
   if mask is not None and mask.query_lengths is not None:
     real_query = jnp.arange(q_len)[None, :] < jnp.asarray(mask.query_lengths)[:, None]
     out = jnp.where(real_query[:, :, None, None], out, 0)
@@ -315,11 +338,16 @@ class MultiHeadAttention(nnx.Module):
   """Multi-head self- or cross-attention with an optional key/value cache.
 
   Projections are separate [E, H*D] matrices so tensor parallelism can split them by head.
+  `num_kv_heads` K < H is grouped-query attention (Ainslie et al. 2023; K = 1: multi-query): the
+  key and value projections are [E_kv, K*D] and the cache holds K heads. `rope` (models/rope.py's
+  inverse frequencies) rotates the queries and the new keys by their `positions` before the keys
+  are cached, so a cached key keeps the rotation of the position it was written at.
 
   Call:
     inputs_q: [B, Lq, E]; inputs_kv: [B, Lk, E_kv] (None: self-attention).
     mask: AttentionMask over [Lq, Lk_total] (None: every key).
-    cache: None, or {'k','v': [B, H, L_max, D]}. With `cache_index` the new keys/values are
+    positions: [B, Lq] int positions of the queries (and of the new keys), read with `rope` only.
+    cache: None, or {'k','v': [B, K, L_max, D]}. With `cache_index` the new keys/values are
       written at positions [cache_index, cache_index + Lq) and attention runs over the whole
       cache (self-attention decoding). Without `cache_index` the cache is used as the
       precomputed keys/values of `inputs_kv` (cross-attention decoding).
@@ -328,40 +356,53 @@ class MultiHeadAttention(nnx.Module):
 
   def __init__(self, features: int, num_heads: int, *, rngs: nnx.Rngs, kv_features: int | None = None,
                dropout: float = 0.0, use_bias: bool = True, dtype: Any = None,
-               implementation: str = 'xla'):
+               implementation: str = 'xla', num_kv_heads: int | None = None, rope: Sequence[float] | None = None):
+    num_kv_heads = num_kv_heads or num_heads
     if features % num_heads:
       raise ValueError(f'features={features} is not divisible by num_heads={num_heads}.')
+    if num_heads % num_kv_heads:
+      raise ValueError(f'num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}.')
     kv_features = kv_features or features
     self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
     self.head_dim = features // num_heads
     self.implementation = implementation
+    # [D/2] inverse frequencies, static (a tuple): constants of the architecture, in no checkpoint.
+    self.rope = None if rope is None else tuple(float(f) for f in rope)
     self.record_weights = False
     linear = functools.partial(nnx.Linear, use_bias=use_bias, dtype=dtype, rngs=rngs)
     self.query = linear(features, features)
-    self.key = linear(kv_features, features)
-    self.value = linear(kv_features, features)
+    self.key = linear(kv_features, num_kv_heads * self.head_dim)
+    self.value = linear(kv_features, num_kv_heads * self.head_dim)
     self.out = linear(features, features)
     self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
 
   def _split_heads(self, x: jax.Array) -> jax.Array:
-    return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+    return x.reshape(*x.shape[:-1], -1, self.head_dim)
 
-  def project_kv(self, inputs_kv: jax.Array) -> dict[str, jax.Array]:
-    """[B, Lk, E_kv] -> {'k','v': [B, H, Lk, D]}: the static cache of a cross-attention.
+  def project_kv(self, inputs_kv: jax.Array, positions: jax.Array | None = None) -> dict[str, jax.Array]:
+    """[B, Lk, E_kv] -> {'k','v': [B, K, Lk, D]}: the static cache of a cross-attention, or the
+    new entries of a self-attention's (keys rotated to `positions` [B, Lk] with rope).
 
     Caches are head-major, the layout the score and value matmuls read: a [B, L, H, D] cache
     would be transposed in full at every decoding step (measured: 70% of a GPT decode step).
     """
-    return {'k': jnp.swapaxes(self._split_heads(self.key(inputs_kv)), 1, 2),
-            'v': jnp.swapaxes(self._split_heads(self.value(inputs_kv)), 1, 2)}
+    key = self._split_heads(self.key(inputs_kv))
+    if self.rope is not None:
+      key = apply_rope(key, positions, self.rope)
+    return {'k': jnp.swapaxes(key, 1, 2), 'v': jnp.swapaxes(self._split_heads(self.value(inputs_kv)), 1, 2)}
 
-  def __call__(self, inputs_q, inputs_kv=None, mask=None, *, cache=None, cache_index=None,
+  def __call__(self, inputs_q, inputs_kv=None, mask=None, *, positions=None, cache=None, cache_index=None,
                deterministic: bool = True):
     query = self._split_heads(self.query(inputs_q))
+    if self.rope is not None:
+      if positions is None:
+        raise ValueError('A rotary attention needs the positions of its queries.')
+      query = apply_rope(query, positions, self.rope)
     if cache is not None and cache_index is None:
       kv = cache
     else:
-      kv = self.project_kv(inputs_q if inputs_kv is None else inputs_kv)
+      kv = self.project_kv(inputs_q if inputs_kv is None else inputs_kv, positions)
       if cache is not None:
         start = (0, 0, cache_index, 0)
         kv = {name: jax.lax.dynamic_update_slice(cache[name], kv[name].astype(cache[name].dtype), start)
@@ -378,7 +419,7 @@ class MultiHeadAttention(nnx.Module):
     return out, new_cache
 
   def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict[str, jax.Array]:
-    shape = (batch, self.num_heads, max_len, self.head_dim)
+    shape = (batch, self.num_kv_heads, max_len, self.head_dim)
     return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
 
 

@@ -20,6 +20,18 @@ Two switches for depth and size (as in MaxText):
 
 `generate` continues prompts through the shared decoding loop (models/decoding.py).
 
+The Llama-style decoder (Llama, Mistral, Qwen2, SmolLM) is GPT-2 plus six steps, each a config
+field usable alone (the defaults are GPT-2's):
+  positions='rope'      rotary embeddings on the queries and keys at each token's position
+                        (models/rope.py; `rope_theta`, Llama 3's `rope_scaling='llama3'`) instead
+                        of a learned position table added to the token embedding
+  norm='rmsnorm'        RMSNorm instead of LayerNorm
+  mlp='swiglu'          silu(gate(x)) * up(x) -> down, `mlp_hidden` wide (0: mlp_ratio * width)
+  num_kv_heads=K        grouped-query attention: K key/value heads shared by the query heads
+                        (1: multi-query; 0 or num_heads: multi-head); the KV cache holds K heads
+  use_bias=False        no bias in any projection or norm
+  tie_embeddings=False  an output matrix `lm_head` [V', E] of its own instead of the token embedding
+
 Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, L_max cache length.
 """
 from __future__ import annotations
@@ -33,7 +45,8 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import TransformerBlock, mask_padded_logits, vocab_embedding
+from models.layers import TransformerBlock, mask_padded_logits, norm_layer, vocab_embedding
+from models.rope import RopeConfig, inverse_frequencies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +64,38 @@ class GPT2Config:
   attention: str = 'xla'
   scan_layers: bool = False
   remat: str = 'none'  # a key of REMAT_POLICIES
+  # The Llama steps (module docstring). Runs saved before these fields hold GPT-2: the defaults.
+  positions: str = 'learned'  # a key of POSITIONS
+  rope_theta: float = 10000.0
+  rope_scaling: str = 'none'  # 'none' | 'llama3' (models/rope.py), with the four fields below
+  rope_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  norm: str = 'layernorm'  # a key of models.layers.NORMS
+  mlp: str = 'gelu'  # a key of MLPS
+  mlp_hidden: int = 0  # the MLP's hidden width; 0 = mlp_ratio * width
+  num_kv_heads: int = 0  # 0 = num_heads
+  use_bias: bool = True
+  tie_embeddings: bool = True
+
+  @property
+  def mlp_width(self) -> int:
+    return self.mlp_hidden or self.mlp_ratio * self.width
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def rope(self) -> RopeConfig:
+    return RopeConfig(theta=self.rope_theta, scaling=self.rope_scaling, factor=self.rope_factor,
+                      low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
+                      original_max_len=self.rope_original_max_len)
+
+
+POSITIONS = ('learned', 'rope')
+MLPS = {'gelu': ('gelu_tanh', False), 'swiglu': ('silu', True)}  # name: (activation, gated)
 
 
 REMAT_POLICIES = {
@@ -70,20 +115,29 @@ class GPT(nnx.Module):
     residual_init = nnx.initializers.normal(0.02 / (2 * config.num_layers) ** 0.5)
     self.token_embedding = vocab_embedding(config.vocab_size, config.vocab_multiple, config.width, embedding_init=init,
                                            dtype=dtype, rngs=rngs)
-    self.position_embedding = nnx.Embed(config.max_len, config.width, embedding_init=nnx.initializers.normal(0.01),
-                                        dtype=dtype, rngs=rngs)
+    if config.positions not in POSITIONS:
+      raise ValueError(f'positions={config.positions!r} is not one of {POSITIONS}.')
+    if config.mlp not in MLPS:
+      raise ValueError(f'mlp={config.mlp!r} is not one of {tuple(MLPS)}.')
+    if config.positions == 'learned':
+      self.position_embedding = nnx.Embed(config.max_len, config.width,
+                                          embedding_init=nnx.initializers.normal(0.01), dtype=dtype, rngs=rngs)
+    # With rope the positions act inside attention: the blocks hold the [D/2] inverse frequencies.
+    rope = inverse_frequencies(config.width // config.num_heads, config.rope) if config.positions == 'rope' else None
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
     if config.remat not in REMAT_POLICIES:
       raise ValueError(f'remat={config.remat!r} is not one of {tuple(REMAT_POLICIES)}.')
+    activation, gated = MLPS[config.mlp]
 
     def make_block(rngs):
       block = TransformerBlock(
-          config.width, config.num_heads, config.mlp_ratio * config.width, dropout=config.dropout,
-          attention_dropout=config.dropout, activation='gelu_tanh', pre_norm=True,
+          config.width, config.num_heads, config.mlp_width, dropout=config.dropout,
+          attention_dropout=config.dropout, activation=activation, pre_norm=True,
           layer_norm_epsilon=config.layer_norm_epsilon, dtype=dtype,
-          attention_implementation=config.attention, rngs=rngs)
+          attention_implementation=config.attention, norm=config.norm, gated_mlp=gated, use_bias=config.use_bias,
+          num_kv_heads=config.num_kv_heads, rope=rope, rngs=rngs)
       for linear in (block.self_attention.query, block.self_attention.key, block.self_attention.value,
-                     block.mlp.up):
+                     block.mlp.up) + ((block.mlp.gate,) if gated else ()):
         linear.kernel.set_value(init(rngs.params(), linear.kernel.shape))
       for linear in (block.self_attention.out, block.mlp.down):
         linear.kernel.set_value(residual_init(rngs.params(), linear.kernel.shape))
@@ -94,18 +148,24 @@ class GPT(nnx.Module):
       self.blocks = nnx.split_rngs(splits=config.num_layers)(nnx.vmap(make_block, in_axes=0, out_axes=0))(rngs)
     else:
       self.blocks = nnx.List([make_block(rngs) for _ in range(config.num_layers)])
-    self.final_norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
+    self.final_norm = norm_layer(config.norm, config.width, epsilon=config.layer_norm_epsilon,
+                                 use_bias=config.use_bias, dtype=dtype, rngs=rngs)
+    if not config.tie_embeddings:  # [V', E] like the token embedding, so logits and losses read either alike
+      self.lm_head = vocab_embedding(config.vocab_size, config.vocab_multiple, config.width, embedding_init=init,
+                                     dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-               key_valid: jax.Array | None = None, cache: list | None = None,
+               key_valid: jax.Array | None = None, segment_ids: jax.Array | None = None, cache: list | None = None,
                cache_index: jax.Array | int | None = None, deterministic: bool = True,
                return_hidden: bool = False):
     """Next-token logits.
 
     Args:
       tokens: [B, L] int token ids.
-      positions: [B, L] position ids (default 0..L-1; left-padded prompts pass their own).
+      positions: [B, L] position ids (default 0..L-1; left-padded prompts and packed rows pass their own).
       key_valid: [B, L_keys] bool, False on padding keys (L_keys = L, or L_max with a cache).
+      segment_ids: [B, L] int, packed rows (no cache): a token attends only within its segment;
+        give `positions` restarting at 0 in each segment too.
       cache: the key/value caches from `init_cache`, written at `cache_index`.
     Returns:
       ([B, L, V'] logits (see `logits`), updated cache or None); with `return_hidden`, the final
@@ -115,16 +175,21 @@ class GPT(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(length) + (0 if cache_index is None else cache_index),
                                    (batch, length))
-    x = self.token_embedding(tokens) + self.position_embedding(positions)
+    x = self.token_embedding(tokens)
+    if self.config.positions == 'learned':
+      x = x + self.position_embedding(positions)
     x = self.dropout(x, deterministic=deterministic)
     mask = AttentionMask(causal=True, q_offset=cache_index)
     if key_valid is not None:
       # Left padding is no prefix length: the padding keys become segment 0, which no query is in.
       mask = dataclasses.replace(mask, query_segment_ids=jnp.ones((batch, length), jnp.int32),
                                  key_segment_ids=key_valid.astype(jnp.int32))
+    if segment_ids is not None:
+      mask = dataclasses.replace(mask, query_segment_ids=segment_ids, key_segment_ids=segment_ids)
 
     def run_block(block, x, layer_cache):
-      return block(x, mask, cache=layer_cache, cache_index=cache_index, deterministic=deterministic)
+      return block(x, mask, positions=positions, cache=layer_cache, cache_index=cache_index,
+                   deterministic=deterministic)
 
     if self.config.remat != 'none':
       run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.config.remat])
@@ -151,22 +216,26 @@ class GPT(nnx.Module):
       return x, (new_cache if cache is not None else None)
     return self.logits(x), (new_cache if cache is not None else None)
 
+  def output_embedding(self) -> jax.Array:
+    """The [V', E] output matrix: the token embedding when tied, else `lm_head`."""
+    return (self.token_embedding if self.config.tie_embeddings else self.lm_head).embedding[...]
+
   def logits(self, hidden: jax.Array, output_matrix: jax.Array | None = None) -> jax.Array:
     """[B, L, E] final hidden states -> [B, L, V'] logits in the compute dtype, the padded ids
     masked (V' = the padded vocabulary; losses work in float32 themselves).
 
-    output_matrix: the tied [E, V'] output layer when the caller transposed the token embedding
-    once (decoding); default its transpose here.
+    output_matrix: the [E, V'] output layer when the caller transposed `output_embedding` once
+    (decoding); default its transpose here.
     """
-    head = self.token_embedding.embedding[...].T if output_matrix is None else output_matrix
+    head = self.output_embedding().T if output_matrix is None else output_matrix
     return mask_padded_logits(hidden @ head.astype(hidden.dtype), self.config.vocab_size)
 
   def init_cache(self, batch: int, max_len: int) -> list[dict[str, Any]] | dict[str, Any]:
-    """Per-layer {'self': {'k','v': [B, H, L_max, D]}}: a list, or with scan_layers one dict of
-    [num_layers, B, H, L_max, D] arrays."""
+    """Per-layer {'self': {'k','v': [B, K, L_max, D]}} (K = the key/value heads): a list, or with
+    scan_layers one dict of [num_layers, B, K, L_max, D] arrays."""
     dtype = jnp.dtype(self.config.dtype)
     if self.config.scan_layers:
-      shape = (self.config.num_layers, batch, self.config.num_heads, max_len, self.config.width // self.config.num_heads)
+      shape = (self.config.num_layers, batch, self.config.kv_heads, max_len, self.config.width // self.config.num_heads)
       return {'self': {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}}
     return [{'self': block.self_attention.init_cache(batch, max_len, dtype)} for block in self.blocks]
 
@@ -185,9 +254,9 @@ def generate(model: GPT, tokens: jax.Array, valid: jax.Array, rng: jax.Array, *,
     including EOS), N = max_new_tokens.
   """
   batch, prompt_len = tokens.shape
-  # The tied output matrix, transposed once out here: inside the loop XLA re-copies the [V, E]
+  # The output matrix, transposed once out here: inside the loop XLA re-copies the [V, E]
   # embedding into [E, V] at every step (measured: 0.7 ms of a 3.2 ms batch-1 bench step).
-  head = model.token_embedding.embedding[...].T
+  head = model.output_embedding().T
 
   def step_fn(step_tokens, cache, index):
     # Positions count real tokens only: a row's first real token is position 0 whatever its padding.

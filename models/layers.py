@@ -11,7 +11,7 @@ Shape legend: B batch, L length, E model width, F feed-forward width, V vocabula
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,9 @@ ACTIVATIONS = {
     'relu': jax.nn.relu,
     'gelu': functools.partial(jax.nn.gelu, approximate=False),
     'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True),  # GPT-2's "gelu_new"
+    'silu': jax.nn.silu,  # x * sigmoid(x), SwiGLU's gate (Llama's "silu")
 }
+NORMS = ('layernorm', 'rmsnorm')
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -61,13 +63,23 @@ def sinusoidal_positions(max_len: int, features: int) -> np.ndarray:
   return table.astype(np.float32)
 
 
+def norm_layer(kind: str, features: int, *, epsilon: float, use_bias: bool, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
+  """'layernorm' (with a bias unless use_bias=False) or 'rmsnorm' (Zhang & Sennrich 2019: x / rms(x)
+  * scale, no centring, no bias) over the last axis of [..., features]."""
+  if kind not in NORMS:
+    raise ValueError(f'norm={kind!r} is not one of {NORMS}.')
+  if kind == 'rmsnorm':
+    return nnx.RMSNorm(features, epsilon=epsilon, dtype=dtype, rngs=rngs)
+  return nnx.LayerNorm(features, epsilon=epsilon, use_bias=use_bias, dtype=dtype, rngs=rngs)
+
+
 class FeedForward(nnx.Module):
   """Position-wise FFN: Linear(E -> F), activation, dropout, Linear(F -> E). [B, L, E] -> [B, L, E]."""
 
   def __init__(self, features: int, hidden: int, *, rngs: nnx.Rngs, activation: str = 'relu',
-               dropout: float = 0.0, dtype: Any = None):
-    self.up = nnx.Linear(features, hidden, dtype=dtype, rngs=rngs)
-    self.down = nnx.Linear(hidden, features, dtype=dtype, rngs=rngs)
+               dropout: float = 0.0, use_bias: bool = True, dtype: Any = None):
+    self.up = nnx.Linear(features, hidden, use_bias=use_bias, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(hidden, features, use_bias=use_bias, dtype=dtype, rngs=rngs)
     self.activation = ACTIVATIONS[activation]
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
@@ -75,14 +87,41 @@ class FeedForward(nnx.Module):
     return self.down(self.dropout(self.activation(self.up(x)), deterministic=deterministic))
 
 
+class GatedFeedForward(nnx.Module):
+  """Gated FFN (GLU variants, Shazeer 2020; SwiGLU with activation 'silu', as in Llama):
+  down(dropout(activation(gate(x)) * up(x))). gate, up: [E, F]; down: [F, E]. [B, L, E] -> [B, L, E].
+
+  Three matrices instead of two: at equal parameters F is 2/3 of the plain FFN's (Llama rounds
+  8E/3 up to a multiple of 256). `up` and `down` keep FeedForward's names, so the tensor-parallel
+  rules of train/sharding.py split `gate` like `up`.
+  """
+
+  def __init__(self, features: int, hidden: int, *, rngs: nnx.Rngs, activation: str = 'silu',
+               dropout: float = 0.0, use_bias: bool = True, dtype: Any = None):
+    linear = functools.partial(nnx.Linear, use_bias=use_bias, dtype=dtype, rngs=rngs)
+    self.gate = linear(features, hidden)
+    self.up = linear(features, hidden)
+    self.down = linear(hidden, features)
+    self.activation = ACTIVATIONS[activation]
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+  def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    hidden = self.activation(self.gate(x)) * self.up(x)
+    return self.down(self.dropout(hidden, deterministic=deterministic))
+
+
 class TransformerBlock(nnx.Module):
   """Self-attention (+ optional cross-attention) + FFN, each in dropout + residual + LayerNorm.
 
   `pre_norm=False` is the post-LN block of "Attention Is All You Need" and BERT
   (x = LN(x + Dropout(sublayer(x)))); `pre_norm=True` is GPT-2's (x = x + Dropout(sublayer(LN(x)))).
+  Llama's steps, each on its own: `norm='rmsnorm'`, `gated_mlp` (GatedFeedForward), `use_bias=False`
+  (no bias in any projection or norm), `num_kv_heads` (grouped-query self-attention) and `rope`
+  (rotary self-attention at `positions`; see MultiHeadAttention).
 
   Call:
     x: [B, L, E]; mask: self-attention AttentionMask over [L, L_keys] (None: every key).
+    positions: [B, L] int positions of x's tokens (read by a rotary self-attention only).
     context: [B, Lc, E] encoder output for cross-attention; context_mask: AttentionMask over [L, Lc].
     cache: None or {'self': kv cache, 'cross': static kv} for decoding; cache_index: write offset.
   Returns: ([B, L, E], updated cache or None).
@@ -91,17 +130,21 @@ class TransformerBlock(nnx.Module):
   def __init__(self, features: int, num_heads: int, hidden: int, *, rngs: nnx.Rngs,
                dropout: float = 0.0, attention_dropout: float = 0.0, activation: str = 'relu',
                pre_norm: bool = False, cross_attention: bool = False, layer_norm_epsilon: float = 1e-5,
-               dtype: Any = None, attention_implementation: str = 'xla'):
+               dtype: Any = None, attention_implementation: str = 'xla', norm: str = 'layernorm',
+               gated_mlp: bool = False, use_bias: bool = True, num_kv_heads: int | None = None,
+               rope: Sequence[float] | None = None):
     attention = functools.partial(MultiHeadAttention, features, num_heads, dropout=attention_dropout,
-                                  dtype=dtype, implementation=attention_implementation, rngs=rngs)
-    norm = functools.partial(nnx.LayerNorm, features, epsilon=layer_norm_epsilon, dtype=dtype, rngs=rngs)
+                                  use_bias=use_bias, dtype=dtype, implementation=attention_implementation, rngs=rngs)
+    make_norm = functools.partial(norm_layer, norm, features, epsilon=layer_norm_epsilon, use_bias=use_bias,
+                                  dtype=dtype, rngs=rngs)
     self.pre_norm = pre_norm
-    self.self_attention = attention()
-    self.self_attention_norm = norm()
+    self.self_attention = attention(num_kv_heads=num_kv_heads, rope=rope)
+    self.self_attention_norm = make_norm()
     self.cross_attention = attention() if cross_attention else None
-    self.cross_attention_norm = norm() if cross_attention else None
-    self.mlp = FeedForward(features, hidden, activation=activation, dropout=dropout, dtype=dtype, rngs=rngs)
-    self.mlp_norm = norm()
+    self.cross_attention_norm = make_norm() if cross_attention else None
+    mlp = GatedFeedForward if gated_mlp else FeedForward
+    self.mlp = mlp(features, hidden, activation=activation, dropout=dropout, use_bias=use_bias, dtype=dtype, rngs=rngs)
+    self.mlp_norm = make_norm()
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
   def _residual(self, x, norm, sublayer, deterministic):
@@ -111,13 +154,13 @@ class TransformerBlock(nnx.Module):
     y, aux = sublayer(x)
     return norm(x + self.dropout(y, deterministic=deterministic)), aux
 
-  def __call__(self, x, mask=None, *, context=None, context_mask=None, cache=None, cache_index=None,
+  def __call__(self, x, mask=None, *, positions=None, context=None, context_mask=None, cache=None, cache_index=None,
                deterministic: bool = True):
     cache = cache or {}
     x, self_cache = self._residual(
         x, self.self_attention_norm,
-        lambda h: self.self_attention(h, mask=mask, cache=cache.get('self'), cache_index=cache_index,
-                                      deterministic=deterministic),
+        lambda h: self.self_attention(h, mask=mask, positions=positions, cache=cache.get('self'),
+                                      cache_index=cache_index, deterministic=deterministic),
         deterministic)
     new_cache = {'self': self_cache} if self_cache is not None else {}
     if self.cross_attention is not None:

@@ -1,6 +1,7 @@
 """Side-by-side speed table: this codebase's --mode=bench against the PyTorch reference scripts.
 
   python scripts/speed_table.py --reference_dir=/work/shared/reference-bench --rounds=3 [--only=gpt,bert]
+  python scripts/speed_table.py --rounds=3 --only=llama,llama-decode   # Llama-style vs HF LlamaForCausalLM
   python scripts/speed_table.py --gpu --reference_dir=.gpu --rounds=2      # on one GPU: ../shared/gpu-bench
 
 `--gpu` runs the GPU table (GPT-2 124M and BERT-base in bf16, the shapes of ../shared/gpu-bench)
@@ -29,6 +30,7 @@ def _line(lines, **match):
   return next(line for line in lines if all(line.get(k) == v for k, v in match.items()))
 
 
+_REF_LLAMA = os.path.join(REPO, 'scripts', 'ref_llama.py')  # in this repository, not the shared reference dir
 CPU_BENCHMARKS = {
     'gpt': (['--config=configs/gpt.py:bench', '--bench_decode=false'], ['ref_gpt_train.py'],
             [('GPT train tokens/s', lambda o: o['tokens_per_s'], lambda r: r[-1]['tokens_per_s']),
@@ -37,6 +39,12 @@ CPU_BENCHMARKS = {
     'decode': (['--config=configs/gpt.py:bench', '--bench_steps=1'], ['ref_gpt_generate.py'],
                [(f'GPT decode tokens/s, batch {b}', lambda o, b=b: o['decode_tokens_per_s'][str(b)],
                  lambda r, b=b: _line(r, batch=b)['new_tokens_per_s']) for b in (1, 8)]),
+    # The Llama-style decoder against HF LlamaForCausalLM at the same shapes (scripts/ref_llama.py).
+    'llama': (['--config=configs/gpt.py:llama-bench', '--bench_decode=false'], [_REF_LLAMA, 'train'],
+              [('Llama train tokens/s', lambda o: o['tokens_per_s'], lambda r: r[-1]['tokens_per_s'])]),
+    'llama-decode': (['--config=configs/gpt.py:llama-bench', '--bench_steps=1'], [_REF_LLAMA, 'generate'],
+                     [(f'Llama decode tokens/s, batch {b}', lambda o, b=b: o['decode_tokens_per_s'][str(b)],
+                       lambda r, b=b: _line(r, batch=b)['new_tokens_per_s']) for b in (1, 8)]),
     'bert': (['--config=configs/bert.py:bench', '--bench_decode=false'], ['ref_bert_train.py'],
              [('BERT train tokens/s', lambda o: o['tokens_per_s'], lambda r: r[-1]['tokens_per_s'])]),
     'transformer': (['--config=configs/transformer.py:bench', '--bench_decode=false'], ['ref_torch_seq2seq_train.py'],

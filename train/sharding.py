@@ -6,8 +6,10 @@ The batch is split over ('data', 'fsdp').
 
 Models carry no sharding annotations. A parameter's sharding follows from its path, by the first
 matching rule in `PARTITION_RULES`, the names being the ones the shared modules use
-(MultiHeadAttention: query/key/value/out; FeedForward: up/down; Embed: embedding). Any other
-array is FSDP-sharded over its largest dimension. An axis that does not divide a dimension is
+(MultiHeadAttention: query/key/value/out; FeedForward: up/down; GatedFeedForward: gate/up/down;
+Embed: embedding). Any other array is FSDP-sharded over its largest dimension. Grouped-query
+attention's key and value projections hold K*D columns for K < H heads: 'tensor' splits them only
+when it divides K (`kv_head_counts`), so no head is cut in two. An axis that does not divide a dimension is
 dropped for that dimension (that dimension is replicated), so every model shards on any mesh.
 Optimizer moments live at the same paths (below `mu/`, `nu/`), so they shard like their parameters.
 """
@@ -17,6 +19,7 @@ import re
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -27,8 +30,8 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r'(query|key|value)/kernel$', ('fsdp', 'tensor')),  # [E, H*D]: split by heads
     (r'(query|key|value)/bias$', ('tensor',)),
     (r'attention/out/kernel$', ('tensor', 'fsdp')),  # [H*D, E]
-    (r'mlp/up/kernel$', ('fsdp', 'tensor')),  # [E, F]: split the hidden width
-    (r'mlp/up/bias$', ('tensor',)),
+    (r'mlp/(up|gate)/kernel$', ('fsdp', 'tensor')),  # [E, F]: split the hidden width
+    (r'mlp/(up|gate)/bias$', ('tensor',)),
     (r'mlp/down/kernel$', ('tensor', 'fsdp')),  # [F, E]
     (r'embedding$', ('tensor', 'fsdp')),  # [V, E]: vocabulary split for the tied output layer
 )
@@ -75,8 +78,17 @@ def path_to_string(path) -> str:
   return '/'.join(p for p in parts if p != 'value')
 
 
-def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
-  """The PartitionSpec of one array from the rules, dropping axes that do not divide."""
+def kv_head_counts(model) -> dict[str, int]:
+  """{'blocks/0/self_attention': K} for every grouped-query attention (K < H) of `model` (abstract
+  is fine): the head counts `partition_spec` splits their key/value projections by."""
+  from models.attention import MultiHeadAttention
+  return {'/'.join(map(str, path)): module.num_kv_heads for path, module in nnx.iter_modules(model)
+          if isinstance(module, MultiHeadAttention) and module.num_kv_heads < module.num_heads}
+
+
+def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh, kv_heads: dict[str, int] | None = None) -> P:
+  """The PartitionSpec of one array from the rules, dropping axes that do not divide (the tensor
+  axis of a grouped-query key/value projection: when it does not divide its `kv_heads` count)."""
   if int(np.prod(shape, dtype=np.int64)) < MIN_SHARDED_SIZE or not shape:
     return P()
   axes = None
@@ -87,17 +99,22 @@ def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
   if axes is None:  # FSDP over the largest dimension
     axes = [None] * len(shape)
     axes[int(np.argmax(shape))] = 'fsdp'
+  heads = next((count for prefix, count in (kv_heads or {}).items()
+                if re.search(f'(^|/){re.escape(prefix)}/(key|value)/', path)), None)
   for i, axis in enumerate(axes):
     if axis is not None and (mesh.shape[axis] == 1 or shape[i] % mesh.shape[axis]):
+      axes[i] = None
+    if axis == 'tensor' and heads is not None and heads % mesh.shape[axis]:
       axes[i] = None
   return P(*axes)
 
 
-def state_shardings(abstract_state, mesh: Mesh):
-  """NamedShardings for a pytree of arrays (model and optimizer state), by the rules above."""
+def state_shardings(abstract_state, mesh: Mesh, kv_heads: dict[str, int] | None = None):
+  """NamedShardings for a pytree of arrays (model and optimizer state), by the rules above;
+  kv_heads: the model's `kv_head_counts`."""
   def sharding(path, leaf):
     shape = getattr(leaf, 'shape', ())
-    return NamedSharding(mesh, partition_spec(path_to_string(path), tuple(shape), mesh))
+    return NamedSharding(mesh, partition_spec(path_to_string(path), tuple(shape), mesh, kv_heads))
   return jax.tree_util.tree_map_with_path(sharding, abstract_state)
 
 

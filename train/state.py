@@ -75,9 +75,10 @@ def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rn
 
 def state_spec(build_model, mesh, rng_impl: str, tx: optax.GradientTransformation | None = None) -> StateSpec:
   """Shapes and shardings of the state of `build_model(rngs)` (optimizer state too when `tx` is given)."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(make_rngs(0, rng_impl))))
+  abstract_model = nnx.eval_shape(lambda: build_model(make_rngs(0, rng_impl)))
   abstract = jax.eval_shape(_init_fn(build_model, tx, 0, rng_impl))
-  return StateSpec(graphdef, abstract, sharding.state_shardings(abstract, mesh), mesh, rng_impl)
+  shardings = sharding.state_shardings(abstract, mesh, sharding.kv_head_counts(abstract_model))
+  return StateSpec(nnx.graphdef(abstract_model), abstract, shardings, mesh, rng_impl)
 
 
 def init_state(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int) -> TrainState:

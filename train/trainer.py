@@ -668,7 +668,7 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
   prepared, model = task.import_hf(hf_dir, state_lib.make_rngs(config.seed, rng_impl))
   with _removed_on_failure(workdir):
     prepared.tokenizer.save(workdir)
-    ckpt.save_config(config, workdir)
+    ckpt.save_config(_with_model_of(config, prepared.model_config), workdir)
     ckpt.save_model_config(prepared.model_config, rng_impl, workdir)
     _, params, extra = nnx.split(model, nnx.Param, ...)
     tx, _ = make_optimizer(config.train)
@@ -677,3 +677,16 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
     checkpointer.wait()
     checkpointer.close()
   return {'params': int(sum(x.size for x in jax.tree.leaves(params))), 'hf_dir': hf_dir}
+
+
+def _with_model_of(config, model_config):
+  """A copy of `config` whose `model.*` keys hold the imported model's values (runtime fields
+  aside), so that its config.json describes the checkpoint and a resume resolves the same model
+  whatever preset the import started from; `data.seq_len` is capped at the model's positions."""
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    for field in dataclasses.fields(model_config):
+      if field.name in config.model and field.name not in RUNTIME_FIELDS:
+        config.model[field.name] = getattr(model_config, field.name)
+    config.data.seq_len = min(config.data.seq_len, config.model.get('max_len', config.data.seq_len))
+  return config

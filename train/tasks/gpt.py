@@ -7,17 +7,44 @@ from data.lm import lm_datasets
 from errors import ConfigError
 from models import gpt as gpt_model
 from models.gpt import GPT, REMAT_POLICIES, GPT2Config
+from models.layers import NORMS
+from models.rope import ROPE_SCALINGS
 from train import sampling
 from train import task as task_lib
 from train.losses import chunked_lm_loss, example_weights, lm_loss
 
 
 def validate(config):
-  if config.model.remat not in REMAT_POLICIES:
-    raise ConfigError(f'config.model.remat={config.model.remat!r} is not one of {tuple(REMAT_POLICIES)}.')
-  if config.data.seq_len > config.model.max_len:
+  m = config.model
+  if m.remat not in REMAT_POLICIES:
+    raise ConfigError(f'config.model.remat={m.remat!r} is not one of {tuple(REMAT_POLICIES)}.')
+  if config.data.seq_len > m.max_len:
     raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
-                      f'{config.model.max_len}; raise model.max_len or lower data.seq_len.')
+                      f'{m.max_len}; raise model.max_len or lower data.seq_len.')
+  validate_llama_steps(m)
+
+
+def validate_llama_steps(m):
+  """The options of the Llama steps (models/gpt.py): one ConfigError naming the key and the fix."""
+  choices = {'positions': gpt_model.POSITIONS, 'norm': NORMS, 'mlp': tuple(gpt_model.MLPS),
+             'rope_scaling': ROPE_SCALINGS}
+  for key, allowed in choices.items():
+    if m[key] not in allowed:
+      raise ConfigError(f'config.model.{key}={m[key]!r} is not one of {allowed}.')
+  if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):
+    raise ConfigError(f'config.model.num_kv_heads={m.num_kv_heads} does not divide config.model.num_heads='
+                      f'{m.num_heads}; use a divisor of num_heads (1: multi-query, 0: one per query head).')
+  if m.positions == 'rope' and (m.width // m.num_heads) % 2:
+    raise ConfigError(f'config.model.positions=rope needs an even head width, and width / num_heads = '
+                      f'{m.width // m.num_heads}; change model.width or model.num_heads.')
+  if m.mlp_hidden < 0 or m.rope_theta <= 0:
+    raise ConfigError(f'config.model.mlp_hidden={m.mlp_hidden} must be >= 0 (0: mlp_ratio * width) and '
+                      f'config.model.rope_theta={m.rope_theta} positive.')
+  if m.rope_scaling == 'llama3' and not (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
+                                         and m.rope_original_max_len > 0):
+    raise ConfigError(f'config.model.rope_scaling=llama3 needs rope_factor > 0, rope_high_freq_factor > '
+                      f'rope_low_freq_factor > 0 and rope_original_max_len > 0; got {m.rope_factor}, '
+                      f'{m.rope_high_freq_factor}, {m.rope_low_freq_factor}, {m.rope_original_max_len}.')
 
 
 class Task(task_lib.Task):
@@ -42,10 +69,9 @@ class Task(task_lib.Task):
     if not chunk:
       logits, _ = model(tokens[:, :-1], deterministic=deterministic)
       return lm_loss(logits, tokens[:, 1:], example_weights(batch), vocab_size=self.model_config.vocab_size)
-    # The tied output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
+    # The output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
     hidden, _ = model(tokens[:, :-1], deterministic=deterministic, return_hidden=True)
-    return chunked_lm_loss(hidden, model.token_embedding.embedding[...], tokens[:, 1:], example_weights(batch),
-                           chunk_tokens=chunk,
+    return chunked_lm_loss(hidden, model.output_embedding(), tokens[:, 1:], example_weights(batch), chunk_tokens=chunk,
                            vocab_size=self.model_config.vocab_size)
 
   def count_tokens(self, batch):
@@ -61,9 +87,12 @@ class Task(task_lib.Task):
                                    dtype=np.int32)}
 
   def flops_per_token(self):
-    """6N + 12 L T E (Kaplan et al. / PaLM appendix B): N = non-embedding params plus the tied LM head."""
+    """6N + 12 L T E (Kaplan et al. / PaLM appendix B): N = the blocks' matrices (query and output
+    E x E, key and value E x K*D, two or three MLP matrices E x F) plus the LM head."""
     c = self.model_config
-    non_embedding = c.num_layers * (4 * c.width**2 + 2 * c.mlp_ratio * c.width**2)
+    kv_width = c.kv_heads * (c.width // c.num_heads)
+    mlp_matrices = 3 if c.mlp == 'swiglu' else 2
+    non_embedding = c.num_layers * (2 * c.width**2 + 2 * c.width * kv_width + mlp_matrices * c.width * c.mlp_width)
     return 6 * (non_embedding + c.width * c.vocab_size) + 12 * c.num_layers * self.config.data.seq_len * c.width
 
   # ------------------------------------------------------------------ generation
@@ -80,8 +109,11 @@ class Task(task_lib.Task):
                                      seed=self.config.seed, max_len=self.model_config.max_len)
 
   def import_hf(self, hf_dir, rngs):
-    from interop.hf_gpt2 import import_gpt2
-    imported = import_gpt2(hf_dir, dtype=self.config.model.dtype, vocab_multiple=self.config.model.vocab_multiple,
-                           rngs=rngs)
+    """A GPT2LMHeadModel or LlamaForCausalLM directory, by its config.json's model_type."""
+    from interop import hf_gpt2, hf_llama
+    from interop.common import read_hf_config
+    importer = hf_llama.import_llama if read_hf_config(hf_dir).get('model_type') == 'llama' else hf_gpt2.import_gpt2
+    imported = importer(hf_dir, dtype=self.config.model.dtype, vocab_multiple=self.config.model.vocab_multiple,
+                        rngs=rngs)
     return self.bind(task_lib.Prepared(None, imported.tokenizer, imported.config)), imported.model
 

@@ -1,0 +1,165 @@
+"""Llama and Hugging Face: read a `LlamaForCausalLM` directory (Llama, SmolLM, TinyLlama, ...) into
+`models.gpt.GPT` with the Llama steps, and write such a GPT as one that
+`transformers.AutoModelForCausalLM` loads.
+
+HF Llama stores torch `nn.Linear` weights, [out, in]: the transpose of `nnx.Linear.kernel`. Its
+rotary embedding pairs the two halves of each head (`rotate_half`), the layout of models/rope.py,
+so the query and key projections load with no permutation. The output layer `lm_head.weight`
+[V, E] is stored unless `tie_word_embeddings`; like `embed_tokens` it holds the tokenizer's
+`vocab_size` rows and our padded rows (`vocab_multiple`) are zeros on import and left out on
+export. Scanned models ([num_layers, ...] block parameters) export one `layers.<i>` per layer.
+
+config.json: transformers 5 writes the rotary settings as `rope_parameters` {'rope_type',
+'rope_theta', ...}; older files carry `rope_theta` and `rope_scaling`. Both are read; exports write
+both, so transformers 4 and 5 load the same angles.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flax import nnx
+
+from data.tokenizers import HFTokenizer
+from interop.common import (HFExportError, TensorName, fields_from_hf, fields_to_hf, linear_names, load_tensors,
+                            output_directory, read_hf_config, read_tensors, to_hf_tensors, unscanned_params, write_json,
+                            write_safetensors, write_tokenizer)
+from interop.hf_gpt2 import read_hf_tokenizer
+from models.gpt import GPT, GPT2Config
+
+# (config.json key, GPT2Config field, value when the key is missing: None = required).
+CONFIG_KEYS = (
+    ('vocab_size', 'vocab_size', None), ('max_position_embeddings', 'max_len', None),
+    ('num_hidden_layers', 'num_layers', None), ('num_attention_heads', 'num_heads', None),
+    ('hidden_size', 'width', None), ('intermediate_size', 'mlp_hidden', None),
+    ('rms_norm_eps', 'layer_norm_epsilon', 1e-6), ('tie_word_embeddings', 'tie_embeddings', False))
+# Llama 3's rope_scaling entries: (HF key, GPT2Config field).
+LLAMA3_KEYS = (('factor', 'rope_factor'), ('low_freq_factor', 'rope_low_freq_factor'),
+               ('high_freq_factor', 'rope_high_freq_factor'),
+               ('original_max_position_embeddings', 'rope_original_max_len'))
+# What a GPT needs to be a LlamaForCausalLM (the other steps are options of both).
+LLAMA_STEPS = {'positions': 'rope', 'norm': 'rmsnorm', 'mlp': 'swiglu'}
+PROJECTIONS = (('q_proj', 'query'), ('k_proj', 'key'), ('v_proj', 'value'), ('o_proj', 'out'))
+MLP_PROJECTIONS = (('gate_proj', 'gate'), ('up_proj', 'up'), ('down_proj', 'down'))
+
+
+class ImportedLlama(NamedTuple):
+  model: GPT
+  tokenizer: HFTokenizer | None
+  config: GPT2Config
+
+
+def tensor_names(config: GPT2Config) -> list[TensorName]:
+  """Every parameter of an unscanned Llama-style GPT with its LlamaForCausalLM name. Shapes (E width,
+  F mlp_hidden, K*D key/value width): embed_tokens and lm_head [V, E], q_proj and o_proj [E, E],
+  k_proj and v_proj [K*D, E], gate_proj and up_proj [F, E], down_proj [E, F], norms [E]."""
+  def linears(hf, ours):
+    names = linear_names(hf, ours, transpose=True)
+    return names if config.use_bias else names[:1]
+
+  names = [TensorName('model.embed_tokens.weight', (('token_embedding', 'embedding'),), rows=config.vocab_size)]
+  for i in range(config.num_layers):
+    hf, block = f'model.layers.{i}.', ('blocks', i)
+    names.append(TensorName(hf + 'input_layernorm.weight', (block + ('self_attention_norm', 'scale'),)))
+    for hf_name, ours in PROJECTIONS:
+      names += linears(f'{hf}self_attn.{hf_name}', block + ('self_attention', ours))
+    names.append(TensorName(hf + 'post_attention_layernorm.weight', (block + ('mlp_norm', 'scale'),)))
+    for hf_name, ours in MLP_PROJECTIONS:
+      names += linears(f'{hf}mlp.{hf_name}', block + ('mlp', ours))
+  names.append(TensorName('model.norm.weight', (('final_norm', 'scale'),)))
+  if not config.tie_embeddings:
+    names.append(TensorName('lm_head.weight', (('lm_head', 'embedding'),), rows=config.vocab_size))
+  return names
+
+
+# ---------------------------------------------------------------------------------------- import
+def rope_fields_from_hf(hf: dict, where: str) -> dict:
+  """{'rope_theta', 'rope_scaling', ...} GPT2Config fields from `rope_parameters` (transformers 5)
+  or `rope_theta` + `rope_scaling` (earlier files)."""
+  rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+  kind = rope.get('rope_type', rope.get('type', 'default'))
+  fields = {'rope_theta': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))}
+  if kind == 'default':
+    return {**fields, 'rope_scaling': 'none'}
+  if kind != 'llama3':
+    raise ValueError(f"{where}: rope type {kind!r} is not supported (only the default RoPE and 'llama3').")
+  scaling = {field: (int if field == 'rope_original_max_len' else float)(rope[key]) for key, field in LLAMA3_KEYS}
+  return {**fields, 'rope_scaling': 'llama3', **scaling}
+
+
+def llama_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'xla', vocab_multiple: int = 128
+                         ) -> GPT2Config:
+  """GPT2Config with the Llama steps from `hf_dir/config.json`; dtype, attention and the
+  vocabulary padding are not stored by HF."""
+  hf = read_hf_config(hf_dir, 'llama')
+  where = f'{hf_dir}/config.json'
+  fields = fields_from_hf(hf, CONFIG_KEYS, 'Llama')
+  if hf.get('hidden_act', 'silu') != 'silu':
+    raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (Llama's SwiGLU uses 'silu').")
+  if hf.get('head_dim') not in (None, fields['width'] // fields['num_heads']):
+    raise ValueError(f"{where}: head_dim={hf['head_dim']} is not hidden_size / num_attention_heads, which this "
+                     f'GPT assumes.')
+  bias = bool(hf.get('attention_bias', False))
+  if bool(hf.get('mlp_bias', False)) != bias:
+    raise ValueError(f'{where}: attention_bias and mlp_bias differ; this GPT has one use_bias for both.')
+  return GPT2Config(**fields, **LLAMA_STEPS, **rope_fields_from_hf(hf, where), use_bias=bias, dropout=0.0,
+                    num_kv_heads=hf.get('num_key_value_heads') or fields['num_heads'], dtype=dtype,
+                    attention=attention, vocab_multiple=vocab_multiple)
+
+
+def import_llama(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', vocab_multiple: int = 128,
+                 rngs: nnx.Rngs | None = None, tokenizer: bool = True) -> ImportedLlama:
+  """(model, tokenizer or None, config) read from a Hugging Face LlamaForCausalLM directory.
+
+  Every parameter is filled from the checkpoint; a tensor the model has no place for is an error
+  (rotary inverse-frequency buffers some old checkpoints store are recomputed, not read).
+  """
+  config = llama_config_from_hf(hf_dir, dtype, attention, vocab_multiple)
+  tensors = read_tensors(hf_dir)
+  model = GPT(config, rngs=rngs or nnx.Rngs(0))
+  used = load_tensors(model, tensors, tensor_names(config))
+  ignored = ('.rotary_emb.inv_freq',) + (('lm_head.weight',) if config.tie_embeddings else ())
+  unused = sorted(k for k in tensors if k not in used and not k.endswith(ignored))
+  if unused:
+    raise ValueError(f'The checkpoint has tensors this GPT does not use: {unused[:5]}; is config.json right?')
+  return ImportedLlama(model, read_hf_tokenizer(hf_dir) if tokenizer else None, config)
+
+
+# ---------------------------------------------------------------------------------------- export
+def rope_parameters(config: GPT2Config) -> dict:
+  """transformers 5's `rope_parameters` for config.json."""
+  if config.rope_scaling == 'none':
+    return {'rope_type': 'default', 'rope_theta': config.rope_theta}
+  return {'rope_type': 'llama3', 'rope_theta': config.rope_theta,
+          **{key: getattr(config, field) for key, field in LLAMA3_KEYS}}
+
+
+def export_llama(model: GPT, tokenizer, out_dir: str) -> dict:
+  """Write `model` (a GPT with the Llama steps, LLAMA_STEPS) and `tokenizer` as a LlamaForCausalLM
+  directory: config.json, model.safetensors (float32, [out, in] weights) and tokenizer.json +
+  tokenizer_config.json.
+
+  `out_dir` must not exist or be empty; it appears complete or not at all. Returns
+  {'architecture', 'tensors', 'parameters'}.
+  """
+  config = model.config
+  mismatched = {k: getattr(config, k) for k, v in LLAMA_STEPS.items() if getattr(config, k) != v}
+  if mismatched:
+    raise HFExportError(f'A LlamaForCausalLM needs {LLAMA_STEPS}; this GPT has {mismatched}.')
+  with output_directory(out_dir) as staging:
+    tensors = to_hf_tensors(unscanned_params(model), tensor_names(config))
+    rope = rope_parameters(config)
+    write_json(staging, 'config.json', {
+        'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **fields_to_hf(config, CONFIG_KEYS),
+        'intermediate_size': config.mlp_width, 'num_key_value_heads': config.kv_heads,
+        'head_dim': config.width // config.num_heads, 'hidden_act': 'silu',
+        'attention_bias': config.use_bias, 'mlp_bias': config.use_bias, 'attention_dropout': config.dropout,
+        'rope_parameters': rope, 'rope_theta': config.rope_theta,  # transformers 5; 4 reads these two:
+        'rope_scaling': None if config.rope_scaling == 'none' else rope,
+        'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id, 'pad_token_id': tokenizer.pad_id,
+        'dtype': str(tensors['model.embed_tokens.weight'].dtype)})
+    write_safetensors(staging, tensors)
+    write_tokenizer(staging, tokenizer, max_len=config.max_len, model_input_names=['input_ids', 'attention_mask'],
+                    special_tokens={'bos_token': tokenizer.bos_id, 'eos_token': tokenizer.eos_id,
+                                    'pad_token': tokenizer.pad_id, 'unk_token': tokenizer.unk_id})
+  return {'architecture': 'LlamaForCausalLM', 'tensors': len(tensors),
+          'parameters': int(sum(t.size for t in tensors.values()))}
