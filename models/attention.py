@@ -20,7 +20,8 @@ Implementations (`model.attention`):
             mask, padding and packing as segment ids, so masked blocks are skipped. Sequence
             lengths must be multiples of 128 (others, and cached decoding, run 'xla'). TPU default.
             On other backends the kernel runs in Pallas's interpreter: for tests, slow.
-  'auto'    resolved per backend and dtype by `default_attention_implementation`.
+  'auto'    resolved per platform and dtype by `default_attention_implementation`: the task resolves
+            it for the devices the step is compiled for, a model called directly for its mesh's.
 
 Shape legend: B batch, Lq / Lk query / key length, H heads, D head width, E model width.
 Boolean masks are True where attention is allowed and broadcast against [B, H, Lq, Lk].
@@ -145,7 +146,7 @@ def dot_product_attention(
     ([B, Lq, H, D] output, [B, H, Lq, Lk] weights, or None from a fused kernel).
   """
   if implementation == 'auto':
-    implementation = default_attention_implementation(query.dtype)
+    implementation = default_attention_implementation(query.dtype, traced_platform())
   if implementation not in ATTENTION_IMPLEMENTATIONS:
     raise ValueError(f'Unknown attention implementation {implementation!r}; '
                      f'choose one of {ATTENTION_IMPLEMENTATIONS}.')
@@ -228,7 +229,7 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   batch, q_len, num_heads, depth = query.shape
   k_len = key.shape[1]
   causal = mask is not None and mask.causal
-  interpret = jax.default_backend() != 'tpu'
+  interpret = traced_platform() != 'tpu'  # Mosaic compiles the kernel for TPUs only
   head_major = lambda x: jnp.swapaxes(x, 1, 2)  # the kernel's layout: [B, H, L, D]
   q, k, v = head_major(query / jnp.sqrt(depth).astype(query.dtype)), head_major(key), head_major(value)
   segment_ids = _splash_segment_ids(mask, batch, q_len, k_len)
@@ -258,14 +259,24 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   return out
 
 
+def traced_platform() -> str:
+  """'cpu', 'gpu' or 'tpu': the platform of the mesh the computation being traced runs on (set by
+  `jax.set_mesh`; a compile-only target's devices need not be this process's), else this process's
+  default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else mesh.abstract_device  # None: an AbstractMesh made without devices
+  return jax.default_backend() if device is None else device.platform
+
+
 @functools.cache
-def default_attention_implementation(dtype: Any = 'float32') -> str:
-  """Per backend and compute dtype: cuDNN flash attention on GPU for bfloat16/float16 (the only
-  dtypes it takes), `jax.nn`'s own choice on GPU for float32, splash on TPU, the einsum path
-  elsewhere."""
-  if jax.default_backend() == 'tpu':
+def default_attention_implementation(dtype: Any = 'float32', platform: str | None = None) -> str:
+  """Per platform ('cpu', 'gpu', 'tpu'; None: this process's default backend) and compute dtype:
+  cuDNN flash attention on GPU for bfloat16/float16 (the only dtypes it takes), `jax.nn`'s own
+  choice on GPU for float32, splash on TPU, the einsum path elsewhere."""
+  platform = platform or jax.default_backend()
+  if platform == 'tpu':
     return 'splash'
-  if jax.default_backend() != 'gpu':
+  if platform != 'gpu':
     return 'xla'
   return 'cudnn' if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else 'jax_nn'
 
