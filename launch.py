@@ -198,10 +198,10 @@ def main(argv):
                             decode=FLAGS.bench_decode)
     print(json.dumps(_jsonable(results)), flush=True)
   elif mode == 'compile':
-    compile_for_target(workdir)
+    run_compile_mode(workdir)
 
 
-def compile_for_target(workdir: str) -> None:
+def run_compile_mode(workdir: str) -> None:
   """--mode=compile: the config's steps compiled for --compile_target, described in one JSON line."""
   if not FLAGS.compile_target:
     raise app.UsageError('--mode=compile needs --compile_target (cpu, cpu-8, h100, h100x8, h200, v5e-8, ...).')

@@ -61,6 +61,15 @@ def test_a_missing_plugin_names_what_to_install(monkeypatch):
     assert 'requirements-aot.txt' in message and 'JAX_PLATFORMS=cpu' in message
 
 
+def test_auto_choices_resolve_for_the_platform_compiled_for():
+  from configs import gpt
+  from train.bench import bench_task
+  from train.state import resolve_rng_impl
+  config = support.with_overrides(gpt.get_config('tiny'), {'model.dtype': 'bfloat16'})
+  assert [bench_task(config, p).model_config.attention for p in ('cpu', 'gpu', 'tpu')] == ['xla', 'cudnn', 'splash']
+  assert [resolve_rng_impl('auto', p) for p in ('cpu', 'gpu', 'tpu')] == ['threefry', 'rbg', 'rbg']
+
+
 def test_tpu_slice_names_become_libtpu_topologies():
   topology = lambda name: targets._tpu_topology(name, *name.split('-')[:1], int(name.split('-')[1]))
   assert [topology(n) for n in ('v5e-8', 'v5e-16', 'v5p-16', 'v4-32', 'v4-128')] == \

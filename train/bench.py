@@ -179,7 +179,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   achieved = tokens_per_s * flops / 1e12 if flops else None
   device = jax.devices()[0]
   peak = datasheet_tflops(device.device_kind, config.model.dtype) if device.platform != 'cpu' else None
-  analysis = compiled.memory_analysis()
+  analysis, hlo = compiled.memory_analysis(), compiled.as_text()
   return {
       'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
       'batch': batch_size, 'seq_len': seq_len, 'tokens_per_s': round(tokens_per_s, 1),
@@ -197,7 +197,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
       'attention': getattr(task.model_config, 'attention', None),
       'compiles': {'train_step': compilation.compiled('train_step'), 'total': compilation.compiled_total()},
-      'attention_kernel': attention_kernel(compiled.as_text()), 'hlo': hlo_stats.summary(compiled.as_text()),
+      'attention_kernel': attention_kernel(hlo), 'hlo': hlo_stats.summary(hlo),
       'attention_dropout_forces_einsum': attention_dropout_forces_einsum(model), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }
