@@ -19,7 +19,7 @@ Implementations (`model.attention`):
   'splash'  the Pallas splash-attention kernel (TPU flash attention): causality as a static block
             mask, padding and packing as segment ids, so masked blocks are skipped. Sequence
             lengths must be multiples of 128 (others, and cached decoding, run 'xla'). TPU default.
-            On other backends the kernel runs in Pallas's interpreter: for tests, slow.
+            Compiled for any other platform, the kernel runs in Pallas's interpreter: for tests, slow.
   'auto'    resolved per platform and dtype by `default_attention_implementation`: the task resolves
             it for the devices the step is compiled for, a model called directly for its mesh's.
 
