@@ -59,11 +59,13 @@ def _with_config_file(argv: list[str]) -> list[str]:
 
 def _compile_mode_environment(argv: list[str]) -> None:
   """--mode=compile runs nothing, so JAX needs no backend but the CPU (an installed CUDA plugin fails
-  to start without a GPU), and --compile_target=cpu-N needs N host devices. Both must be set before
+  to start without a GPU), and --compile_target=cpu-N needs N host devices. These must be set before
   JAX is imported; every import of JAX in this file comes after this."""
   if _flag_value(argv, 'mode') != 'compile':
     return
   os.environ['JAX_PLATFORMS'] = 'cpu'
+  # libtpu locks /tmp/libtpu_lockfile for the TPU it drives; compiling drives none, so let two compiles share it.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   cpu_devices = re.fullmatch(r'cpu-(\d+)', _flag_value(argv, 'compile_target') or '')
   if cpu_devices:  # XLA reads its flags left to right: the last count wins
     count_flag = f'--xla_force_host_platform_device_count={cpu_devices.group(1)}'

@@ -118,9 +118,12 @@ def _tpu(name: str, generation: str, topology_name: str) -> Target:
   from jax.experimental import topologies
   topology = _topology(name, lambda: topologies.get_topology_desc(topology_name=topology_name, platform='tpu'))
   devices = tuple(topology.devices)
-  chip_memory, _, _ = TPUS[generation]
   chips = len({tuple(device.coords) for device in devices})
-  return Target(name, 'tpu', devices, chip_memory * chips // len(devices))
+  if chips != len(devices):  # libtpu 0.0.42 describes v4 slices this way
+    raise UserError(f'--compile_target={name}: libtpu describes this slice as {len(devices)} devices on {chips} chips '
+                    f'(one per TensorCore), and JAX meshes need one device per chip (megacore); compile for '
+                    f'another generation (v5p has the same chip count per name) until libtpu offers it.')
+  return Target(name, 'tpu', devices, TPUS[generation][0])
 
 
 def missing_packages(platform: str) -> list[str]:
