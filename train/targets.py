@@ -7,7 +7,8 @@
                         attention)
   v5e-8, v5p-16, v4-32  TPU slices by their usual names (v4 and v5p count TensorCores, two per chip;
                         v5e and v6e count chips), or `generation:topology` as libtpu names it
-                        (v5e:4x4): libtpu's compiler, for every host of a multi-host slice at once
+                        (v5e:4x4): libtpu's compiler, for every host of a multi-host slice at once.
+                        v4 stops with one line: libtpu 0.0.42 describes its slices per TensorCore.
 
 The accelerator targets need the optional packages of requirements-aot.txt and a process whose
 only JAX backend is the CPU (JAX_PLATFORMS=cpu: an installed CUDA plugin without a GPU fails to
