@@ -7,6 +7,7 @@
   python launch.py --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2   # family from its config.json
   python launch.py --mode=export_hf --workdir=runs/try --hf_dir=hf/try   # GPT/BERT run -> transformers directory
   python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
+  python launch.py --config=configs/gpt.py:gpt2 --mode=compile --compile_target=h100  # compile only: kernels, memory
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
 
 `train` resumes when `--workdir` holds a checkpoint. `eval` and `predict` rebuild the run from
@@ -76,11 +77,28 @@ def _with_config_file(argv: list[str]) -> list[str]:
   return [argv[0], '--config=configs/default.py', *argv[1:]]
 
 
+def _compile_mode_environment(argv: list[str]) -> None:
+  """--mode=compile runs nothing, so JAX needs no backend but the CPU (an installed CUDA plugin fails
+  to start without a GPU), and --compile_target=cpu-N needs N host devices. These must be set before
+  JAX is imported; every import of JAX in this file comes after this."""
+  if _flag_value(argv, 'mode') != 'compile':
+    return
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  # libtpu locks /tmp/libtpu_lockfile for the TPU it drives; compiling drives none, so let two compiles share it.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  cpu_devices = re.fullmatch(r'cpu-(\d+)', _flag_value(argv, 'compile_target') or '')
+  if cpu_devices:  # XLA reads its flags left to right: the last count wins
+    count_flag = f'--xla_force_host_platform_device_count={cpu_devices.group(1)}'
+    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {count_flag}'.strip()
+
+
+_compile_mode_environment(sys.argv)
 ARGV = _with_config_file(sys.argv)
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].', lock_config=True,
                                 sys_argv=ARGV)
 flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config>-<preset>-<timestamp>).')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf', 'export_hf', 'bench'], 'What to do.')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf', 'export_hf', 'bench', 'compile'],
+                  'What to do.')
 flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - for stdin.')
 flags.DEFINE_string('output', None, 'predict: also write the outputs here, one JSON value per line.')
 flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory; export_hf: the new directory to '
@@ -88,6 +106,8 @@ flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory; 
 flags.DEFINE_integer('bench_steps', 10, 'bench: timed train steps (after 2 warm-up steps).')
 flags.DEFINE_bool('bench_decode', True, 'bench: also time cached decoding (generative families).')
 flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of 3 more steps to this directory.')
+flags.DEFINE_string('compile_target', None, 'compile: the devices to compile for (cpu, cpu-8, h100, h100x8, h200, '
+                    'v5e-8, v5p-16, v4-32, ...; train/targets.py). GPU and TPU targets need requirements-aot.txt.')
 flags.DEFINE_string('sweep', None, 'A sweep file (configs/sweeps/*.py): run its trials in <workdir>/<trial>/.')
 flags.DEFINE_bool('sweep_dry_run', False, 'With --sweep: print one launch command per trial and stop.')
 flags.DEFINE_bool('distributed', None, 'Call jax.distributed.initialize() (default: auto-detect a '
@@ -98,10 +118,10 @@ flags.DEFINE_integer('process_id', None, 'This process index, for manual multi-p
 FLAGS = flags.FLAGS
 
 
-def default_workdir(config_arg: str) -> str:
+def default_workdir(config_arg: str, prefix: str = '') -> str:
   path, _, preset = config_arg.partition(':')
   name = os.path.splitext(os.path.basename(path))[0]
-  return os.path.join('runs', f'{name}-{preset or "default"}-{time.strftime("%Y%m%d-%H%M%S")}')
+  return os.path.join('runs', f'{prefix}{name}-{preset or "default"}-{time.strftime("%Y%m%d-%H%M%S")}')
 
 
 def maybe_initialize_distributed() -> None:
@@ -181,9 +201,10 @@ def main(argv):
   from train import trainer
   from train.checkpoint import load_run
   config_arg = FLAGS['config'].config_filename if hasattr(FLAGS['config'], 'config_filename') else 'default'
-  workdir = FLAGS.workdir or default_workdir(config_arg)
   mode = FLAGS.mode
-  if mode not in ('train', 'bench') and not FLAGS.workdir:
+  workdir = FLAGS.workdir or (default_workdir(config_arg, prefix=f'compile-{FLAGS.compile_target}-')
+                              if mode == 'compile' else default_workdir(config_arg))
+  if mode not in ('train', 'bench', 'compile') and not FLAGS.workdir:
     raise app.UsageError(f'--mode={mode} needs --workdir.')
   if mode == 'train':
     if jax.process_index() == 0:
@@ -222,6 +243,17 @@ def main(argv):
     results = run_benchmark(FLAGS.config, steps=FLAGS.bench_steps, profile_dir=FLAGS.bench_profile,
                             decode=FLAGS.bench_decode)
     print(json.dumps(_jsonable(results)), flush=True)
+  elif mode == 'compile':
+    run_compile_mode(workdir)
+
+
+def run_compile_mode(workdir: str) -> None:
+  """--mode=compile: the config's steps compiled for --compile_target, described in one JSON line."""
+  if not FLAGS.compile_target:
+    raise app.UsageError('--mode=compile needs --compile_target (cpu, cpu-8, h100, h100x8, h200, v5e-8, ...).')
+  from train import aot
+  results = aot.compile_for_target(FLAGS.config, FLAGS.compile_target, workdir)
+  print(json.dumps({'mode': 'compile', **_jsonable(results)}), flush=True)
 
 
 def check_import_family(hf_dir: str, family: str) -> None:

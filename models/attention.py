@@ -19,8 +19,9 @@ Implementations (`model.attention`):
   'splash'  the Pallas splash-attention kernel (TPU flash attention): causality as a static block
             mask, padding and packing as segment ids, so masked blocks are skipped. Sequence
             lengths must be multiples of 128 (others, and cached decoding, run 'xla'). TPU default.
-            On other backends the kernel runs in Pallas's interpreter: for tests, slow.
-  'auto'    resolved per backend and dtype by `default_attention_implementation`.
+            Compiled for any other platform, the kernel runs in Pallas's interpreter: for tests, slow.
+  'auto'    resolved per platform and dtype by `default_attention_implementation`: the task resolves
+            it for the devices the step is compiled for, a model called directly for its mesh's.
 
 Shape legend: B batch, Lq / Lk query / key length, H heads, K key/value heads (K = H but for
 grouped-query attention, where K divides H), D head width, E model width.
@@ -151,7 +152,7 @@ def dot_product_attention(
     ([B, Lq, H, D] output, [B, H, Lq, Lk] weights, or None from a fused kernel).
   """
   if implementation == 'auto':
-    implementation = default_attention_implementation(query.dtype)
+    implementation = default_attention_implementation(query.dtype, traced_platform())
   if implementation not in ATTENTION_IMPLEMENTATIONS:
     raise ValueError(f'Unknown attention implementation {implementation!r}; '
                      f'choose one of {ATTENTION_IMPLEMENTATIONS}.')
@@ -246,7 +247,7 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   k_len, kv_heads = key.shape[1], key.shape[2]
   grouped = kv_heads < num_heads
   causal = mask is not None and mask.causal
-  interpret = jax.default_backend() != 'tpu'
+  interpret = traced_platform() != 'tpu'  # Mosaic compiles the kernel for TPUs only
   head_major = lambda x: jnp.swapaxes(x, 1, 2)  # the kernel's layout: [B, H, L, D]
   q, k, v = head_major(query / jnp.sqrt(depth).astype(query.dtype)), head_major(key), head_major(value)
   if grouped:  # [B, K, G, Lq, D]: the query heads of each K/V head together
@@ -281,14 +282,24 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   return out
 
 
+def traced_platform() -> str:
+  """'cpu', 'gpu' or 'tpu': the platform of the mesh the computation being traced runs on (set by
+  `jax.set_mesh`; a compile-only target's devices need not be this process's), else this process's
+  default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else mesh.abstract_device  # None: an AbstractMesh made without devices
+  return jax.default_backend() if device is None else device.platform
+
+
 @functools.cache
-def default_attention_implementation(dtype: Any = 'float32') -> str:
-  """Per backend and compute dtype: cuDNN flash attention on GPU for bfloat16/float16 (the only
-  dtypes it takes), `jax.nn`'s own choice on GPU for float32, splash on TPU, the einsum path
-  elsewhere."""
-  if jax.default_backend() == 'tpu':
+def default_attention_implementation(dtype: Any = 'float32', platform: str | None = None) -> str:
+  """Per platform ('cpu', 'gpu', 'tpu'; None: this process's default backend) and compute dtype:
+  cuDNN flash attention on GPU for bfloat16/float16 (the only dtypes it takes), `jax.nn`'s own
+  choice on GPU for float32, splash on TPU, the einsum path elsewhere."""
+  platform = platform or jax.default_backend()
+  if platform == 'tpu':
     return 'splash'
-  if jax.default_backend() != 'gpu':
+  if platform != 'gpu':
     return 'xla'
   return 'cudnn' if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else 'jax_nn'
 

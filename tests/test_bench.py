@@ -93,9 +93,9 @@ def test_bench_task_builds_the_model_training_builds(family):
   model has its pretraining heads, and the loss runs on the synthetic batch."""
   import importlib
   from flax import nnx
-  from train.bench import _bench_task
+  from train.bench import bench_task
   config = importlib.import_module(f'configs.{family}').get_config('tiny')
-  task = _bench_task(config)
+  task = bench_task(config)
   assert task.model_config.vocab_size == config.data.vocab_size
   model = task.build_model(nnx.Rngs(0))
   batch = {k: jnp.asarray(v) for k, v in task.example_batch(config.train.batch_size).items()}

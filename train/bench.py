@@ -15,6 +15,8 @@ training runs. Ends with one JSON line:
                                     (init, step, matmul probe, decoding)}
   attention_kernel                  the attention the compiled train step runs, read from its HLO
                                     (fused cuDNN / Pallas kernels are custom calls; else XLA einsum)
+  hlo                               what else the compiled train step runs (`train.hlo_stats`:
+                                    fusions, scatters, cuDNN attention and Pallas calls)
   attention_dropout_forces_einsum   true when `attention` names a fused kernel but attention dropout
                                     > 0 makes training run the einsum path (the fused kernels cannot
                                     drop attention weights); attention_kernel then reads 'xla'
@@ -52,11 +54,11 @@ import numpy as np
 
 import storage
 from models.attention import attention_dropout_forces_einsum
-from train import compilation, memory, sharding
+from train import compilation, hlo_stats, memory, sharding
 from train import state as state_lib
 from train.optim import make_optimizer
 from train.task import get_task
-from train.trainer import make_train_step
+from train.trainer import jit_train_step
 from train.validation import validate_config
 
 DECODE_BATCHES = (1, 8)
@@ -115,10 +117,18 @@ def _timed(fn, reps: int) -> list[float]:
   return times
 
 
-def _bench_task(config):
-  task = get_task(config)
+def bench_task(config, platform: str | None = None):
+  """The config's task bound to a stand-in tokenizer, its 'auto' attention resolved for `platform`."""
+  task = get_task(config, platform)
   task.bind_tokenizer(StandInTokenizer(config.data.vocab_size))
   return task
+
+
+def generate_greedily(task, model, prompt: jax.Array, valid: jax.Array, new_tokens: int):
+  """The decoding the benchmark times: `task.generate` greedy, prompt [B, P] -> new tokens [B, new_tokens]
+  (no stop at EOS, so every row decodes all of them)."""
+  return task.generate(model, prompt, valid, jax.random.key(0), max_new_tokens=new_tokens, temperature=0.0,
+                       top_k=0, top_p=1.0, eos_id=None, pad_id=0)
 
 
 def _decode_speed(task, model, new_tokens: int) -> dict[str, float] | None:
@@ -131,8 +141,7 @@ def _decode_speed(task, model, new_tokens: int) -> dict[str, float] | None:
     prompt = jnp.asarray(np.random.default_rng(batch).integers(4, task.tokenizer.vocab_size, (batch, DECODE_PROMPT)),
                          jnp.int32)
     valid = jnp.ones(prompt.shape, bool)
-    run = lambda: task.generate(model, prompt, valid, jax.random.key(0), max_new_tokens=new_tokens, temperature=0.0,
-                                top_k=0, top_p=1.0, eos_id=None, pad_id=0)
+    run = lambda: generate_greedily(task, model, prompt, valid, new_tokens)
     jax.block_until_ready(run())  # compile
     speeds[str(batch)] = batch * new_tokens / statistics.median(_timed(run, 3))
   return speeds
@@ -144,7 +153,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   config = config.copy_and_resolve_references()
   validate_config(config)
   compilation.enable_cache('')  # count compilations; no persistent cache, so compile_s is a real compile
-  task = _bench_task(config)
+  task = bench_task(config)
   mesh = sharding.make_mesh(config.mesh)
   tx, _ = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl), tx)
@@ -156,9 +165,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   init_s = time.perf_counter() - start
   with jax.set_mesh(mesh):
     batch = sharding.global_batch(local, mesh)
-    step_fn = jax.jit(make_train_step(task, spec.graphdef, tx, config.train.grad_accum),
-                      in_shardings=(spec.shardings, sharding.batch_sharding(mesh)),
-                      out_shardings=(spec.shardings, None), donate_argnums=(0,))
+    step_fn = jit_train_step(task, spec, tx, config.train.grad_accum)
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
@@ -166,7 +173,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
     state, scalars, times, cpu_per_step = _time_steps(compiled, state, batch, steps, warmup, profile_dir)
     ceiling = (ceiling_before + matmul_tflops(config.model.dtype)) / 2
     model = state_lib.model_of(spec, state)
-    new_tokens = min(config.decode.max_new_tokens, _max_new(config, model))
+    new_tokens = decode_new_tokens(config, task.model_config)
     decode_speed = _decode_speed(task, model, new_tokens) if decode else None
   step_s = statistics.median(times)
   tokens_per_s = batch_size * seq_len / step_s
@@ -175,7 +182,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   achieved = tokens_per_s * flops / 1e12 if flops else None
   device = jax.devices()[0]
   peak = datasheet_tflops(device.device_kind, config.model.dtype) if device.platform != 'cpu' else None
-  analysis = compiled.memory_analysis()
+  analysis, hlo = compiled.memory_analysis(), compiled.as_text()
   return {
       'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
       'batch': batch_size, 'seq_len': seq_len, 'tokens_per_s': round(tokens_per_s, 1),
@@ -194,7 +201,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
       'attention': getattr(task.model_config, 'attention', None),
       'compiles': {'train_step': compilation.compiled('train_step'), 'total': compilation.compiled_total()},
-      'attention_kernel': attention_kernel(compiled.as_text()),
+      'attention_kernel': attention_kernel(hlo), 'hlo': hlo_stats.summary(hlo),
       'attention_dropout_forces_einsum': attention_dropout_forces_einsum(model), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }
@@ -234,7 +241,8 @@ def attention_kernel(hlo_text: str) -> str:
   return 'xla (einsum + softmax)'
 
 
-def _max_new(config, model) -> int:
-  """New tokens that fit the model's positions after the benchmark prompt."""
-  max_len = getattr(getattr(model, 'config', None), 'max_len', None)
-  return config.decode.max_new_tokens if max_len is None else max_len - DECODE_PROMPT
+def decode_new_tokens(config, model_config) -> int:
+  """New tokens the benchmark decodes: `decode.max_new_tokens`, as many as fit the model's positions
+  after the benchmark prompt."""
+  max_len = getattr(model_config, 'max_len', None)
+  return config.decode.max_new_tokens if max_len is None else min(config.decode.max_new_tokens, max_len - DECODE_PROMPT)

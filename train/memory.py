@@ -99,11 +99,13 @@ def available_bytes() -> int | None:
   return None
 
 
-def estimate(config, abstract_state, state_sharding, mesh) -> MemoryEstimate:
-  """`abstract_state`: the trainer's TrainState (abstract or concrete) and its shardings."""
+def estimate(config, abstract_state, state_sharding, mesh, available: int | None = None) -> MemoryEstimate:
+  """`abstract_state`: the trainer's TrainState (abstract or concrete) and its shardings; `available`:
+  the memory per device of the devices it is for (None: this process's, `available_bytes()`)."""
   params = sharded_bytes(abstract_state.params, state_sharding.params)
   return MemoryEstimate(params=params, optimizer=sharded_bytes(abstract_state.opt_state, state_sharding.opt_state),
-                        gradients=params, activations=activation_bytes(config, mesh), available=available_bytes())
+                        gradients=params, activations=activation_bytes(config, mesh),
+                        available=available_bytes() if available is None else available)
 
 
 def log_estimate(config, abstract_state, state_sharding, mesh) -> MemoryEstimate:

@@ -48,11 +48,12 @@ class StateSpec:
   rng_impl: str
 
 
-def resolve_rng_impl(name: str) -> str:
+def resolve_rng_impl(name: str, platform: str | None = None) -> str:
   """'auto': 'rbg' on GPU and TPU, 'threefry' on CPU (sharding-invariant, as the CPU tests compare
-  sharded with single-device runs); otherwise `name`."""
+  sharded with single-device runs); otherwise `name`. `platform` ('cpu' | 'gpu' | 'tpu') is the
+  one the state is compiled for (None: this process's default backend)."""
   if name == 'auto':
-    return 'threefry' if jax.default_backend() == 'cpu' else 'rbg'
+    return 'threefry' if (platform or jax.default_backend()) == 'cpu' else 'rbg'
   if name not in RNG_IMPLS:
     raise ConfigError(f"config.rng_impl={name!r} is not one of {('auto', *RNG_IMPLS)}.")
   return name
@@ -81,10 +82,15 @@ def state_spec(build_model, mesh, rng_impl: str, tx: optax.GradientTransformatio
   return StateSpec(nnx.graphdef(abstract_model), abstract, shardings, mesh, rng_impl)
 
 
+def jit_initialiser(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int):
+  """() -> TrainState: the jitted initialiser that `init_state` calls, each array born with its sharding."""
+  return jax.jit(_init_fn(build_model, tx, seed, spec.rng_impl), out_shardings=spec.shardings)
+
+
 def init_state(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int) -> TrainState:
   """A freshly initialised state, created sharded on `spec.mesh` (parameters from `seed`, dropout from seed + 1)."""
   with jax.set_mesh(spec.mesh):
-    return jax.jit(_init_fn(build_model, tx, seed, spec.rng_impl), out_shardings=spec.shardings)()
+    return jit_initialiser(spec, build_model, tx, seed)()
 
 
 def with_shardings(abstract, shardings):

@@ -69,8 +69,9 @@ class Task:
   # max_new_tokens, temperature, top_k, top_p, eos_id, pad_id) -> (new tokens [B, N], lengths [B]).
   generate = None
 
-  def __init__(self, config):
+  def __init__(self, config, platform: str | None = None):
     self.config = config
+    self.platform = platform  # what 'auto' attention resolves for: 'cpu' | 'gpu' | 'tpu' (None: this backend)
     self.tokenizer = None
     self.model_config = None
 
@@ -96,12 +97,12 @@ class Task:
 
   def resolve_model_config(self, **resolved) -> Any:
     """`model_config_class` from the `config.model` keys it shares, the 'auto' attention resolved
-    for this backend and dtype, and `resolved` (values that come from the data) on top."""
+    for `self.platform` and the dtype, and `resolved` (values that come from the data) on top."""
     fields = {f.name for f in dataclasses.fields(self.model_config_class)}
     values = {k: v for k, v in self.config.model.items() if k in fields}
     if values.get('attention') == 'auto':
       from models.attention import default_attention_implementation
-      values['attention'] = default_attention_implementation(values.get('dtype', 'float32'))
+      values['attention'] = default_attention_implementation(values.get('dtype', 'float32'), self.platform)
     return self.model_config_class(**{**values, **resolved})
 
   def bind_tokenizer(self, tokenizer) -> Prepared:
@@ -212,8 +213,10 @@ def process_rows_of_global_batches(order: grain.MapDataset, batch_size: int, pro
   return grain.MapDataset.range(len(order) // process_count).map(row).batch(local, drop_remainder=True)
 
 
-def get_task(config) -> Task:
-  return task_module(config.family).Task(config)
+def get_task(config, platform: str | None = None) -> Task:
+  """The family's Task; `platform` ('cpu' | 'gpu' | 'tpu') is the one its steps are compiled for
+  (None: this process's default backend)."""
+  return task_module(config.family).Task(config, platform)
 
 
 def task_module(family: str):

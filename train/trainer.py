@@ -90,6 +90,14 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
   return train_step
 
 
+def jit_train_step(task: Task, spec: StateSpec, tx: optax.GradientTransformation, grad_accum: int):
+  """`make_train_step` jitted as training runs it: the state and batch sharded as `spec` and the
+  mesh place them, the state donated (its buffers reused for the new state)."""
+  return jax.jit(make_train_step(task, spec.graphdef, tx, grad_accum),
+                 in_shardings=(spec.shardings, sharding.batch_sharding(spec.mesh)),
+                 out_shardings=(spec.shardings, None), donate_argnums=(0,))
+
+
 def make_eval_step(task: Task, graphdef) -> Callable:
   def eval_step(params, extra, batch):
     model = nnx.merge(graphdef, params, extra)
@@ -379,9 +387,7 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
   """Steps from `start_step` to `train.steps` (or an earlier stop); returns {'step', 'stopped'?,
   'preempted'?, the last eval metrics}. `started` is when this process began the run (time.time())."""
   train = setup.config.train
-  train_step = jax.jit(make_train_step(setup.task, setup.spec.graphdef, setup.tx, train.grad_accum),
-                       in_shardings=(setup.spec.shardings, sharding.batch_sharding(setup.mesh)),
-                       out_shardings=(setup.spec.shardings, None), donate_argnums=(0,))
+  train_step = jit_train_step(setup.task, setup.spec, setup.tx, train.grad_accum)
   logger, watcher = StepLogger(setup, writer, checkpointer), PreemptionWatcher(writer.log)
   compiled_before = compilation.compiled('train_step')
   compiles = lambda: compilation.compiled('train_step') - compiled_before

@@ -63,7 +63,8 @@ def check_keys_and_types(config, reference) -> None:
                         f'e.g. --config.{key}={expected[key]!r}.')
 
 
-def check_values(config) -> None:
+def check_values(config, num_devices: int | None = None) -> None:
+  """`num_devices`: the devices the mesh spans (None: all of this run's, `jax.device_count()`)."""
   t, m, mesh = config.train, config.model, config.mesh
   positive = {'train.steps': t.steps, 'train.batch_size': t.batch_size, 'train.grad_accum': t.grad_accum,
               'train.eval_every': t.eval_every, 'train.checkpoint_every': t.checkpoint_every,
@@ -100,7 +101,7 @@ def check_values(config) -> None:
   if not 0 <= m.get('dropout', 0.0) < 1:
     raise ConfigError(f'config.model.dropout={m.dropout} must be in [0, 1).')
   from train import sharding
-  devices = jax.device_count()
+  devices = jax.device_count() if num_devices is None else num_devices
   try:
     sizes = sharding.mesh_shape(mesh, devices)
   except ValueError as e:
@@ -138,10 +139,11 @@ def check_decode(config) -> None:
     raise ConfigError(f'config.decode.max_len_ratio={d.max_len_ratio} must be positive.')
 
 
-def validate_config(config) -> None:
-  """Raise ConfigError describing the first problem found."""
+def validate_config(config, num_devices: int | None = None) -> None:
+  """Raise ConfigError describing the first problem found; the mesh must span `num_devices`
+  (None: all of this run's devices; a compile-only target's otherwise)."""
   check_keys_and_types(config, reference_config(config))
-  check_values(config)
+  check_values(config, num_devices)
   check_decode(config)
   from train.task import task_module
   family_check = getattr(task_module(config.family), 'validate', None)
