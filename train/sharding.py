@@ -13,11 +13,14 @@ Optimizer moments live at the same paths (below `mu/`, `nu/`), so they shard lik
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models import partitioning
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
@@ -32,6 +35,14 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r'mlp/down/kernel$', ('tensor', 'fsdp')),  # [F, E]
     (r'embedding$', ('tensor', 'fsdp')),  # [V, E]: vocabulary split for the tied output layer
 )
+# Logical activation axes (models/partitioning.py) -> mesh axes. The batch is split like the input
+# batch; heads, MLP width and vocabulary over 'tensor' (Megatron: column-parallel up/query/key/value,
+# row-parallel down/out, one reduction per row-parallel output); width, length and the recurrent state
+# stay whole, so the contraction dimension of every weight is gathered rather than the activations.
+ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
+    'batch': BATCH_AXES, 'heads': ('tensor',), 'mlp': ('tensor',), 'vocab': ('tensor',),
+    'length': (), 'embed': (), 'hidden': (),
+}
 # Arrays smaller than this stay replicated: sharding them costs more communication than memory.
 MIN_SHARDED_SIZE = 2**14
 
@@ -61,6 +72,14 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   # Auto axes: XLA's partitioner propagates the parameter and batch shardings through the model.
   return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
                        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+  """`jax.set_mesh(mesh)` with the activation rules active: every step traced inside keeps its
+  activations split as ACTIVATION_RULES says. Enter it wherever a step is traced for `mesh`."""
+  with jax.set_mesh(mesh), partitioning.axis_rules(ACTIVATION_RULES):
+    yield
 
 
 def path_to_string(path) -> str:

@@ -89,6 +89,14 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
   return train_step
 
 
+def jit_train_step(task: Task, spec: StateSpec, tx: optax.GradientTransformation, grad_accum: int):
+  """`make_train_step` jitted as training runs it: state sharded by `spec`, the batch split over the
+  data-parallel axes, the old state donated. Trace it inside `sharding.use_mesh(spec.mesh)`."""
+  return jax.jit(make_train_step(task, spec.graphdef, tx, grad_accum),
+                 in_shardings=(spec.shardings, sharding.batch_sharding(spec.mesh)),
+                 out_shardings=(spec.shardings, None), donate_argnums=(0,))
+
+
 def make_eval_step(task: Task, graphdef) -> Callable:
   def eval_step(params, extra, batch):
     model = nnx.merge(graphdef, params, extra)
@@ -371,9 +379,7 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
   """Steps from `start_step` to `train.steps` (or an earlier stop); returns {'step', 'stopped'?,
   'preempted'?, the last eval metrics}. `started` is when this process began the run (time.time())."""
   train = setup.config.train
-  train_step = jax.jit(make_train_step(setup.task, setup.spec.graphdef, setup.tx, train.grad_accum),
-                       in_shardings=(setup.spec.shardings, sharding.batch_sharding(setup.mesh)),
-                       out_shardings=(setup.spec.shardings, None), donate_argnums=(0,))
+  train_step = jit_train_step(setup.task, setup.spec, setup.tx, train.grad_accum)
   eval_step = jax.jit(make_eval_step(setup.task, setup.spec.graphdef))
   logger, watcher = StepLogger(setup, writer, checkpointer, start_step), PreemptionWatcher(writer.log)
   compiled_before = compilation.compiled('train_step')
@@ -397,7 +403,7 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
 
   last_eval, step, stopped = {}, start_step, None
   try:
-    with jax.set_mesh(setup.mesh):
+    with sharding.use_mesh(setup.mesh):
       while step < train.steps and stopped is None:
         if watcher.should_stop(step):
           logger.flush()
@@ -471,7 +477,7 @@ def final_evaluation(setup: Setup, workdir: str, writer: MetricWriter, step: int
   """The family's evaluation of the current model (test metrics, samples, pictures), logged at `step`."""
   model = setup.model()
   model.eval()
-  with jax.set_mesh(setup.mesh):
+  with sharding.use_mesh(setup.mesh):
     results = setup.task.evaluate(model, setup.prepared.datasets, workdir)
   scalars = {k: v for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
   if scalars:
@@ -614,7 +620,7 @@ def evaluate_run(workdir: str, config_overrides: dict | None = None) -> dict[str
   step = evaluated_step(setup, checkpointer, latest)
   checkpointer.close()
   eval_step = jax.jit(make_eval_step(setup.task, setup.spec.graphdef))
-  with jax.set_mesh(setup.mesh):
+  with sharding.use_mesh(setup.mesh):
     results = {'step': step, **evaluate_loss(setup, eval_step)}
   writer = MetricWriter(workdir, config.train.steps, step)
   results.update(final_evaluation(setup, workdir, writer, step))

@@ -44,7 +44,7 @@ class Task(task_lib.Task):
       return lm_loss(logits, tokens[:, 1:], vocab_size=self.model_config.vocab_size)
     # The tied output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
     hidden, _ = model(tokens[:, :-1], deterministic=deterministic, return_hidden=True)
-    return chunked_lm_loss(hidden, model.token_embedding.embedding[...], tokens[:, 1:], chunk_tokens=chunk,
+    return chunked_lm_loss(hidden, model.token_embedding.table(), tokens[:, 1:], chunk_tokens=chunk,
                            vocab_size=self.model_config.vocab_size)
 
   def summarize(self, metrics):
