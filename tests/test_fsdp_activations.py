@@ -85,7 +85,10 @@ def test_no_collective_carries_the_global_batch(compiled_steps):
 
 
 def test_fsdp_needs_fewer_temporaries_than_one_device(compiled_steps):
+  """An eighth of the batch per device: temporaries well below a fifth of one device's (measured
+  0.13-0.17 with the batch split, 0.21-0.91 for GPT, BERT, the Transformer and the classifier
+  before #22), the rest being gathered weights and their gradients."""
   family, steps = compiled_steps
   sharded = steps['fsdp=8'].memory_analysis().temp_size_in_bytes
   single = steps['one device'].memory_analysis().temp_size_in_bytes
-  assert sharded < single, f'{family}: {sharded} bytes of temporaries per device on fsdp=8, {single} on one device'
+  assert sharded < single / 5, f'{family}: {sharded} bytes of temporaries per device on fsdp=8, {single} on one device'
