@@ -62,7 +62,8 @@ def partition_spec(shape: Sequence[int], names: Sequence[str | None], rules: Map
     wanted = rules.get(name, ()) if name is not None else ()
     chosen, product = [], 1
     for axis in wanted:
-      if axis in mesh.axis_names and axis not in used and mesh.shape[axis] > 1 and size % (product * mesh.shape[axis]) == 0:
+      usable = axis in mesh.axis_names and axis not in used and mesh.shape[axis] > 1
+      if usable and size % (product * mesh.shape[axis]) == 0:
         chosen.append(axis)
         product *= mesh.shape[axis]
     used.update(chosen)

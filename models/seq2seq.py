@@ -89,7 +89,8 @@ class Seq2Seq(nnx.Module):
       context, weights = context[:, 0], weights[:, 0]
     inputs = constrain(jnp.concatenate([embedded, context.astype(embedded.dtype)], axis=-1), ('batch', None))
     out, hidden = self.decoder.step(inputs, state['hidden'], dropout_masks)
-    return constrain(out, ('batch', 'hidden')), {**state, 'hidden': constrain(hidden, ('batch', None, 'hidden'))}, weights
+    hidden = constrain(hidden, ('batch', None, 'hidden'))  # [B, L, H]
+    return constrain(out, ('batch', 'hidden')), {**state, 'hidden': hidden}, weights
 
   def decode_step(self, tokens: jax.Array, state: dict[str, jax.Array], index: Any = None):
     """The `step_fn` of models/decoding.py: tokens [N, T] -> (logits [N, T, V] float32, new state).

@@ -1,5 +1,6 @@
-"""Compile a preset's train step (built as `--mode=bench` builds it: `train.bench.compile_train_step`) on host CPU devices and print
-one JSON line: XLA's per-device temporaries and the collectives of the compiled step (train/hlo.py).
+"""Compile a preset's train step on host CPU devices and print one JSON line: XLA's temporaries
+per device and the collectives of the compiled step (train/hlo.py). The step is built as
+`--mode=bench` builds it (`train.bench.compile_train_step`).
 
   python scripts/collectives_table.py configs/gpt.py:gpt2 --devices=8 --mesh=1,8,1 --batch=16 --seq_len=1024
   python scripts/collectives_table.py configs/bert.py:base --devices=8 --mesh=1,8,1 --batch=64 --seq_len=128

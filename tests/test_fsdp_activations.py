@@ -59,7 +59,8 @@ def batch_carrying(collectives, config) -> list[hlo.Collective]:
   def carries_batch(c: hlo.Collective) -> bool:
     if c.leads_with((BATCH, LENGTH)) or c.leads_with((LENGTH, BATCH)) or (c.multiplier > 1 and c.leads_with((BATCH,))):
       return True
-    return vocab is not None and any(len(shape) >= 2 and shape[-1] == vocab and shape[0] in (BATCH, BATCH * LENGTH, chunk)
+    logits_rows = (BATCH, BATCH * LENGTH, chunk)  # [B, L, V'], [B L, V'] or one loss chunk [chunk, V']
+    return vocab is not None and any(len(shape) >= 2 and shape[-1] == vocab and shape[0] in logits_rows
                                      for _, shape in c.arrays)
   return [c for c in collectives if c.kind in GATHERS_AND_REDUCTIONS and carries_batch(c)]
 

@@ -32,6 +32,7 @@ KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective
 # Bytes per element of HLO primitive types; sub-byte types count as one byte (an upper bound).
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4,
                 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
+_SMALL_DTYPES = ('f8', 's4', 'u4', 's2', 'u2', 'f4')  # fp8 variants and sub-byte integers: one byte
 _ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(')
@@ -82,8 +83,8 @@ class Collective:
 
 def _arrays(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
   """'(f32[16,32]{1,0}, bf16[8])' -> (('f32', (16, 32)), ('bf16', (8,)))."""
-  return tuple((dtype, tuple(int(d) for d in dims.split(',') if d))
-               for dtype, dims in _ARRAY.findall(type_text) if dtype in _DTYPE_BYTES or dtype.startswith(('f8', 's4', 'u4')))
+  return tuple((dtype, tuple(int(d) for d in dims.split(',') if d)) for dtype, dims in _ARRAY.findall(type_text)
+               if dtype in _DTYPE_BYTES or dtype.startswith(_SMALL_DTYPES))
 
 
 def _size(arrays) -> int:
