@@ -14,7 +14,8 @@ loops whose trip count it can prove (`known_trip_count` in the while's backend_c
 layers, gradient accumulation, the chunked loss), and the multiplier of an instruction is the
 product of the trip counts of the loops around it, summed over every place its computation is
 called from (fusions, calls, async wrappers, conditional branches: each at most once, so a
-collective in a conditional branch is counted as if its branch always ran). A loop without a
+collective in a conditional branch is counted as if its branch always ran; an async wrapper's
+computation once per `async-start`). A loop without a
 known trip count counts once and marks its collectives `static=False`.
 
 Bytes are those of the collective's result on one device (for an all-gather the gathered array,
@@ -120,6 +121,8 @@ def _parse(hlo_text: str) -> _Module:
     name, type_text, op = instruction.groups()
     if op in KINDS or (op.endswith('-done') and op[:-len('-done')] in KINDS):
       module.found.append((current, name, op, type_text))
+    if op.endswith('-done') or op == 'async-update':
+      continue  # an async pair names its wrapped computation at the start and again here: counted once
     trip = _TRIP_COUNT.search(line) if op == 'while' else None
     for _, callees in _CALLEES.findall(line):
       for callee in re.findall(r'%?([\w.\-]+)', callees):
