@@ -4,8 +4,8 @@ Each family's train step is compiled (not run) as `--mode=bench` builds it, on f
 data=2 x fsdp=2 x tensor=2, and its HLO (train/hlo.py) is read: no all-gather, all-reduce or
 reduce-scatter may carry the global batch ([B, L, ...] hidden states, [L, B, ...] time-major RNN
 inputs, [B, ...] state inside a time loop) or logits ([tokens, V'] of the tied output layer and
-the chunked loss). Under fsdp=8 each device must also need fewer XLA temporaries than one device
-running the whole batch. Shapes: batch 16, length 32, width 64, so that activations are
+the chunked loss). Under fsdp=8 each device must also need less than half the XLA temporaries of
+one device running the whole batch. Shapes: batch 16, length 32, width 64, so that activations are
 recognisable by their leading [16, 32]. XLA:CPU compiles at backend optimisation level 0: the
 partitioner and buffer assignment (what is read here) run as at level 2, LLVM's passes (a third
 of the compile time) do not.
