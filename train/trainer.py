@@ -60,7 +60,10 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
 
   def accumulated(state: TrainState, batch):
     """Mean gradient and loss over `grad_accum` micro-batches, scanned so memory holds one."""
-    micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+    # Strided micro-batches (micro-batch k holds rows k, k + grad_accum, ...): each device's rows of
+    # the batch hold its share of every micro-batch, so no example moves between devices.
+    micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]), 0, 1),
+                         batch)
 
     def accumulate(carry, micro_batch):
       grads_sum, loss_sum, metrics_sum, extra = carry
