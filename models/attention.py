@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.partitioning import constrain
 from models.rope import apply_rope
 
 # Large negative logit for masked positions: finite so fully masked rows stay NaN-free.
@@ -50,6 +51,7 @@ _FUSED = ('cudnn', 'jax_nn')  # the implementations calling jax.nn.dot_product_a
 SPLASH_BATCH_AXES = ('data', 'fsdp')
 SPLASH_HEAD_AXES = ('tensor',)
 SPLASH_BLOCK = 128  # the kernel's default block size: sequence lengths must be multiples of it
+HEADS = ('batch', 'length', 'heads', None)  # logical axes of [B, L, H, D] queries, keys, values, outputs
 
 
 # ----------------------------------------------------------------------------- masks
@@ -389,7 +391,8 @@ class MultiHeadAttention(nnx.Module):
     self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
 
   def _split_heads(self, x: jax.Array) -> jax.Array:
-    return x.reshape(*x.shape[:-1], -1, self.head_dim)
+    """[B, L, H*D] -> [B, L, H, D] (H: query heads, or K key/value heads), split by batch and heads."""
+    return constrain(x.reshape(*x.shape[:-1], -1, self.head_dim), HEADS)
 
   def project_kv(self, inputs_kv: jax.Array, positions: jax.Array | None = None) -> dict[str, jax.Array]:
     """[B, Lk, E_kv] -> {'k','v': [B, K, Lk, D]}: the static cache of a cross-attention, or the
@@ -425,7 +428,7 @@ class MultiHeadAttention(nnx.Module):
         implementation='xla' if self.record_weights else self.implementation)
     if self.record_weights:
       self.sow(AttentionWeights, 'weights', weights)
-    out = self.out(out.reshape(*out.shape[:-2], -1))
+    out = self.out(constrain(out, HEADS).reshape(*out.shape[:-2], -1))
     new_cache = kv if cache is not None and cache_index is not None else cache
     return out, new_cache
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionMask
-from models.layers import ACTIVATIONS, TransformerBlock, mask_padded_logits, padded_vocab_size, vocab_embedding
+from models.layers import ACTIVATIONS, Embed, TransformerBlock, mask_padded_logits, padded_vocab_size, vocab_embedding
 
 
 HEADS = ('pretraining', 'classifier', 'none')
@@ -165,7 +165,7 @@ class BertMLMHead(nnx.Module):
     self.vocab_size = config.vocab_size
     self.bias = nnx.Param(jnp.zeros((padded_vocab_size(config.vocab_size, config.vocab_multiple),), jnp.float32))
 
-  def __call__(self, x: jax.Array, token_embedding: nnx.Embed) -> jax.Array:
+  def __call__(self, x: jax.Array, token_embedding: Embed) -> jax.Array:
     h = self.norm(self.activation(self.dense(x)))
     logits = token_embedding.attend(h)
     return mask_padded_logits(logits + self.bias[...].astype(logits.dtype), self.vocab_size)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionMask
-from models.layers import TransformerBlock, sinusoidal_positions
+from models.layers import Embed, TransformerBlock, sinusoidal_positions
 
 POOLINGS = ('mean', 'cls')
 
@@ -53,7 +53,7 @@ class TransformerClassifier(nnx.Module):
     self.config = config
     dtype = jnp.dtype(config.dtype)
     # Unit-variance token vectors after the sqrt(E) scaling, like the positional sinusoids.
-    self.embedding = nnx.Embed(config.vocab_size, config.width, embedding_init=nnx.initializers.normal(
+    self.embedding = Embed(config.vocab_size, config.width, embedding_init=nnx.initializers.normal(
         config.width ** -0.5), dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
     self.blocks = nnx.List([

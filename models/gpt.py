@@ -45,7 +45,7 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import TransformerBlock, mask_padded_logits, norm_layer, vocab_embedding
+from models.layers import Embed, TransformerBlock, mask_padded_logits, norm_layer, vocab_embedding
 from models.rope import RopeConfig, inverse_frequencies
 
 
@@ -120,8 +120,8 @@ class GPT(nnx.Module):
     if config.mlp not in MLPS:
       raise ValueError(f'mlp={config.mlp!r} is not one of {tuple(MLPS)}.')
     if config.positions == 'learned':
-      self.position_embedding = nnx.Embed(config.max_len, config.width,
-                                          embedding_init=nnx.initializers.normal(0.01), dtype=dtype, rngs=rngs)
+      self.position_embedding = Embed(config.max_len, config.width, embedding_init=nnx.initializers.normal(0.01),
+                                      dtype=dtype, rngs=rngs)
     # With rope the positions act inside attention: the blocks hold the [D/2] inverse frequencies.
     rope = inverse_frequencies(config.width // config.num_heads, config.rope) if config.positions == 'rope' else None
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
@@ -218,7 +218,7 @@ class GPT(nnx.Module):
 
   def output_embedding(self) -> jax.Array:
     """The [V', E] output matrix: the token embedding when tied, else `lm_head`."""
-    return (self.token_embedding if self.config.tie_embeddings else self.lm_head).embedding[...]
+    return (self.token_embedding if self.config.tie_embeddings else self.lm_head).table()
 
   def logits(self, hidden: jax.Array, output_matrix: jax.Array | None = None) -> jax.Array:
     """[B, L, E] final hidden states -> [B, L, V'] logits in the compute dtype, the padded ids

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import MultiHeadAttention
+from models.partitioning import TOKENS, constrain
 
 ACTIVATIONS = {
     'relu': jax.nn.relu,
@@ -34,13 +35,45 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
   return -(-vocab_size // multiple) * multiple
 
 
+def _leading_names(ndim: int) -> tuple[str | None, ...]:
+  """Logical names of the leading (id) dimensions of a lookup: [B], [B, L], [B, L, ...]."""
+  return ('batch', 'length', *([None] * max(ndim - 2, 0)))[:ndim]
+
+
+class Embed(nnx.Embed):
+  """nnx.Embed whose table [N, E] is read split over its rows ('vocab') only, whole along the width.
+
+  Under FSDP the table is stored split along its width too; reading it as ('vocab', 'embed') makes
+  XLA gather the table (a weight, once per use) rather than the token ids and the [B, L, E]
+  lookups of the global batch, and lets a tied output layer use the same gathered table. Lookups
+  [B, L] -> [B, L, E] and `attend`'s logits [B, L, E] -> [B, L, N] keep the batch split (the
+  logits also split by vocabulary where 'vocab' maps to a mesh axis). Without a mesh this is
+  nnx.Embed exactly (models/partitioning.py).
+  """
+
+  def table(self) -> jax.Array:
+    """The [N, E] table as the lookups and the tied output layer read it."""
+    return constrain(self.embedding[...], ('vocab', 'embed'))
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError('Input type must be an integer or unsigned integer.')
+    (table,) = self.promote_dtype((self.table(),), dtype=self.dtype, inexact=False)
+    return constrain(jnp.take(table, inputs, axis=0), (*_leading_names(inputs.ndim), 'embed'))
+
+  def attend(self, query: jax.Array) -> jax.Array:
+    """[..., E] -> [..., N] logits against every row (a tied output layer)."""
+    query, table = self.promote_dtype((query, self.table()), dtype=self.dtype)
+    return constrain(jnp.dot(query, table.T), (*_leading_names(query.ndim - 1), 'vocab'))
+
+
 def vocab_embedding(vocab_size: int, multiple: int, features: int, *, embedding_init, dtype: Any,
-                    rngs: nnx.Rngs) -> nnx.Embed:
-  """nnx.Embed with [V', features] rows; the padded rows start at zero (no id looks them up, and
+                    rngs: nnx.Rngs) -> Embed:
+  """`Embed` with [V', features] rows; the padded rows start at zero (no id looks them up, and
   masked logits give them no gradient)."""
   def init(key, shape, dtype):
     return embedding_init(key, shape, dtype).at[vocab_size:].set(0)
-  return nnx.Embed(padded_vocab_size(vocab_size, multiple), features, embedding_init=init, dtype=dtype, rngs=rngs)
+  return Embed(padded_vocab_size(vocab_size, multiple), features, embedding_init=init, dtype=dtype, rngs=rngs)
 
 
 def mask_padded_logits(logits: jax.Array, vocab_size: int) -> jax.Array:
@@ -84,7 +117,8 @@ class FeedForward(nnx.Module):
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
-    return self.down(self.dropout(self.activation(self.up(x)), deterministic=deterministic))
+    hidden = constrain(self.activation(self.up(x)), ('batch', 'length', 'mlp'))  # [B, L, F]
+    return self.down(self.dropout(hidden, deterministic=deterministic))
 
 
 class GatedFeedForward(nnx.Module):
@@ -157,6 +191,7 @@ class TransformerBlock(nnx.Module):
   def __call__(self, x, mask=None, *, positions=None, context=None, context_mask=None, cache=None, cache_index=None,
                deterministic: bool = True):
     cache = cache or {}
+    x = constrain(x, TOKENS)
     x, self_cache = self._residual(
         x, self.self_attention_norm,
         lambda h: self.self_attention(h, mask=mask, positions=positions, cache=cache.get('self'),
@@ -173,4 +208,4 @@ class TransformerBlock(nnx.Module):
         new_cache['cross'] = cross_cache
     x, _ = self._residual(x, self.mlp_norm, lambda h: (self.mlp(h, deterministic=deterministic), None),
                           deterministic)
-    return x, (new_cache or None)
+    return constrain(x, TOKENS), (new_cache or None)

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.partitioning import constrain
+
 Carry = Any  # jax.Array [B, H], or a pair of them for LSTM
 
 
@@ -62,9 +64,19 @@ class _Cell(nnx.Module):
   def initial_carry(self, batch: int) -> Carry:
     return jnp.zeros((batch, self.hidden), self.dtype or jnp.float32)
 
+  def _whole(self, kernel: nnx.Param) -> jax.Array:
+    """A kernel in the compute dtype, whole on every device (gathered where FSDP splits it): the
+    [B, ...] activations it multiplies stay split by batch, also inside the time loop, where a
+    split kernel would move the state or partial products at every step."""
+    return self._cast(constrain(kernel[...], (None, None)))
+
+  def recurrent_matrix(self) -> jax.Array:
+    """[H, G*H] W_h*, whole (`_whole`)."""
+    return self._whole(self.recurrent_kernel)
+
   def project_inputs(self, x: jax.Array) -> jax.Array:
     """[..., I] -> [..., G*H]: X W_x + b for every gate (no dependence on time order)."""
-    return self._cast(x) @ self._cast(self.input_kernel[...]) + self._cast(self.bias[...])
+    return self._cast(x) @ self._whole(self.input_kernel) + self._cast(self.bias[...])
 
   def step(self, carry: Carry, projected: jax.Array) -> tuple[Carry, jax.Array]:
     """One time step from projected inputs [B, G*H] -> (new carry, output H_t [B, H])."""
@@ -80,7 +92,7 @@ class RNNCell(_Cell):
   num_gates = 1
 
   def step(self, carry, projected):
-    h = jnp.tanh(projected + carry @ self._cast(self.recurrent_kernel[...]))
+    h = jnp.tanh(projected + carry @ self.recurrent_matrix())
     return h, h
 
 
@@ -89,7 +101,7 @@ class GRUCell(_Cell):
   num_gates = 3
 
   def step(self, carry, projected):
-    w_h = self._cast(self.recurrent_kernel[...])
+    w_h = self.recurrent_matrix()
     size = self.hidden
     gates = jax.nn.sigmoid(projected[:, :2 * size] + carry @ w_h[:, :2 * size])
     reset, update = gates[:, :size], gates[:, size:]
@@ -117,7 +129,7 @@ class LSTMCell(_Cell):
   def step(self, carry, projected):
     h, c = carry
     size = self.hidden
-    z = projected + h @ self._cast(self.recurrent_kernel[...])
+    z = projected + h @ self.recurrent_matrix()
     input_gate, forget_gate, output_gate = (jax.nn.sigmoid(z[:, k * size:(k + 1) * size]) for k in range(3))
     candidate = jnp.tanh(z[:, 3 * size:])
     c = forget_gate * c + input_gate * candidate
@@ -132,6 +144,11 @@ def make_cell(kind: str, in_features: int, hidden: int, *, rngs: nnx.Rngs, dtype
   if kind not in CELLS:
     raise ValueError(f'Unknown RNN cell {kind!r}; choose one of {sorted(CELLS)}.')
   return CELLS[kind](in_features, hidden, rngs=rngs, dtype=dtype)
+
+
+# Logical axes: the time-major projected inputs [T, B, G*H] and a carry [B, H], split by batch.
+_TIME_MAJOR = ('length', 'batch', 'hidden')
+_STATE = ('batch', 'hidden')
 
 
 def run_cell(cell: _Cell, x: jax.Array, carry: Carry | None = None, mask: jax.Array | None = None,
@@ -152,17 +169,17 @@ def run_cell(cell: _Cell, x: jax.Array, carry: Carry | None = None, mask: jax.Ar
     carry = cell.initial_carry(batch)
   if mask is None:
     mask = jnp.ones((batch, length), bool)
-  projected = jnp.swapaxes(cell.project_inputs(x), 0, 1)  # [T, B, G*H]
+  projected = constrain(jnp.swapaxes(cell.project_inputs(x), 0, 1), _TIME_MAJOR)  # [T, B, G*H]
   steps_mask = jnp.swapaxes(mask, 0, 1)[..., None]  # [T, B, 1]
 
   def body(carry, inputs):
     projected_t, valid_t = inputs
     new_carry, out = cell.step(carry, projected_t)
-    carry = jax.tree.map(lambda new, old: jnp.where(valid_t, new, old), new_carry, carry)
+    carry = jax.tree.map(lambda new, old: constrain(jnp.where(valid_t, new, old), _STATE), new_carry, carry)
     return carry, jnp.where(valid_t, out, 0).astype(out.dtype)
 
   carry, outputs = jax.lax.scan(body, carry, (projected, steps_mask), reverse=reverse)
-  return jnp.swapaxes(outputs, 0, 1), carry
+  return constrain(jnp.swapaxes(outputs, 0, 1), ('batch', 'length', 'hidden')), carry
 
 
 def _stack(carries: list[Carry]) -> Carry:

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import decoding
+from models.layers import Embed
+from models.partitioning import constrain
 from models.rnn import StackedRNN
 
 
@@ -43,7 +45,7 @@ class RNNLM(nnx.Module):
   def __init__(self, config: RNNLMConfig, *, rngs: nnx.Rngs):
     self.config = config
     dtype = jnp.dtype(config.dtype)
-    self.embedding = nnx.Embed(config.vocab_size, config.embed, dtype=dtype, rngs=rngs)
+    self.embedding = Embed(config.vocab_size, config.embed, dtype=dtype, rngs=rngs)
     self.rnn = StackedRNN(config.cell, config.embed, config.hidden, num_layers=config.num_layers,
                           dropout=config.dropout, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
@@ -63,7 +65,7 @@ class RNNLM(nnx.Module):
     x = self.dropout(self.embedding(tokens), deterministic=deterministic)
     outputs, state = self.rnn(x, state, mask, deterministic=deterministic)
     outputs = self.dropout(outputs, deterministic=deterministic)
-    return self.output(outputs).astype(jnp.float32), state
+    return constrain(self.output(outputs), ('batch', 'length', 'vocab')).astype(jnp.float32), state
 
 
 @nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))

@@ -27,6 +27,8 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AdditiveAttention
+from models.layers import Embed
+from models.partitioning import constrain
 from models.rnn import StackedRNN
 
 ATTENTION_TYPES = ('none', 'bahdanau')
@@ -60,9 +62,9 @@ class Seq2Seq(nnx.Module):
     dtype = jnp.dtype(config.dtype)
     e, h = config.embed, config.hidden
     rnn = dict(num_layers=config.num_layers, dropout=config.dropout, dtype=dtype, rngs=rngs)
-    self.src_embedding = nnx.Embed(config.src_vocab_size, e, dtype=dtype, rngs=rngs)
+    self.src_embedding = Embed(config.src_vocab_size, e, dtype=dtype, rngs=rngs)
     self.encoder = StackedRNN('gru', e, h, **rnn)
-    self.tgt_embedding = nnx.Embed(config.tgt_vocab_size, e, dtype=dtype, rngs=rngs)
+    self.tgt_embedding = Embed(config.tgt_vocab_size, e, dtype=dtype, rngs=rngs)
     self.attention = (AdditiveAttention(h, h, config.attention_hidden or h, dtype=dtype, rngs=rngs)
                       if config.attention_type == 'bahdanau' else None)
     self.decoder = StackedRNN('gru', e + h, h, **rnn)
@@ -85,9 +87,10 @@ class Seq2Seq(nnx.Module):
       query = state['hidden'][:, -1:]  # the previous step's top-layer state, [B, 1, H]
       context, weights = self.attention(query, state['memory'], state['memory'], state['memory_valid'])
       context, weights = context[:, 0], weights[:, 0]
-    inputs = jnp.concatenate([embedded, context.astype(embedded.dtype)], axis=-1)
+    inputs = constrain(jnp.concatenate([embedded, context.astype(embedded.dtype)], axis=-1), ('batch', None))
     out, hidden = self.decoder.step(inputs, state['hidden'], dropout_masks)
-    return out, {**state, 'hidden': hidden}, weights
+    hidden = constrain(hidden, ('batch', None, 'hidden'))  # [B, L, H]
+    return constrain(out, ('batch', 'hidden')), {**state, 'hidden': hidden}, weights
 
   def decode_step(self, tokens: jax.Array, state: dict[str, jax.Array], index: Any = None):
     """The `step_fn` of models/decoding.py: tokens [N, T] -> (logits [N, T, V] float32, new state).
@@ -114,7 +117,7 @@ class Seq2Seq(nnx.Module):
 
     _, (outputs, weights) = jax.lax.scan(body, state['hidden'], jnp.swapaxes(embedded, 0, 1))
     outputs = self.dropout(jnp.swapaxes(outputs, 0, 1), deterministic=deterministic)
-    logits = self.output(outputs).astype(jnp.float32)
+    logits = constrain(self.output(outputs), ('batch', 'length', 'vocab')).astype(jnp.float32)
     return logits, (None if weights is None else jnp.swapaxes(weights, 0, 1))
 
 

@@ -30,7 +30,7 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import TransformerBlock, sinusoidal_positions
+from models.layers import Embed, TransformerBlock, sinusoidal_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Transformer(nnx.Module):
     dtype = jnp.dtype(config.dtype)
     # Unit-variance embeddings after the sqrt(E) scaling, and unit-scale logits when tied.
     init = nnx.initializers.normal(config.width ** -0.5)
-    embed = lambda: nnx.Embed(config.vocab_size, config.width, embedding_init=init, dtype=dtype, rngs=rngs)
+    embed = lambda: Embed(config.vocab_size, config.width, embedding_init=init, dtype=dtype, rngs=rngs)
     self.source_embedding = embed()
     self.target_embedding = None if config.share_embeddings else embed()
     self.output = None if config.share_embeddings else nnx.Linear(
@@ -81,7 +81,7 @@ class Transformer(nnx.Module):
     self.encoder_norm = norm() if config.pre_norm else None
     self.decoder_norm = norm() if config.pre_norm else None
 
-  def _embed(self, embedding: nnx.Embed, tokens: jax.Array, offset: jax.Array | int,
+  def _embed(self, embedding: Embed, tokens: jax.Array, offset: jax.Array | int,
              segment_ids: jax.Array | None, deterministic: bool) -> jax.Array:
     """[B, L] ids at positions offset.. (or from 0 in each segment of `segment_ids` [B, L])
     -> [B, L, E] scaled embeddings + sinusoids, with dropout."""

@@ -57,7 +57,7 @@ def compile_for_target(config, target_name: str, workdir: str) -> dict:
   tx, _ = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl, target.platform),
                               tx)
-  with jax.set_mesh(mesh):
+  with sharding.use_mesh(mesh):
     train_step, compile_s = _compiled(jit_train_step(task, spec, tx, config.train.grad_accum),
                                       _abstract_state(spec), _abstract_batch(task, config, mesh))
     _, init_compile_s = _compiled(state_lib.jit_initialiser(spec, task.build_model, tx, config.seed))

@@ -163,7 +163,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   start = time.perf_counter()
   state = jax.block_until_ready(state_lib.init_state(spec, task.build_model, tx, config.seed))
   init_s = time.perf_counter() - start
-  with jax.set_mesh(mesh):
+  with sharding.use_mesh(mesh):
     batch = sharding.global_batch(local, mesh)
     step_fn = jit_train_step(task, spec, tx, config.train.grad_accum)
     start = time.perf_counter()
@@ -205,6 +205,22 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'attention_dropout_forces_einsum': attention_dropout_forces_einsum(model), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }
+
+
+def compile_train_step(config, devices=None, compiler_options: dict | None = None):
+  """`config`'s train step as `run_benchmark` builds it (the trainer's state, shardings, donation),
+  compiled for abstract state and batch on `config.mesh` over `devices` (default all): nothing is
+  allocated or run. `compiler_options` go to XLA (`.compile(compiler_options)`). Returns the
+  compiled step (`.as_text()`, `.memory_analysis()`)."""
+  task = bench_task(config)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  tx, _ = make_optimizer(config.train)
+  spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl), tx)
+  batch = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding.batch_sharding(mesh))
+           for name, value in task.example_batch(config.train.batch_size).items()}
+  with sharding.use_mesh(mesh):
+    step = jit_train_step(task, spec, tx, config.train.grad_accum)
+    return step.lower(state_lib.with_shardings(spec.abstract, spec.shardings), batch).compile(compiler_options)
 
 
 def _time_steps(compiled, state, batch, steps: int, warmup: int, profile_dir: str | None):

@@ -16,6 +16,9 @@ import optax
 
 from data.batching import EXAMPLE_WEIGHT
 from models.layers import mask_padded_logits
+from models.partitioning import constrain, shard_count
+
+_SHARD_TABLE = ('batch', 'vocab', 'embed')  # logical axes of per-batch-shard [S, V', E] table gradients
 
 
 def example_weights(batch: dict, weights: jax.Array | None = None) -> jax.Array | None:
@@ -123,7 +126,9 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
   made in the compute dtype and reduced in float32 to its loss and accuracy sums, and the gradients
   with respect to the chunk's hidden states and the output embedding are taken right there (the
   softmax minus the smoothed targets), so nothing is recomputed and the largest temporary is
-  [chunk_tokens, V] float32.
+  [chunk_tokens, V] float32. Chunk c holds the tokens c, c + C, c + 2C, ... of the C chunks, so on a
+  mesh each chunk is split like the batch and its logits are computed where its hidden states are
+  (the table, a weight, is what moves: models/layers.py `Embed.table`).
 
   Args:
     hidden: [B, L, E] final hidden states (compute dtype).
@@ -142,8 +147,14 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
   chunk = min(chunk_tokens, tokens)
   chunks = -(-tokens // chunk)
   pad = chunks * chunk - tokens  # padded tokens have weight 0
-  flat = lambda x: jnp.pad(x.reshape(tokens, *x.shape[2:]), [(0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
-      chunks, chunk, *x.shape[2:])
+
+  def flat(x):  # [B, L, ...] -> [chunks, chunk, ...]: chunk c holds the tokens c, c + chunks, c + 2 chunks, ...
+    padded = jnp.pad(x.reshape(tokens, *x.shape[2:]), [(0, pad)] + [(0, 0)] * (x.ndim - 2))
+    # Strided rather than contiguous chunks: each chunk takes tokens from every row, so the chunks
+    # stay split like the batch and every device computes its share of each chunk's logits.
+    strided = jnp.swapaxes(padded.reshape(chunk, chunks, *x.shape[2:]), 0, 1)
+    return constrain(strided, (None, 'batch', 'embed')[:x.ndim])
+
   vocab_size = output_embedding.shape[0] if vocab_size is None else vocab_size
   total, correct = _chunked_sums(flat(hidden), output_embedding.astype(hidden.dtype), flat(targets), flat(weights),
                                  label_smoothing, vocab_size)
@@ -153,7 +164,7 @@ def chunked_lm_loss(hidden: jax.Array, output_embedding: jax.Array, targets: jax
 
 def _chunk_forward(h, table, t, w, label_smoothing, vocab_size):
   """One chunk: (loss sum, correct sum, d loss / d logits [chunk, V'] float32)."""
-  logits = mask_padded_logits(h @ table.T, vocab_size)
+  logits = mask_padded_logits(constrain(h @ table.T, ('batch', 'vocab')), vocab_size)
   nll, log_normalizer, target = _cross_entropy_parts(logits, t, label_smoothing, vocab_size)
   correct = (jnp.argmax(logits, -1) == t).astype(jnp.float32)
   d_logits = (jnp.exp(logits.astype(jnp.float32) - log_normalizer[:, None]) - target) * w[:, None]
@@ -174,18 +185,25 @@ def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoo
 
 
 def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size):
+  # The table's gradient is accumulated as one partial sum per batch shard, [S, V', E] split over S
+  # (S = 1 without a mesh), and summed once after the loop: one reduction of the table per step,
+  # where a single [V', E] carry would be all-reduced at every chunk.
+  shards = shard_count('batch', hidden_chunks.shape[1])
+  per_shard = lambda x: x.reshape(shards, x.shape[0] // shards, x.shape[1])
+
   def step(carry, chunk_inputs):
     loss_sum, correct_sum, d_table = carry
     h, t, w = chunk_inputs
     loss, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing, vocab_size)
     d_hidden = (d_logits.astype(h.dtype) @ table).astype(h.dtype)
-    d_table = d_table + d_logits.T @ h.astype(jnp.float32)
-    return (loss_sum + loss, correct_sum + correct, d_table), d_hidden
+    d_table = d_table + jnp.einsum('sck,sce->ske', per_shard(d_logits), per_shard(h.astype(jnp.float32)))
+    return (loss_sum + loss, correct_sum + correct, constrain(d_table, _SHARD_TABLE)), d_hidden
 
   zero = jnp.zeros((), jnp.float32)
+  d_table = constrain(jnp.zeros((shards, *table.shape), jnp.float32), _SHARD_TABLE)
   (loss, correct, d_table), d_hidden = jax.lax.scan(
-      step, (zero, zero, jnp.zeros(table.shape, jnp.float32)), (hidden_chunks, target_chunks, weight_chunks))
-  return (loss, correct), (d_hidden, d_table.astype(table.dtype), target_chunks, weight_chunks)
+      step, (zero, zero, d_table), (hidden_chunks, target_chunks, weight_chunks))
+  return (loss, correct), (d_hidden, d_table.sum(0).astype(table.dtype), target_chunks, weight_chunks)
 
 
 def _chunked_sums_bwd(label_smoothing, vocab_size, residuals, cotangents):

@@ -61,7 +61,10 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
 
   def accumulated(state: TrainState, batch):
     """Mean gradient and loss over `grad_accum` micro-batches, scanned so memory holds one."""
-    micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+    # Strided micro-batches (micro-batch k holds rows k, k + grad_accum, ...): each device's rows of
+    # the batch hold its share of every micro-batch, so no example moves between devices.
+    micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]), 0, 1),
+                         batch)
 
     def accumulate(carry, micro_batch):
       grads_sum, loss_sum, metrics_sum, extra = carry
@@ -91,8 +94,8 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
 
 
 def jit_train_step(task: Task, spec: StateSpec, tx: optax.GradientTransformation, grad_accum: int):
-  """`make_train_step` jitted as training runs it: the state and batch sharded as `spec` and the
-  mesh place them, the state donated (its buffers reused for the new state)."""
+  """`make_train_step` jitted as training runs it: state sharded by `spec`, the batch split over the
+  data-parallel axes, the old state donated. Trace it inside `sharding.use_mesh(spec.mesh)`."""
   return jax.jit(make_train_step(task, spec.graphdef, tx, grad_accum),
                  in_shardings=(spec.shardings, sharding.batch_sharding(spec.mesh)),
                  out_shardings=(spec.shardings, None), donate_argnums=(0,))
@@ -410,7 +413,7 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
 
   last_eval, step, stopped = {}, start_step, None
   try:
-    with jax.set_mesh(setup.mesh):
+    with sharding.use_mesh(setup.mesh):
       while step < train.steps and stopped is None:
         if watcher.should_stop(step):
           logger.flush()
@@ -482,7 +485,7 @@ def final_evaluation(setup: Setup, workdir: str, writer: MetricWriter | None, st
   Training and `--mode=eval` both call this, so their numbers agree. With a `writer` (training),
   the family's metrics and pictures are logged at `step`; the whole-split eval/... are not (the
   loop logged eval/... for its own steps: one value per name and step)."""
-  with jax.set_mesh(setup.mesh):
+  with sharding.use_mesh(setup.mesh):
     results = evaluate_loss(setup, setup.eval_step)
     print('Final evaluation, whole validation split: ' + ' '.join(f'{k}={v:.4f}' for k, v in results.items()),
           flush=True)

@@ -1,0 +1,170 @@
+"""What a compiled program communicates, read from its HLO text (`compiled.as_text()`).
+
+  compiled = jax.jit(step, ...).lower(*args).compile()
+  collectives(compiled.as_text())        # every collective instruction, with how often it runs
+  collective_bytes(compiled.as_text())   # {'all-gather': bytes per step, 'all-reduce': ..., ...}
+
+Works on the text of any backend's compiled (post-SPMD-partitioning) module: XLA:CPU, XLA:GPU
+and TPU, synchronous collectives (`all-gather(...)`) and asynchronous pairs
+(`all-gather-start` / `all-gather-done`: the `-done` instruction is counted, whose result is the
+collective's output; the `-start` is not, so nothing counts twice).
+
+Executions per step: a collective in a while loop's body runs once per iteration. XLA annotates
+loops whose trip count it can prove (`known_trip_count` in the while's backend_config: scanned
+layers, gradient accumulation, the chunked loss), and the multiplier of an instruction is the
+product of the trip counts of the loops around it, summed over every place its computation is
+called from (fusions, calls, async wrappers, conditional branches: each at most once, so a
+collective in a conditional branch is counted as if its branch always ran; an async wrapper's
+computation once per `async-start`). A loop without a
+known trip count counts once and marks its collectives `static=False`.
+
+Bytes are those of the collective's result on one device (for an all-gather the gathered array,
+for an all-reduce the reduced one, for a reduce-scatter the scattered shard): the memory each
+execution produces, a proxy for the traffic that is exact up to the algorithm's constant factor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
+
+# Bytes per element of HLO primitive types; sub-byte types count as one byte (an upper bound).
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4,
+                'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
+_SMALL_DTYPES = ('f8', 's4', 'u4', 's2', 'u2', 'f4')  # fp8 variants and sub-byte integers: one byte
+_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(')
+_CALLEES = re.compile(r'\b(calls|to_apply|body|condition|branch_computations|called_computations)='
+                      r'(\{[^}]*\}|%?[\w.\-]+)')
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of the compiled module.
+
+  kind: one of KINDS ('all-gather', ...; an async pair is reported under its collective's kind).
+  name: the instruction's name in the HLO text (e.g. 'all-gather.25', 'all-reduce-done.3').
+  computation: the HLO computation holding it (ENTRY, a while body, a fusion, ...).
+  arrays: the result's arrays as (dtype, shape) pairs: one, or several for a combined collective
+    (XLA merges small all-reduces into one with a tuple result).
+  bytes: the result's size on one device, all arrays together, for one execution.
+  multiplier: executions per run of the module (the trip counts of the enclosing loops).
+  static: False when some enclosing loop's trip count is unknown (then counted once).
+  """
+  kind: str
+  name: str
+  computation: str
+  arrays: tuple[tuple[str, tuple[int, ...]], ...]
+  bytes: int
+  multiplier: int
+  static: bool
+
+  @property
+  def dtype(self) -> str:
+    """The first result array's HLO dtype ('f32', 'bf16', ...)."""
+    return self.arrays[0][0]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The first result array's shape (the only one unless the collective is combined)."""
+    return self.arrays[0][1]
+
+  @property
+  def bytes_per_step(self) -> int:
+    return self.bytes * self.multiplier
+
+  def leads_with(self, dims: tuple[int, ...]) -> bool:
+    """Whether some result array's shape starts with `dims`, e.g. (batch, length): an activation."""
+    return any(shape[:len(dims)] == tuple(dims) for _, shape in self.arrays)
+
+
+def _arrays(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+  """'(f32[16,32]{1,0}, bf16[8])' -> (('f32', (16, 32)), ('bf16', (8,)))."""
+  return tuple((dtype, tuple(int(d) for d in dims.split(',') if d)) for dtype, dims in _ARRAY.findall(type_text)
+               if dtype in _DTYPE_BYTES or dtype.startswith(_SMALL_DTYPES))
+
+
+def _size(arrays) -> int:
+  total = 0
+  for dtype, shape in arrays:
+    count = 1
+    for d in shape:
+      count *= d
+    total += count * _DTYPE_BYTES.get(dtype, 1)
+  return total
+
+
+@dataclasses.dataclass
+class _Module:
+  entry: str | None = None
+  # callee -> [(caller, executions of the callee per execution of the caller, trip count known)]
+  callers: dict[str, list[tuple[str, int, bool]]] = dataclasses.field(default_factory=dict)
+  # (computation, instruction name, op, result type text) of every collective
+  found: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)
+
+
+def _parse(hlo_text: str) -> _Module:
+  module, current = _Module(), None
+  for line in hlo_text.splitlines():
+    if not line.startswith((' ', '\t', '}')) and (header := _COMPUTATION.match(line)):
+      current = header.group(1)
+      if line.startswith('ENTRY'):
+        module.entry = current
+      continue
+    instruction = _INSTRUCTION.match(line) if current else None
+    if instruction is None:
+      continue
+    name, type_text, op = instruction.groups()
+    if op in KINDS or (op.endswith('-done') and op[:-len('-done')] in KINDS):
+      module.found.append((current, name, op, type_text))
+    if op.endswith('-done') or op == 'async-update':
+      continue  # an async pair names its wrapped computation at the start and again here: counted once
+    trip = _TRIP_COUNT.search(line) if op == 'while' else None
+    for _, callees in _CALLEES.findall(line):
+      for callee in re.findall(r'%?([\w.\-]+)', callees):
+        factor = int(trip.group(1)) if trip else 1
+        module.callers.setdefault(callee, []).append((current, factor, op != 'while' or trip is not None))
+  return module
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective of a compiled module's HLO text, in text order, with its executions per run.
+
+  Args:
+    hlo_text: `compiled.as_text()` of a jitted function (a train step: one run = one step).
+  Returns:
+    [Collective], one per all-gather / all-reduce / reduce-scatter / all-to-all /
+    collective-permute instruction (or async `-done`), see `Collective`.
+  """
+  module = _parse(hlo_text)
+
+  @functools.cache
+  def executions(computation: str) -> tuple[int, bool]:
+    if computation == module.entry or computation not in module.callers:
+      return 1, True
+    total, static = 0, True
+    for caller, factor, known in module.callers[computation]:
+      count, caller_static = executions(caller)
+      total += count * factor
+      static = static and known and caller_static
+    return total, static
+
+  found = []
+  for computation, name, op, type_text in module.found:
+    arrays = _arrays(type_text)
+    multiplier, static = executions(computation)
+    found.append(Collective(op.removesuffix('-done'), name, computation, arrays, _size(arrays), multiplier, static))
+  return found
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """{kind: result bytes per run, on one device} for every kind in KINDS (0 where absent): the sum of
+  `Collective.bytes * Collective.multiplier`. For a train step's HLO, bytes per step."""
+  totals = dict.fromkeys(KINDS, 0)
+  for collective in collectives(hlo_text):
+    totals[collective.kind] += collective.bytes_per_step
+  return totals
