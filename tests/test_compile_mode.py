@@ -8,7 +8,7 @@ import pytest
 
 import support
 from errors import UserError
-from train import hlo_stats, targets
+from train import hlo, targets
 
 TINY_GPT = {'train.batch_size': 16, 'train.grad_accum': 2}
 MB = 2**20
@@ -28,6 +28,8 @@ def test_compile_mode_describes_the_step_bench_compiles(tmp_path):
   timed = run_benchmark(support.with_overrides(gpt.get_config('tiny'), TINY_GPT), steps=1, decode=False)
   assert out['attention_kernel'] == timed['attention_kernel'] == 'xla (einsum + softmax)'
   assert {k: out[k] for k in timed['hlo']} == timed['hlo'] and out['fusions'] > 0
+  # Data parallel over 8 devices: the gradients' all-reduce, at least every float32 parameter once.
+  assert out['collective_bytes']['all-reduce'] >= 4 * out['params']
   xla = timed['memory']['xla_mb']
   assert [round(out[f'{k}_bytes'] / MB, 1) for k in ('temp', 'argument', 'output', 'alias')] == \
       [xla['temp'], xla['argument'], xla['output'], xla['alias']]
@@ -38,7 +40,7 @@ def test_compile_mode_describes_the_step_bench_compiles(tmp_path):
   assert out['fits'] and out['compile_s'] > 0 and out['init_compile_s'] > 0
   assert set(out['decode']) == {'1', '8'} and all(d['temp_bytes'] > 0 for d in out['decode'].values())
   assert os.listdir(workdir) == ['train_step.hlo.txt'] and out['hlo_path'] == str(workdir / 'train_step.hlo.txt')
-  assert hlo_stats.summary((workdir / 'train_step.hlo.txt').read_text())['fusions'] == out['fusions']
+  assert hlo.summary((workdir / 'train_step.hlo.txt').read_text())['fusions'] == out['fusions']
 
 
 def test_a_mesh_the_target_lacks_is_one_line_and_leaves_nothing(tmp_path):
@@ -79,7 +81,7 @@ def test_tpu_slice_names_become_libtpu_topologies():
 
 
 def test_hlo_counts_read_tuple_types_and_kernel_names():
-  hlo = '\n'.join([
+  text = '\n'.join([
       'ENTRY %main.1 (p0: f32[8,4]) -> f32[8,4] {',
       '  %fusion.1 = (f32[2]{0}, /*index=1*/f32[3]{0}) fusion(f32[8,4]{1,0} %p0), kind=kLoop, calls=%fc.1',
       '  %fusion.2 = f32[2]{0} fusion(f32[8,4]{1,0} %p0), kind=kInput, calls=%fc.2',
@@ -90,8 +92,10 @@ def test_hlo_counts_read_tuple_types_and_kernel_names():
       '  %splash_mha_dq_no_residuals.1 = (f32[8]{0}) custom-call(%a), custom_call_target="tpu_custom_call"',
       '  ROOT %splash_mha_dkv_no_residuals.1 = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"',
       '}'])
-  assert hlo_stats.summary(hlo) == {'fusions': 2, 'scatters': 1, 'fmha_calls': {'forward': 1, 'backward': 1},
-                                    'splash_calls': {'forward': 1, 'backward': 2}}
+  counts = hlo.summary(text)
+  assert counts.pop('collective_bytes') == {kind: 0 for kind in hlo.KINDS}
+  assert counts == {'fusions': 2, 'scatters': 1, 'fmha_calls': {'forward': 1, 'backward': 1},
+                    'splash_calls': {'forward': 1, 'backward': 2}}
 
 
 @pytest.mark.skipif(bool(targets.missing_packages('gpu')),

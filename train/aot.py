@@ -13,7 +13,8 @@ target's platform. The compiled train step's HLO text is written to `<workdir>/t
   target, devices, device_kind, mesh     what it was compiled for ({axis: size})
   model, params, batch, seq_len, dtype, attention (resolved), rng_impl
   attention_kernel                       the attention the compiled step runs (as in bench)
-  fmha_calls, splash_calls, scatters, fusions   counts in the compiled step (`train.hlo_stats`)
+  fmha_calls, splash_calls, scatters, fusions   counts in the compiled step (`train.hlo.summary`)
+  collective_bytes                       {kind: bytes per device per step} of its collectives (`train.hlo`)
   temp_bytes, argument_bytes, output_bytes, alias_bytes   XLA's buffer sizes per device
   per_device_total_bytes                 temp + argument + output - alias (donated state counted once)
   device_memory_bytes, fits              the target's memory per device; per_device_total_bytes <= it
@@ -36,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import storage
 from errors import ConfigError
-from train import bench, hlo_stats, memory, sharding, targets
+from train import bench, hlo, memory, sharding, targets
 from train import state as state_lib
 from train.optim import make_optimizer
 from train.trainer import jit_train_step
@@ -62,19 +63,19 @@ def compile_for_target(config, target_name: str, workdir: str) -> dict:
                                       _abstract_state(spec), _abstract_batch(task, config, mesh))
     _, init_compile_s = _compiled(state_lib.jit_initialiser(spec, task.build_model, tx, config.seed))
     decode = _compile_decoding(config, task, spec)
-  hlo = train_step.as_text()
+  hlo_text = train_step.as_text()
   sizes = _buffer_sizes(train_step)
   estimate = memory.estimate(config, spec.abstract, spec.shardings, mesh, available=target.memory_per_device)
   storage.path(workdir).mkdir(parents=True, exist_ok=True)
   hlo_path = os.path.join(workdir, HLO_FILE)
-  storage.write_atomically(hlo_path, hlo)
+  storage.write_atomically(hlo_path, hlo_text)
   return {
       'target': target.name, 'devices': len(target.devices), 'device_kind': target.devices[0].device_kind,
       'mesh': dict(mesh.shape), 'model': f'{config.family}:{config.preset}',
       'params': int(sum(np.prod(x.shape) for x in jax.tree.leaves(spec.abstract.params))),
       'batch': config.train.batch_size, 'seq_len': config.data.seq_len, 'dtype': config.model.get('dtype'),
       'attention': getattr(task.model_config, 'attention', None), 'rng_impl': spec.rng_impl,
-      'attention_kernel': bench.attention_kernel(hlo), **hlo_stats.summary(hlo), **sizes,
+      'attention_kernel': bench.attention_kernel(hlo_text), **hlo.summary(hlo_text), **sizes,
       'device_memory_bytes': target.memory_per_device,
       'fits': sizes['per_device_total_bytes'] <= target.memory_per_device, 'estimate_bytes': estimate.total,
       'compile_s': round(compile_s, 2), 'init_compile_s': round(init_compile_s, 2), 'decode': decode,

@@ -15,7 +15,7 @@ training runs. Ends with one JSON line:
                                     (init, step, matmul probe, decoding)}
   attention_kernel                  the attention the compiled train step runs, read from its HLO
                                     (fused cuDNN / Pallas kernels are custom calls; else XLA einsum)
-  hlo                               what else the compiled train step runs (`train.hlo_stats`:
+  hlo                               what else the compiled train step runs (`train.hlo.summary`:
                                     fusions, scatters, cuDNN attention and Pallas calls)
   attention_dropout_forces_einsum   true when `attention` names a fused kernel but attention dropout
                                     > 0 makes training run the einsum path (the fused kernels cannot
@@ -54,7 +54,7 @@ import numpy as np
 
 import storage
 from models.attention import attention_dropout_forces_einsum
-from train import compilation, hlo_stats, memory, sharding
+from train import compilation, hlo, memory, sharding
 from train import state as state_lib
 from train.optim import make_optimizer
 from train.task import get_task
@@ -182,7 +182,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   achieved = tokens_per_s * flops / 1e12 if flops else None
   device = jax.devices()[0]
   peak = datasheet_tflops(device.device_kind, config.model.dtype) if device.platform != 'cpu' else None
-  analysis, hlo = compiled.memory_analysis(), compiled.as_text()
+  analysis, hlo_text = compiled.memory_analysis(), compiled.as_text()
   return {
       'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
       'batch': batch_size, 'seq_len': seq_len, 'tokens_per_s': round(tokens_per_s, 1),
@@ -201,7 +201,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
       'attention': getattr(task.model_config, 'attention', None),
       'compiles': {'train_step': compilation.compiled('train_step'), 'total': compilation.compiled_total()},
-      'attention_kernel': attention_kernel(hlo), 'hlo': hlo_stats.summary(hlo),
+      'attention_kernel': attention_kernel(hlo_text), 'hlo': hlo.summary(hlo_text),
       'attention_dropout_forces_einsum': attention_dropout_forces_einsum(model), 'scan_layers': config.model.get('scan_layers'),
       'remat': config.model.get('remat'), 'steps_timed': steps, 'final_loss': round(float(scalars['loss']), 4),
   }

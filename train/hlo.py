@@ -21,9 +21,19 @@ known trip count counts once and marks its collectives `static=False`.
 Bytes are those of the collective's result on one device (for an all-gather the gathered array,
 for an all-reduce the reduced one, for a reduce-scatter the scattered shard): the memory each
 execution produces, a proxy for the traffic that is exact up to the algorithm's constant factor.
+What else it runs (`summary`), counted over every computation (the entry, loop bodies once, not
+times their trip count, and fusion bodies, so an op XLA fused still counts where it sits):
+
+  fusions           fusion instructions (kernels XLA generated; on CPU, loops it emitted)
+  scatters          scatter instructions (e.g. an embedding's gradient; slow on GPUs and TPUs)
+  fmha_calls        cuDNN fused attention (`__cudnn$fmha...` custom calls): {'forward', 'backward'}
+  splash_calls      Pallas TPU kernels (`tpu_custom_call`): {'forward', 'backward' (splash
+                    attention's dq and dkv kernels)}
+  collective_bytes  `collective_bytes` below
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import re
@@ -168,3 +178,50 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   for collective in collectives(hlo_text):
     totals[collective.kind] += collective.bytes_per_step
   return totals
+
+
+# ---------------------------------------------------------------------------- op and kernel counts
+_NAMED_LINE = re.compile(r'^\s*(?:ROOT\s+)?%?(\S+)\s+=\s+(.*)$')  # (name, what follows ' = ')
+_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _opcode_after_type(rest: str) -> str | None:
+  """The opcode of an instruction given the text after `name = `: TYPE, one space, opcode, '('."""
+  if rest.startswith('('):  # a tuple type: skip to its closing parenthesis
+    depth = 0
+    for end, char in enumerate(rest):
+      depth += {'(': 1, ')': -1}.get(char, 0)
+      if depth == 0:
+        break
+    rest = rest[end + 1:]
+  else:
+    rest = rest[rest.find(' '):] if ' ' in rest else ''
+  match = re.match(r'\s*([a-z][\w-]*)\(', rest)
+  return match.group(1) if match else None
+
+
+def opcode_counts(hlo_text: str) -> collections.Counter:
+  """{opcode: instructions} over every computation of the module."""
+  counts = collections.Counter()
+  for line in hlo_text.splitlines():
+    instruction = _NAMED_LINE.match(line)
+    opcode = instruction and _opcode_after_type(instruction.group(2))
+    if opcode:
+      counts[opcode] += 1
+  return counts
+
+
+def summary(hlo_text: str) -> dict[str, object]:
+  """The counts of the module docstring, for one compiled program."""
+  opcodes = opcode_counts(hlo_text)
+  fmha = [t for t in _CUSTOM_CALL_TARGET.findall(hlo_text) if t.startswith('__cudnn$fmha')]
+  fmha_backward = sum(1 for t in fmha if t.endswith('Backward'))
+  # Pallas calls carry their kernel's name: splash_mha_fwd..., and splash_mha_dq... + splash_mha_dkv...
+  # for the gradients (two backward calls per forward one).
+  splash = [_NAMED_LINE.match(line).group(1) for line in hlo_text.splitlines()
+            if 'custom_call_target="tpu_custom_call"' in line and _NAMED_LINE.match(line)]
+  splash_backward = sum(1 for name in splash if re.match(r'splash_mha_d(q|kv)', name))
+  return {'fusions': opcodes['fusion'], 'scatters': opcodes['scatter'],
+          'fmha_calls': {'forward': len(fmha) - fmha_backward, 'backward': fmha_backward},
+          'splash_calls': {'forward': len(splash) - splash_backward, 'backward': splash_backward},
+          'collective_bytes': collective_bytes(hlo_text)}
