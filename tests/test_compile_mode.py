@@ -90,12 +90,14 @@ def test_hlo_counts_read_tuple_types_and_kernel_names():
       '  %custom-call.5 = (bf16[2,8,4]{2,1,0}) custom-call(%a), custom_call_target="__cudnn$fmhaSoftmaxBackward"',
       '  %splash_mha_fwd_residuals.1 = (f32[8]{0}) custom-call(%a), custom_call_target="tpu_custom_call"',
       '  %splash_mha_dq_no_residuals.1 = (f32[8]{0}) custom-call(%a), custom_call_target="tpu_custom_call"',
-      '  ROOT %splash_mha_dkv_no_residuals.1 = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"',
+      '  %splash_mha_dkv_no_residuals.1 = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"',
+      '  %splash_mqa_fwd_residuals.2 = (f32[8]{0}) custom-call(%a), custom_call_target="tpu_custom_call"',
+      '  ROOT %splash_mqa_dq_no_residuals.2 = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"',
       '}'])
   counts = hlo.summary(text)
   assert counts.pop('collective_bytes') == {kind: 0 for kind in hlo.KINDS}
   assert counts == {'fusions': 2, 'scatters': 1, 'fmha_calls': {'forward': 1, 'backward': 1},
-                    'splash_calls': {'forward': 1, 'backward': 2}}
+                    'splash_calls': {'forward': 2, 'backward': 3}}
 
 
 @pytest.mark.skipif(bool(targets.missing_packages('gpu')),

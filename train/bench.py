@@ -250,7 +250,7 @@ def attention_kernel(hlo_text: str) -> str:
   """Which attention the compiled program runs, read from its HLO: fused kernels are custom calls."""
   if '__cudnn$fmha' in hlo_text:
     return 'cudnn fused attention'
-  if 'splash_mha' in hlo_text:
+  if 'splash_mha' in hlo_text or 'splash_mqa' in hlo_text:  # mqa: grouped K/V heads
     return 'splash attention (pallas)'
   if 'tpu_custom_call' in hlo_text:
     return 'pallas kernel (tpu_custom_call)'

@@ -216,11 +216,12 @@ def summary(hlo_text: str) -> dict[str, object]:
   opcodes = opcode_counts(hlo_text)
   fmha = [t for t in _CUSTOM_CALL_TARGET.findall(hlo_text) if t.startswith('__cudnn$fmha')]
   fmha_backward = sum(1 for t in fmha if t.endswith('Backward'))
-  # Pallas calls carry their kernel's name: splash_mha_fwd..., and splash_mha_dq... + splash_mha_dkv...
+  # Pallas calls carry their kernel's name: splash_mha_fwd... (splash_mqa_... with grouped K/V heads),
+  # and splash_mha_dq... + splash_mha_dkv...
   # for the gradients (two backward calls per forward one).
   splash = [_NAMED_LINE.match(line).group(1) for line in hlo_text.splitlines()
             if 'custom_call_target="tpu_custom_call"' in line and _NAMED_LINE.match(line)]
-  splash_backward = sum(1 for name in splash if re.match(r'splash_mha_d(q|kv)', name))
+  splash_backward = sum(1 for name in splash if re.match(r'splash_m[hq]a_d(q|kv)', name))
   return {'fusions': opcodes['fusion'], 'scatters': opcodes['scatter'],
           'fmha_calls': {'forward': len(fmha) - fmha_backward, 'backward': fmha_backward},
           'splash_calls': {'forward': len(splash) - splash_backward, 'backward': splash_backward},
