@@ -387,8 +387,8 @@ class StepLogger:
 
 def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer: MetricWriter,
                start_step: int, progress: Progress, started: float) -> dict[str, Any]:
-  """Steps from `start_step` to `train.steps` (or an earlier stop); returns {'step', 'stopped'?,
-  'preempted'?, the last eval metrics}. `started` is when this process began the run (time.time())."""
+  """Steps from `start_step` to `train.steps` (or an earlier stop); returns {'step', 'train/compiles',
+  'stopped'?, 'preempted'?}. `started` is when this process began the run (time.time())."""
   train = setup.config.train
   train_step = jit_train_step(setup.task, setup.spec, setup.tx, train.grad_accum)
   logger, watcher = StepLogger(setup, writer, checkpointer), PreemptionWatcher(writer.log)
@@ -432,18 +432,12 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
         if evaluated:
           logger.flush()
           try:
-            last_eval = evaluate_loss(setup, setup.eval_step, eval_batches_during_training(setup))
+            last_eval, early_stop = evaluate_during_training(setup, step, progress, writer)
           except BaseException:
             save(step)  # the step's checkpoint outlives a failed evaluation
             checkpointer.wait()
             raise
-          progress.record(step, last_eval, train.best_metric, train.best_mode)
-          writer.write(step, last_eval)
-          writer.log(f'step {step}: ' + ' '.join(f'{k}={v:.4f}' for k, v in last_eval.items()))
-          if (stopped is None and train.early_stopping_patience and
-              progress.evals_since_best >= train.early_stopping_patience):
-            stopped = (f'early stopping: {train.best_metric} has not improved on {progress.best_value:.4f} '
-                       f'(step {progress.best_step}) in {progress.evals_since_best} evaluations')
+          stopped = stopped or early_stop
         # Every evaluated step is saved with its metrics, so the best checkpoint is always on disk.
         if evaluated or stopped or step % train.checkpoint_every == 0:
           logger.flush()
@@ -457,6 +451,21 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
   if stopped:
     writer.log(f'Stopped at step {step} of {train.steps}: {stopped}.')
   return {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {})}
+
+
+def evaluate_during_training(setup: Setup, step: int, progress: Progress, writer: MetricWriter
+                             ) -> tuple[dict[str, float], str | None]:
+  """Score `train.eval_steps` validation batches at `step`, log them and track the best; returns
+  (the metrics, why training should stop early or None)."""
+  train = setup.config.train
+  metrics = evaluate_loss(setup, setup.eval_step, eval_batches_during_training(setup))
+  progress.record(step, metrics, train.best_metric, train.best_mode)
+  writer.write(step, metrics)
+  writer.log(f'step {step}: ' + ' '.join(f'{k}={v:.4f}' for k, v in metrics.items()))
+  if train.early_stopping_patience and progress.evals_since_best >= train.early_stopping_patience:
+    return metrics, (f'early stopping: {train.best_metric} has not improved on {progress.best_value:.4f} '
+                     f'(step {progress.best_step}) in {progress.evals_since_best} evaluations')
+  return metrics, None
 
 
 def _agreed(flag: bool) -> bool:
