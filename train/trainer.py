@@ -395,7 +395,6 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
   compiled_before = compilation.compiled('train_step')
   compiles = lambda: compilation.compiled('train_step') - compiled_before
   seconds_before = progress.seconds
-
   saved = [start_step]  # the step of the newest checkpoint, so that a stop never saves it twice
 
   def save(at: int, metrics=None) -> None:
@@ -405,11 +404,6 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
     progress.seconds = seconds_before + time.time() - started
     checkpointer.save(at, {'params': setup.state.params, 'extra': setup.state.extra}, setup.state.opt_state,
                       {'input': data_iter.get_state(), 'progress': dataclasses.asdict(progress)}, metrics)
-
-  def out_of_time(at: int) -> bool:
-    if not train.max_minutes or (jax.process_count() > 1 and at % train.log_every):
-      return False  # several processes agree on process 0's clock, every log_every steps
-    return _agreed(seconds_before + time.time() - started > 60 * train.max_minutes)
 
   last_eval, step, stopped = {}, start_step, None
   try:
@@ -426,7 +420,7 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
         setup.state, (scalars, metrics) = train_step(setup.state, batch)
         step += 1
         logger.add(step, scalars, metrics, setup.task.count_tokens(batch)[0])
-        if out_of_time(step):
+        if _budget_spent(train, step, seconds_before + time.time() - started):
           stopped = f'train.max_minutes={train.max_minutes} reached'
         evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
         if evaluated:
@@ -451,6 +445,14 @@ def train_loop(setup: Setup, checkpointer: ckpt.Checkpointer, data_iter, writer:
   if stopped:
     writer.log(f'Stopped at step {step} of {train.steps}: {stopped}.')
   return {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {})}
+
+
+def _budget_spent(train, step: int, seconds: float) -> bool:
+  """Whether `seconds` of the run exceed `train.max_minutes` (0: no budget). Several processes
+  agree on process 0's clock, every `train.log_every` steps."""
+  if not train.max_minutes or (jax.process_count() > 1 and step % train.log_every):
+    return False
+  return _agreed(seconds > 60 * train.max_minutes)
 
 
 def evaluate_during_training(setup: Setup, step: int, progress: Progress, writer: MetricWriter
