@@ -27,6 +27,7 @@ from flax import nnx
 
 from models.attention import AttentionMask
 from models.layers import ACTIVATIONS, Embed, TransformerBlock, mask_padded_logits, padded_vocab_size, vocab_embedding
+from models.partitioning import constrain
 
 
 HEADS = ('pretraining', 'classifier', 'none')
@@ -148,7 +149,8 @@ class BertEncoder(nnx.Module):
     for block in self.blocks:
       x, _ = block(x, mask, deterministic=deterministic)
       hidden_states.append(x)
-    pooled = jnp.tanh(self.pooler(x[:, 0]))
+    # The [CLS] vectors stay split by batch: XLA would rather gather these small activations than the pooler's kernel.
+    pooled = jnp.tanh(self.pooler(constrain(x[:, 0], ('batch', 'embed'))))
     return BertOutput(x, pooled, tuple(hidden_states))
 
 

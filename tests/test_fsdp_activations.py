@@ -2,8 +2,8 @@
 
 Each family's train step is compiled (not run) as `--mode=bench` builds it, on fsdp=8 and on
 data=2 x fsdp=2 x tensor=2, and its HLO (train/hlo.py) is read: no all-gather, all-reduce or
-reduce-scatter may carry the global batch ([B, L, ...] hidden states, [L, B, ...] time-major RNN
-inputs, [B, ...] state inside a time loop) or logits ([tokens, V'] of the tied output layer and
+reduce-scatter may carry the global batch (any [B, ...] array: hidden states, pooled [CLS] vectors,
+recurrent state; [L, B, ...] time-major RNN inputs) or logits ([tokens, V'] of the tied output layer and
 the chunked loss). Under fsdp=8 each device must also need less than half the XLA temporaries of
 one device running the whole batch. Shapes: batch 16, length 32, width 64, so that activations are
 recognisable by their leading [16, 32]. XLA:CPU compiles at backend optimisation level 0: the
@@ -57,7 +57,7 @@ def batch_carrying(collectives, config) -> list[hlo.Collective]:
   vocab, chunk = logits_width(config), config.train.get('loss_chunk_tokens') or 0
 
   def carries_batch(c: hlo.Collective) -> bool:
-    if c.leads_with((BATCH, LENGTH)) or c.leads_with((LENGTH, BATCH)) or (c.multiplier > 1 and c.leads_with((BATCH,))):
+    if c.leads_with((BATCH,)) or c.leads_with((LENGTH, BATCH)):
       return True
     logits_rows = (BATCH, BATCH * LENGTH, chunk)  # [B, L, V'], [B L, V'] or one loss chunk [chunk, V']
     return vocab is not None and any(len(shape) >= 2 and shape[-1] == vocab and shape[0] in logits_rows

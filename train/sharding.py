@@ -118,6 +118,8 @@ def kv_head_counts(model) -> dict[str, int]:
 def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh, kv_heads: dict[str, int] | None = None) -> P:
   """The PartitionSpec of one array from the rules, dropping axes that do not divide (the tensor
   axis of a grouped-query key/value projection: when it does not divide its `kv_heads` count)."""
+  if re.search(r'(^|/)carried(/|$)', path) and shape:  # recurrent state carried between batches: [B, ...]
+    return P(_batch_axes_dividing(shape[0], mesh), *[None] * (len(shape) - 1))
   if int(np.prod(shape, dtype=np.int64)) < MIN_SHARDED_SIZE or not shape:
     return P()
   axes = None
@@ -136,6 +138,17 @@ def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh, kv_heads: dict
     if axis == 'tensor' and heads is not None and heads % mesh.shape[axis]:
       axes[i] = None
   return P(*axes)
+
+
+def _batch_axes_dividing(size: int, mesh: Mesh) -> tuple[str, ...] | None:
+  """The batch axes (BATCH_AXES, in order) whose product divides `size`: how a [B, ...] array
+  holding one row per example of the batch is split."""
+  axes, product = [], 1
+  for axis in BATCH_AXES:
+    if mesh.shape[axis] > 1 and size % (product * mesh.shape[axis]) == 0:
+      axes.append(axis)
+      product *= mesh.shape[axis]
+  return tuple(axes) or None
 
 
 def state_shardings(abstract_state, mesh: Mesh, kv_heads: dict[str, int] | None = None):
