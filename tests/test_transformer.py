@@ -122,13 +122,19 @@ def peaky_model(seed):
   return model
 
 
+@nnx.jit
+def log_softmax_forward(model, source, target_in):
+  """The model's log-probabilities as one compiled program (op by op, each call compiles ~50)."""
+  return jax.nn.log_softmax(model(source, target_in), axis=-1)
+
+
 def teacher_forced_logprob(model, source, tokens):
   """Per row: sum of log p(token) over the tokens up to EOS, from one uncached forward pass."""
   rows = [row + [EOS] for row in decoding.strip(tokens, EOS)]
   target_in = np.full((len(rows), max(map(len, rows))), PAD, np.int32)
   for r, row in enumerate(rows):
     target_in[r, :len(row)] = [BOS] + row[:-1]
-  logprobs = np.asarray(jax.nn.log_softmax(model(source, jnp.asarray(target_in)), axis=-1))
+  logprobs = np.asarray(log_softmax_forward(model, source, jnp.asarray(target_in)))
   total = [sum(logprobs[r, i, t] for i, t in enumerate(row)) for r, row in enumerate(rows)]
   return np.array(total), np.array([len(r) for r in rows])
 
