@@ -27,6 +27,25 @@ METRICS_FILE = 'metrics.jsonl'
 UPLOAD_SECONDS = 30  # a gs:// workdir's metrics files are at most this old
 
 
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet.
+
+  tensorboardX imports torch when it is installed (requirements-dev.txt, for the Hugging Face
+  interop) only to accept torch tensors; this module logs floats, and torch's import costs ~1.5 s
+  of CPU in every training process. A `None` entry in sys.modules makes `import torch` raise
+  ImportError, which tensorboardX treats as torch being absent; torch imports normally afterwards.
+  """
+  if 'torch' in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules['torch'] = None
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules['torch']
+  return SummaryWriter
+
+
 def reduce_metrics(metrics: dict) -> dict[str, float]:
   """{name: (sum, count)} -> {name: sum / count}; plain scalars pass through."""
   out = {}
@@ -50,7 +69,7 @@ class MetricWriter:
     self._bar = None
     self._wandb = None
     if self.enabled:
-      from tensorboardX import SummaryWriter
+      SummaryWriter = _summary_writer_class()
       self._mirror = storage.LocalMirror(workdir, fetch=(METRICS_FILE,))
       self._uploaded_at = time.time()
       self.path = os.path.join(self._mirror.local, METRICS_FILE)

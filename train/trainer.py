@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +42,8 @@ from train.optim import make_optimizer
 from train.state import StateSpec, TrainState
 from train.task import RUNTIME_FIELDS, Prepared, Task, get_task
 from train.validation import validate_config
+
+READ_AHEAD_BATCHES = 4  # training batches a reader thread prepares ahead of the step that uses them
 
 
 class TrainingDiverged(UserError):
@@ -251,7 +254,10 @@ def train_iterator(setup: Setup):
                     f'{batch_size}; use more data or a smaller batch.')
   batches = setup.task.train_batches(examples, batch_size, setup.config.seed, jax.process_index(),
                                      jax.process_count())
-  return iter(batches.to_iter_dataset())
+  # The examples are in memory: grain's default read-ahead (16 threads, 500 batches) only contends
+  # for the GIL with the training loop, and builds hundreds of batches a short run never uses.
+  # One thread a few batches ahead keeps the next batch ready.
+  return iter(batches.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=READ_AHEAD_BATCHES)))
 
 
 # ============================================================================ stage 4: the loop
