@@ -10,7 +10,8 @@ import pytest
 
 from train.checkpoint import load_run
 from train.task import get_task
-from train.trainer import evaluate_run
+from train.sharding import use_mesh
+from train.trainer import evaluate_loss, evaluate_run, final_evaluation, restored_setup
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'legacy_runs')
 
@@ -61,9 +62,16 @@ def test_a_gpt_run_saved_before_model_json_reloads_evaluates_and_predicts(tmp_pa
   # Saved before vocabulary padding: unpadded, as its checkpoint is.
   assert run.model_config.vocab_multiple == 1 and run.model.token_embedding.embedding.shape == (222, 32)
   assert len(run.predict(['def '])) == 1
-  results = evaluate_run(workdir)
-  # The same checkpoint on the same held-out windows: the loss that run logged when it was trained.
-  np.testing.assert_allclose(results['eval/loss'], 5.324365854263306, rtol=1e-5)
+  # The same checkpoint on the same held-out windows (the train.eval_steps batches that run's
+  # evaluations scored): the loss it logged when it was trained.
+  setup, step = restored_setup(workdir)
+  with use_mesh(setup.mesh):
+    logged_batches = evaluate_loss(setup, setup.eval_step, setup.config.train.eval_steps)
+  np.testing.assert_allclose(logged_batches['eval/loss'], 5.324365854263306, rtol=1e-5)
+  # --mode=eval (evaluate_run: restored_setup, then final_evaluation) scores the whole validation split.
+  results = final_evaluation(setup, workdir, None, step)
+  assert step == 2 and np.isfinite(results['eval/loss'])
+  assert results['eval/loss'] != pytest.approx(logged_batches['eval/loss'], rel=1e-3)
 
 
 def test_a_classify_run_saved_before_model_json_keeps_its_labels(tmp_path):

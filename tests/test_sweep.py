@@ -17,7 +17,7 @@ def get_sweep():
   return {{
       'config': 'configs/gpt.py:tiny',
       'overrides': {{'data.source': {source!r}, 'train.steps': 4, 'train.eval_every': 2, 'train.checkpoint_every': 4,
-                    'train.eval_steps': 1, 'train.log_every': 2}},
+                    'train.eval_steps': 0, 'train.log_every': 2}},
       'grid': {{'train.lr': [0.001, 0.003], 'train.warmup_steps': [1]}},
       'trials': [{{'model.width': 16}}, {{'model.num_heads': 3}}],  # the last one fails: 3 heads, width 32
   }}
@@ -70,8 +70,9 @@ def test_sweep_survives_a_failing_trial_and_writes_table_and_plot(sweep_file, tm
   assert [r['status'] for r in rows] == ['ok', 'ok', 'ok', 'failed'] and rows[0]['train.lr'] == '0.001'
   for trial, row in zip(trials[:3], rows):
     with open(os.path.join(workdir, trial.name, 'metrics.jsonl')) as f:
-      final_eval = [m['eval/loss'] for m in map(json.loads, f) if 'eval/loss' in m][-1]
-    assert float(row['eval/loss']) == pytest.approx(final_eval, rel=1e-6) and row['step'] == '4'
+      best_eval = min(m['eval/loss'] for m in map(json.loads, f) if 'eval/loss' in m)
+    # The trial's final line: the best checkpoint's loss over the whole validation split (eval_steps=0).
+    assert float(row['eval/loss']) == pytest.approx(best_eval, rel=1e-6) and row['step'] == '4'
   assert rows[3]['eval/loss'] == '' and 'does not divide' in rows[3]['error']
   table = open(os.path.join(workdir, 'sweep.md')).read()
   assert '3 of 4 trials ok' in table and table.count('\n| 0') == 4

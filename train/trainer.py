@@ -664,7 +664,14 @@ def _wandb_settings(config, workdir: str) -> dict | None:
 
 def evaluate_run(workdir: str, config_overrides: dict | None = None) -> dict[str, Any]:
   """`--mode=eval`: eval-split metrics plus the family's evaluation of the checkpoint that
-  `train.final_eval_from` names (the best by default, as after training).
+  `train.final_eval_from` names (the best by default, as after training)."""
+  setup, step = restored_setup(workdir, config_overrides)
+  # The run's metrics.jsonl and TensorBoard logs are training's record: evaluating writes nothing there.
+  return {'step': step, **final_evaluation(setup, workdir, None, step)}
+
+
+def restored_setup(workdir: str, config_overrides: dict | None = None) -> tuple[Setup, int]:
+  """(the run's setup holding the checkpoint `train.final_eval_from` names, its step).
 
   The run's config.json (with `config_overrides`) and model.json rebuild the model; a run trained
   on another number of devices evaluates data-parallel over the devices present.
@@ -678,8 +685,7 @@ def evaluate_run(workdir: str, config_overrides: dict | None = None) -> dict[str
   setup.state = dataclasses.replace(setup.state, params=restored['model']['params'], extra=restored['model']['extra'])
   step = evaluated_step(setup, checkpointer, latest)
   checkpointer.close()
-  # The run's metrics.jsonl and TensorBoard logs are training's record: evaluating writes nothing there.
-  return {'step': step, **final_evaluation(setup, workdir, None, step)}
+  return setup, step
 
 
 def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
