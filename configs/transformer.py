@@ -7,7 +7,7 @@ that never occur in training, five printed translations and three attention heat
 cross-attention and decoder self-attention per head) whose paths are printed.
 Measured (seed 0, 800 steps of 32 packed rows, 2 idle CPU cores): test BLEU 99.95 with beam 4 and
 with greedy decoding, exact match 99.9%, token accuracy 99.99%; the train step compiled once;
-2 min 46 s wall clock, 4 min 22 s of CPU time.
+1 min 19 s wall clock, 2 min 3 s of CPU time.
 
 Your own parallel corpus (one `source<TAB>target` pair per line; 5% each held out for
 validation and test unless data.eval_source / data.test_source name files, used whole):
