@@ -219,7 +219,7 @@ def test_trainer_step_carries_and_detaches_the_state():
   batch k, it starts batch k+1, it is reset by the 'reset' flag, and no gradient crosses it."""
   import optax
   from train.state import TrainState
-  from train.trainer import make_train_step
+  from train.steps import make_train_step
   task = lm_task('sequential')
   model = task.build_model(nnx.Rngs(params=0, dropout=1))
   graphdef, params, extra = nnx.split(model, nnx.Param, ...)

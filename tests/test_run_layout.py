@@ -11,7 +11,8 @@ import pytest
 from train.checkpoint import load_run
 from train.task import get_task
 from train.sharding import use_mesh
-from train.trainer import evaluate_loss, evaluate_run, final_evaluation, restored_setup
+from train.evaluation import evaluate_loss, final_evaluation
+from train.trainer import evaluate_run, restored_setup
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'legacy_runs')
 
@@ -64,12 +65,12 @@ def test_a_gpt_run_saved_before_model_json_reloads_evaluates_and_predicts(tmp_pa
   assert len(run.predict(['def '])) == 1
   # The same checkpoint on the same held-out windows (the train.eval_steps batches that run's
   # evaluations scored): the loss it logged when it was trained.
-  setup, step = restored_setup(workdir)
+  setup, state, step = restored_setup(workdir)
   with use_mesh(setup.mesh):
-    logged_batches = evaluate_loss(setup, setup.eval_step, setup.config.train.eval_steps)
+    logged_batches = evaluate_loss(setup, state, setup.config.train.eval_steps)
   np.testing.assert_allclose(logged_batches['eval/loss'], 5.324365854263306, rtol=1e-5)
   # --mode=eval (evaluate_run: restored_setup, then final_evaluation) scores the whole validation split.
-  results = final_evaluation(setup, workdir, None, step)
+  results = final_evaluation(setup, state, workdir, None, step)
   assert step == 2 and np.isfinite(results['eval/loss'])
   assert results['eval/loss'] != pytest.approx(logged_batches['eval/loss'], rel=1e-3)
 

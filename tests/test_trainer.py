@@ -14,7 +14,8 @@ import support
 from errors import ConfigError
 from data.sources import DataError
 from train import checkpoint as ckpt
-from train.trainer import TrainingDiverged, train_and_evaluate
+from train.loop import TrainingDiverged
+from train.trainer import train_and_evaluate
 
 
 @pytest.fixture(scope='module')

@@ -3,7 +3,7 @@
   python launch.py --config=configs/gpt.py:gpt2 --mode=compile --compile_target=h100
 
 The train step is the one `--mode=bench` times and training runs (`train.state` state and shardings,
-the task's loss, the optimizer, gradient accumulation, `trainer.jit_train_step`), lowered on abstract
+the task's loss, the optimizer, gradient accumulation, `steps.jit_train_step`), lowered on abstract
 arrays placed on the target's devices (`train.targets`) and compiled by the target's compiler; for
 the generative families the greedy decoding the benchmark times is compiled too. Nothing runs,
 so nothing is timed. 'auto' attention, the PRNG and Pallas's interpret flag resolve for the
@@ -40,7 +40,7 @@ from errors import ConfigError
 from train import bench, hlo, memory, sharding, targets
 from train import state as state_lib
 from train.optim import make_optimizer
-from train.trainer import jit_train_step
+from train.steps import jit_train_step
 from train.validation import validate_config
 
 HLO_FILE = 'train_step.hlo.txt'

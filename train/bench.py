@@ -5,7 +5,7 @@
 No data is read: the task is bound to a stand-in tokenizer with `data.vocab_size` ids (through the
 same `Task.bind` seam as a reloaded run) and batches are its synthetic `example_batch` with the
 config's shapes. The state and the step are the trainer's own (`train.state.init_state`,
-`trainer.make_train_step`, same shardings, optimizer and donation), so what is timed here is what
+`steps.make_train_step`, same shardings, optimizer and donation), so what is timed here is what
 training runs. Ends with one JSON line:
 
   model, params, batch, seq_len     what ran
@@ -58,7 +58,7 @@ from train import compilation, hlo, memory, sharding
 from train import state as state_lib
 from train.optim import make_optimizer
 from train.task import get_task
-from train.trainer import jit_train_step
+from train.steps import jit_train_step
 from train.validation import validate_config
 
 DECODE_BATCHES = (1, 8)
@@ -191,9 +191,9 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'step_cpu_ms': round(1000 * cpu_per_step, 2),
       'compile_s': round(compile_s, 2), 'init_s': round(init_s, 2), 'rng_impl': spec.rng_impl,
       'model_flops_per_token': flops,
-      'achieved_tflops': None if achieved is None else round(achieved, 4),
-      'matmul_tflops': round(ceiling, 4), 'mfu': None if achieved is None else round(achieved / ceiling, 4),
-      'datasheet_tflops': peak, 'mfu_datasheet': None if achieved is None or not peak else round(achieved / peak, 4),
+      'achieved_tflops': None if achieved is None else _significant(achieved),
+      'matmul_tflops': _significant(ceiling), 'mfu': None if achieved is None else _significant(achieved / ceiling),
+      'datasheet_tflops': peak, 'mfu_datasheet': None if achieved is None or not peak else _significant(achieved / peak),
       'decode_tokens_per_s': None if decode_speed is None else {k: round(v, 1) for k, v in decode_speed.items()},
       'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
@@ -262,3 +262,8 @@ def decode_new_tokens(config, model_config) -> int:
   after the benchmark prompt."""
   max_len = getattr(model_config, 'max_len', None)
   return config.decode.max_new_tokens if max_len is None else min(config.decode.max_new_tokens, max_len - DECODE_PROMPT)
+
+
+def _significant(value: float, digits: int = 4) -> float:
+  """`value` to `digits` significant digits: a tiny model's TFLOP/s and MFU keep their precision."""
+  return float(f'{value:.{digits}g}')

@@ -1,0 +1,126 @@
+"""Resuming a workdir: what it holds must match what the config asks, and its newest checkpoint restores.
+
+A resume never restores into another model, another tokenizer or (unless
+`train.allow_data_change`) other data: each mismatch stops with one line naming the fields and
+leaves the run's files as they were.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+import storage
+from data import tokenizers
+from train import checkpoint as ckpt
+from train import state as state_lib
+from train.loop import Progress
+from train.multihost import agreed
+from train.state import StateSpec, TrainState
+from train.task import RUNTIME_FIELDS
+
+
+def check_run_files(config, workdir: str) -> None:
+  """Tokenizer files without config.json are left by a setup that was killed: remove them so this
+  run builds its own. A resumed run must ask for the tokenizer it was built with, and read the
+  data it was trained on unless `train.allow_data_change`."""
+  saved_config = os.path.join(workdir, ckpt.CONFIG_FILE)
+  if not storage.path(saved_config).exists():
+    _remove_orphan_tokenizer(workdir)
+    return
+  saved = ckpt.read_config(workdir)
+  keys = ('tokenizer', 'vocab_size', 'lowercase')
+  changed = [k for k in keys if k in saved.get('data', {}) and saved.data[k] != config.data[k]]
+  if changed:
+    raise ckpt.CheckpointError(
+        f'{workdir} was built with ' + ', '.join(f'data.{k}={saved.data[k]!r}' for k in changed) +
+        ' (its tokenizer is saved there) but the config asks for ' +
+        ', '.join(f'data.{k}={config.data[k]!r}' for k in changed) +
+        f". Resume with the run's own settings ({saved_config}) or use a fresh --workdir.")
+  trained_on = ckpt.data_history(workdir)[-1]
+  changed = [k for k in ckpt.DATA_KEYS if trained_on[k] != config.data[k]]
+  if changed and not config.train.allow_data_change:
+    raise ckpt.CheckpointError(
+        f'{workdir} was trained on ' + ', '.join(f'data.{k}={trained_on[k]!r}' for k in changed) +
+        ' but the config asks for ' + ', '.join(f'data.{k}={config.data[k]!r}' for k in changed) +
+        '. Resume with the same data, use a fresh --workdir, or pass --config.train.allow_data_change=True '
+        '(the run keeps its tokenizer, config.json records both, the best checkpoint is tracked anew).')
+
+
+def _remove_orphan_tokenizer(workdir: str) -> None:
+  orphans = [storage.path(workdir) / name for name in (tokenizers.TOKENIZER_FILE, tokenizers.META_FILE)]
+  orphans = [orphan for orphan in orphans if orphan.exists()]
+  if orphans and jax.process_index() == 0:
+    print(f'Removing {", ".join(map(str, orphans))}: left by an interrupted setup (no {ckpt.CONFIG_FILE}).',
+          flush=True)
+    for orphan in orphans:
+      orphan.unlink()
+  agreed(True)  # no process reads the workdir's tokenizer before process 0 has removed it
+
+
+def check_same_model(saved, resolved, workdir: str) -> None:
+  """`saved` (the workdir's model.json, or None) and the model the config now resolves to must
+  agree on every field but the runtime ones."""
+  if saved is None:
+    return
+  differences = [f.name for f in dataclasses.fields(saved)
+                 if f.name not in RUNTIME_FIELDS and getattr(saved, f.name) != getattr(resolved, f.name)]
+  if differences:
+    raise ckpt.CheckpointError(
+        f'{workdir} holds a model with ' + ', '.join(f'{k}={getattr(saved, k)!r}' for k in differences) +
+        ' but the config and data now give ' + ', '.join(f'{k}={getattr(resolved, k)!r}' for k in differences) +
+        f'. Resume with the run\'s own config ({os.path.join(workdir, ckpt.CONFIG_FILE)}) or use a fresh --workdir.')
+
+
+def rng_impl(config, workdir: str) -> str:
+  """The PRNG of a new run from `config.rng_impl`; a resumed run keeps the one it was built with."""
+  saved = ckpt.read_rng_impl(workdir)
+  if saved is None:
+    return state_lib.resolve_rng_impl(config.rng_impl)
+  if config.rng_impl not in ('auto', saved):
+    raise ckpt.CheckpointError(f'config.rng_impl={config.rng_impl!r} differs from the {saved!r} that {workdir} was '
+                               f'built with; resume with rng_impl={saved!r} (or auto) or use a fresh --workdir.')
+  return saved
+
+
+def restore_latest(spec: StateSpec, state: TrainState, checkpointer: ckpt.Checkpointer, data_iter, log=print
+                   ) -> tuple[TrainState, int, Progress]:
+  """(the newest intact checkpoint's state, its step, the loop's progress), with the input
+  iterator moved to its position; (`state`, 0, fresh progress) when the workdir has none.
+
+  Newer checkpoints that do not restore are moved aside with a message (see
+  `Checkpointer.restore_newest_intact`)."""
+  abstract_opt = state_lib.with_shardings(spec.abstract.opt_state, spec.shardings.opt_state)
+  step, restored = checkpointer.restore_newest_intact(
+      ckpt.restore_target(spec), abstract_opt, set_aside_broken=jax.process_index() == 0, log=log)
+  if step is None:
+    return state, 0, Progress()
+  state = TrainState(params=restored['model']['params'], extra=restored['model']['extra'],
+                     opt_state=restored['optimizer'], step=jnp.asarray(step, jnp.int32))
+  data = restored['data']
+  if 'input' not in data:  # checkpoints written before Progress held the iterator state alone
+    data = {'input': data, 'progress': {}} if data else {}
+  if data:  # an imported run (step 0) has no input position yet
+    data_iter.set_state(data['input'])
+  return state, step, Progress(**data.get('progress', {}))
+
+
+def record_data(config, workdir: str, start_step: int, progress: Progress, checkpointer: ckpt.Checkpointer
+                ) -> tuple[list[dict], Progress]:
+  """(the run's data history with this run's data, the loop's progress). A resume on other data
+  (`train.allow_data_change`, checked by `check_run_files`) starts a history entry at
+  `start_step` and restarts best-checkpoint tracking: validation losses of two datasets do not compare."""
+  current = {key: config.data[key] for key in ckpt.DATA_KEYS}
+  history = ckpt.data_history(workdir) if start_step else []
+  if history and {key: history[-1][key] for key in ckpt.DATA_KEYS} == current:
+    return history, progress
+  if history:
+    print(f'Data changed at step {start_step} (train.allow_data_change): ' +
+          ', '.join(f'data.{k}={v!r}' for k, v in current.items() if history[-1][k] != v) +
+          f'; the tokenizer stays the run\'s own; the best checkpoint is tracked again from step {start_step}.',
+          flush=True)
+    progress = Progress(seconds=progress.seconds)
+  checkpointer.data_since = start_step
+  return history + [{'step': start_step, **current}], progress
