@@ -76,7 +76,7 @@ def test_imported_run_features_and_fill_mask_match_transformers(hf_bert_dir, tmp
 
 
 def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_dir, tmp_path):
-  from train.task import get_task
+  from train.task import prepare_task
   from train.trainer import import_hf_run
   directory, hf_model, hf_tokenizer = hf_bert_dir
   source = str(tmp_path / 'imported')
@@ -84,9 +84,9 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
   data = tmp_path / 'reviews.tsv'
   data.write_text(''.join(f'{w} film\t{"pos" if w == "good" else "neg"}\n' for w in ['good', 'bad'] * 20))
   config = tiny_config(task='classify', init_from=source, **{'data.source': f'tsv:{data}'})
-  task = get_task(config)
   before = config.to_dict()
-  model_config = task.prepare(str(tmp_path / 'finetune')).model_config
+  task = prepare_task(config, str(tmp_path / 'finetune'))
+  model_config = task.model_config
   assert config.to_dict() == before  # the sizes were adopted into the model config, not written into config
   assert (model_config.width, model_config.num_layers, model_config.num_classes) == (32, 3, 2)
   assert model_config.labels == ('neg', 'pos') and model_config.heads == 'classifier'
@@ -98,8 +98,8 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
   np.testing.assert_allclose(np.asarray(query), expected, atol=1e-6)
   # More positions than the source (64): its vectors fill the first rows, the rest are new.
   longer = tiny_config(task='classify', init_from=source, **{'data.source': f'tsv:{data}', 'model.max_len': 96})
-  long_task = get_task(longer)
-  long_config = long_task.prepare(str(tmp_path / 'finetune-long')).model_config
+  long_task = prepare_task(longer, str(tmp_path / 'finetune-long'))
+  long_config = long_task.model_config
   assert (long_config.max_len, long_config.width) == (96, 32)
   long_model = long_task.build_model(nnx.Rngs(0))
   long_task.init_from(long_model, load_run(source).model)
@@ -111,8 +111,7 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
   np.testing.assert_allclose(np.asarray(long_model.encoder.blocks[2].self_attention.query.kernel[...]), expected,
                              atol=1e-6)
   mismatched = tiny_config(task='classify', **{'model.width': 16})
-  other = get_task(mismatched)
-  other.bind(task_lib.Prepared(None, task.tokenizer, dataclasses.replace(model_config, width=16)))
+  other = type(task)(mismatched, task_lib.Prepared(task.tokenizer, dataclasses.replace(model_config, width=16)))
   with pytest.raises(ConfigError, match='different sizes'):
     other.init_from(other.build_model(nnx.Rngs(0)), load_run(source).model)
 

@@ -298,7 +298,7 @@ def test_evaluation_scores_every_example_of_a_split_that_does_not_fill_its_batch
   workdir = str(tmp_path / 'run')
   results = train_and_evaluate(tiny(corpus, **{'train.steps': 1, 'train.eval_batch_size': 64}), workdir)
   run = load_run(workdir)
-  windows = run.task.prepare(workdir).datasets.eval
+  windows = type(run.task).prepare(run.config, workdir).datasets.eval
   assert len(windows) == 54
   batch = {'tokens': np.stack([windows[i]['tokens'] for i in range(len(windows))])}
   _, expected = run.task.loss(run.model, batch, deterministic=True)

@@ -180,9 +180,7 @@ def lm_task(sampler, batch_size=4, seq_len=5):
   config.data.sampler = sampler
   config.data.seq_len = seq_len
   config.train.batch_size = batch_size
-  task = Task(config)
-  task.bind_tokenizer(CharTokenizer('abcdefghij'))
-  return task
+  return Task(config, Task.without_data(config, CharTokenizer('abcdefghij')))
 
 
 def test_sequential_batches_continue_each_row():
@@ -291,5 +289,5 @@ def test_max_examples_caps_training_windows_and_zero_keeps_the_whole_stream(tmp_
   config = rnn_lm.get_config('tiny')
   config.data.update(source=support.write_corpus(str(tmp_path / 'corpus'), files=2, lines=20), sampler='random',
                      max_examples=max_examples, eval_source=support.write_corpus(str(tmp_path / 'eval'), files=1))
-  prepared = Task(config).prepare(str(tmp_path / 'run'))
+  prepared = Task.prepare(config, str(tmp_path / 'run'))
   assert len(prepared.datasets.train) == windows

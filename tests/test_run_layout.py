@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from train.checkpoint import load_run
-from train.task import get_task
+from train.task import task_class
 from train.sharding import use_mesh
 from train.evaluation import evaluate_loss, final_evaluation
 from train.trainer import evaluate_run, restored_setup
@@ -40,11 +40,10 @@ FAMILIES = [
 def test_prepare_never_writes_into_the_config(spec, tmp_path):
   config = family_config(spec)
   before = json.dumps(config.to_dict(), sort_keys=True)
-  task = get_task(config)
-  prepared = task.prepare(str(tmp_path))
+  family = task_class(config.family)
+  prepared = family.prepare(config, str(tmp_path))
   assert json.dumps(config.to_dict(), sort_keys=True) == before
-  assert type(prepared.model_config) is task.model_config_class
-  assert task.model_config is prepared.model_config
+  assert type(prepared.model_config) is family.model_config_class
   assert prepared.model_config.__dataclass_params__.frozen
 
 
@@ -89,3 +88,23 @@ def test_a_classify_run_saved_before_model_json_keeps_its_labels(tmp_path):
   # The accuracies that run reported after training (valid_accuracy / test_accuracy then).
   np.testing.assert_allclose(results['eval/accuracy'], 0.19369369369369369)
   np.testing.assert_allclose(results['test/accuracy'], 0.21076233183856502)
+
+
+@pytest.mark.parametrize('spec', FAMILIES, ids=lambda spec: spec[0] + ('-' + spec[2]['task'] if 'task' in spec[2] else ''))
+def test_a_restored_run_evaluates_to_the_last_digit_as_after_training(spec, tmp_path):
+  """--mode=eval builds the task as training did (`Task.prepare`, then `Task(config, prepared)`):
+  every number of the final evaluation is the same, and the task is a value nothing reassigns."""
+  from train.trainer import train_and_evaluate
+  config = family_config(spec)
+  config.train.update(steps=2, eval_every=2, checkpoint_every=2, eval_steps=1)
+  config.train.batch_size -= config.train.batch_size % 8  # attention_pooling's 50 points: 48 per step on 8 devices
+  workdir = str(tmp_path / 'run')
+  trained = train_and_evaluate(config, workdir)
+  setup, _, _ = restored_setup(workdir)
+  with pytest.raises(AttributeError, match='is a value'):
+    setup.task.prepared = None
+  restored = evaluate_run(workdir)
+  numbers = lambda results: {k: v for k, v in results.items()
+                             if isinstance(v, float) and k.startswith(('eval/', 'test/'))}
+  assert numbers(trained) and numbers(restored) == numbers(trained)
+  assert restored['step'] == trained['final_eval_step']

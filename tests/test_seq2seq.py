@@ -149,8 +149,9 @@ def seq2seq_task(tmp_path, attention_type='bahdanau', pairs=200):
 
 def test_loss_ignores_padded_target_positions(tmp_path):
   from train.tasks.seq2seq import Task
-  task = Task(seq2seq_task(tmp_path))
-  datasets = task.prepare(str(tmp_path)).datasets
+  config = seq2seq_task(tmp_path)
+  task = Task(config, Task.prepare(config, str(tmp_path)))
+  datasets = task.prepared.datasets
   model = task.build_model(nnx.Rngs(0))
   batch = {k: np.stack([datasets.train[i][k] for i in range(8)]) for k in ('source', 'target_in', 'target_out')}
   loss_fn = nnx.jit(lambda model, batch: task.loss(model, batch, deterministic=True))
@@ -177,9 +178,8 @@ def test_numbers_filter_keeps_only_large_numbers(tmp_path, monkeypatch):
   config.data.source = 'numbers_en_fr'
   config.data.min_number = 100_000
   config.data.seq_len = 48
-  task = Task(config)
-  task.prepare(str(tmp_path))
-  assert [s for s, _ in task.test_pairs] == ['one hundred and two thousand', 'two hundred thousandth']
+  test_pairs = Task.prepare(config, str(tmp_path)).evaluation
+  assert [s for s, _ in test_pairs] == ['one hundred and two thousand', 'two hundred thousandth']
 
 
 def test_training_end_to_end_writes_bleu_and_attention_picture(tmp_path):

@@ -15,6 +15,7 @@ from flax import nnx
 from models import decoding
 from models.layers import sinusoidal_positions
 from models.transformer import Transformer, TransformerConfig, count_parameters, parameter_count, translate
+from train.task import prepare_task
 
 PAD, BOS, EOS = 0, 1, 2
 TINY = TransformerConfig(vocab_size=19, width=32, num_heads=4, encoder_layers=2, decoder_layers=2, mlp_dim=48,
@@ -283,18 +284,17 @@ def write_tsv(path, count=600):
   return str(path)
 
 
-def tiny_task(tmp_path):
+def tiny_config(tmp_path):
   from configs.transformer import get_config
-  from train.tasks.transformer import Task
   config = get_config('tiny')
   config.data.source = 'tsv:' + write_tsv(tmp_path / 'pairs.tsv')
-  return config, Task(config)
+  return config
 
 
 def test_loss_is_label_smoothed_cross_entropy_over_real_target_tokens(tmp_path):
-  config, task = tiny_task(tmp_path)
+  config = tiny_config(tmp_path)
   config.data.packing = False  # one pair per row; packed rows have their own test
-  task.prepare(str(tmp_path / 'run'))
+  task = prepare_task(config, str(tmp_path / 'run'))
   model = task.build_model(nnx.Rngs(0))
   batch = {k: jnp.asarray(v) for k, v in task.example_batch(3).items()}
   target_out = np.array(batch['target_out'])
@@ -317,9 +317,10 @@ def test_loss_is_label_smoothed_cross_entropy_over_real_target_tokens(tmp_path):
 
 def test_bucketed_batches_group_lengths_and_cover_each_window(tmp_path):
   from train.tasks import transformer as task_module
-  _, task = tiny_task(tmp_path)
-  datasets = task.prepare(str(tmp_path / 'run')).datasets
-  task.config.data.packing = False
+  config = tiny_config(tmp_path)
+  config.data.packing = False
+  task = prepare_task(config, str(tmp_path / 'run'))
+  datasets = task.prepared.datasets
   batch_size, window = 4, task_module.BATCH_WINDOW
   batches = task.train_batches(datasets.train, batch_size, seed=3, process_index=0, process_count=1)
   pad = task.tokenizer.pad_id
@@ -349,8 +350,8 @@ def test_bucketed_batches_group_lengths_and_cover_each_window(tmp_path):
 
 def test_packed_batches_have_one_shape_and_are_the_same_for_any_process_count(tmp_path):
   from train.tasks import transformer as task_module
-  _, task = tiny_task(tmp_path)
-  datasets = task.prepare(str(tmp_path / 'run')).datasets
+  task = prepare_task(tiny_config(tmp_path), str(tmp_path / 'run'))
+  datasets = task.prepared.datasets
   assert task.config.data.packing  # the default
   batches = task.train_batches(datasets.train, 4, seed=3, process_index=0, process_count=1)
   pad, seq_len = task.tokenizer.pad_id, task.config.data.seq_len
@@ -369,10 +370,9 @@ def test_packed_batches_have_one_shape_and_are_the_same_for_any_process_count(tm
 
 def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
   import support
-  from train.tasks.transformer import Task
   from train import checkpoint as ckpt
   from train import trainer
-  config, _ = tiny_task(tmp_path)
+  config = tiny_config(tmp_path)
   config.train.update(steps=4, eval_every=4, checkpoint_every=2, log_every=1, eval_steps=1)
   config.decode.beam_size = 1
   config.pictures.count = 0
@@ -389,8 +389,8 @@ def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
   import os
   with open(os.path.join(straight, 'metrics.jsonl')) as f:
     first = next(m for m in map(json.loads, f) if m['step'] == 1 and 'train/tokens_per_s' in m)
-  task = Task(config)
-  datasets = task.prepare(straight).datasets
+  task = prepare_task(config, straight)
+  datasets = task.prepared.datasets
   batch = task.train_batches(datasets.train, config.train.batch_size, config.seed, 0, 1)[0]
   real_share = (batch['target_out'] != task.tokenizer.pad_id).mean()
   assert 0.2 < real_share < 1.0
@@ -402,7 +402,7 @@ def test_train_evaluate_predict_on_a_tsv_corpus(tmp_path):
   import os
   from train import trainer
   from train.checkpoint import load_run
-  config, _ = tiny_task(tmp_path)
+  config = tiny_config(tmp_path)
   config.train.update(steps=4, eval_every=4, checkpoint_every=4, log_every=2)
   workdir = str(tmp_path / 'run')
   results = trainer.train_and_evaluate(config, workdir)

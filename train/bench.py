@@ -57,7 +57,7 @@ from models.attention import attention_dropout_forces_einsum
 from train import compilation, hlo, memory, sharding
 from train import state as state_lib
 from train.optim import make_optimizer
-from train.task import get_task
+from train.task import task_without_data
 from train.steps import jit_train_step
 from train.validation import validate_config
 
@@ -119,9 +119,7 @@ def _timed(fn, reps: int) -> list[float]:
 
 def bench_task(config, platform: str | None = None):
   """The config's task bound to a stand-in tokenizer, its 'auto' attention resolved for `platform`."""
-  task = get_task(config, platform)
-  task.bind_tokenizer(StandInTokenizer(config.data.vocab_size))
-  return task
+  return task_without_data(config, StandInTokenizer(config.data.vocab_size), platform)
 
 
 def generate_greedily(task, model, prompt: jax.Array, valid: jax.Array, new_tokens: int):

@@ -382,13 +382,15 @@ def run_config(workdir: str, overrides: dict | None = None):
   """(the run's config, its resolved model config): `config.json` with `overrides` applied and
   checked, and `model.json` (or, for runs saved before model.json, the model config the family
   derives from the old config.json, whose keys that are no longer inputs are dropped)."""
-  from train.task import get_task
+  from train.task import task_class
   from train.validation import validate_config
   config = read_config(workdir)
-  task = get_task(config)
-  model_config = read_model_config(workdir, task.model_config_class)
+  family = task_class(config.family)
+  model_config = read_model_config(workdir, family.model_config_class)
   if model_config is None:
-    model_config = task.legacy_model_config(config, task.load_tokenizer(workdir))
+    legacy = getattr(family, 'legacy_model_config', None)
+    tokenizer = run_tokenizer(workdir)
+    model_config = legacy(config, tokenizer) if legacy else family.without_data(config, tokenizer).model_config
   config = _in_current_schema(config)
   for key, value in (overrides or {}).items():
     _set(config, key, value, workdir)
@@ -483,10 +485,9 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
   settings of the saved config.json (behaviour such as decoding or the BERT task, not the model's
   shape); keys it lacks are an error."""
   from train import sharding, state
-  from train.task import Prepared, get_task
+  from train.task import Prepared, task_class
   config, model_config = run_config(workdir, config_overrides)
-  task = get_task(config)
-  task.bind(Prepared(datasets=None, tokenizer=task.load_tokenizer(workdir), model_config=model_config))
+  task = task_class(config.family)(config, Prepared(run_tokenizer(workdir), model_config))
   checkpointer = Checkpointer(workdir, read_only=True)
   if checkpointer.latest_step() is None:
     raise CheckpointError(f'No checkpoint in {checkpointer.directory}; train first (python launch.py '
@@ -503,6 +504,14 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
   model.eval()
   return Run(config=config, model_config=model_config, model=model, tokenizer=task.tokenizer, step=step, task=task,
              workdir=workdir)
+
+
+def run_tokenizer(workdir: str):
+  """The tokenizer a run saved in `workdir` (None for a family without text, which saves none)."""
+  from data import tokenizers
+  if not (storage.path(workdir) / tokenizers.TOKENIZER_FILE).exists():
+    return None
+  return tokenizers.load_tokenizer(workdir)
 
 
 def restore_target(spec) -> dict:

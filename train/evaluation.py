@@ -23,7 +23,7 @@ from train.state import TrainState
 
 def eval_batches(setup):
   """This process's rows of every eval batch (`setup`: trainer.Setup)."""
-  examples, batch_size = setup.prepared.datasets.eval, setup.task.eval_batch_size
+  examples, batch_size = setup.task.prepared.datasets.eval, setup.task.eval_batch_size
   if len(examples) == 0:
     raise UserError('The eval split is empty; give a data.eval_source with examples (or more data to carve it from).')
   processes, index = jax.process_count(), jax.process_index()
@@ -33,13 +33,13 @@ def eval_batches(setup):
 
 def batches_during_training(setup) -> int:
   """How many eval batches each evaluation during training scores (`train.eval_steps`, 0 = all)."""
-  total = -(-len(setup.prepared.datasets.eval) // setup.task.eval_batch_size)
+  total = -(-len(setup.task.prepared.datasets.eval) // setup.task.eval_batch_size)
   return min(setup.config.train.eval_steps or total, total)
 
 
 def describe(setup) -> str:
   """One line: how many validation examples each evaluation during training scores."""
-  total, batch_size = len(setup.prepared.datasets.eval), setup.task.eval_batch_size
+  total, batch_size = len(setup.task.prepared.datasets.eval), setup.task.eval_batch_size
   scored = min(batches_during_training(setup) * batch_size, total)
   line = f'Each evaluation during training scores {scored} of the {total} validation examples'
   if scored < total:
@@ -81,7 +81,7 @@ def final_evaluation(setup, state: TrainState, workdir: str, writer: MetricWrite
           flush=True)
     model = state_lib.model_of(setup.spec, state)
     model.eval()
-    family = setup.task.evaluate(model, setup.prepared.datasets, workdir)
+    family = setup.task.evaluate(model, workdir)
   scalars = {k: v for k, v in family.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
   if writer is not None and scalars:
     writer.write(step, scalars)

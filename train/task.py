@@ -52,74 +52,77 @@ class Datasets:
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-  """What `Task.prepare` resolves from the config and the data; the model is built from it alone."""
-  datasets: Datasets | None  # None when a finished run is reloaded without its data
+  """What `Task.prepare` resolves from the config and the data; a `Task` is built from it and the config.
+
+  Training, `--mode=eval` and `--mode=predict` build it the same way (`prepare`, which reads the
+  data); `load_run`, benchmarks and imports build it without data (`Task.without_data`)."""
   tokenizer: Any  # data.tokenizers.Tokenizer, or None for families without text
   model_config: Any  # the family's frozen model-config dataclass (Task.model_config_class)
+  datasets: Datasets | None = None  # None when a run is reloaded without its data
+  evaluation: Any = None  # what the family's evaluation reads besides the splits (test pairs, an eval stream)
 
 
 class Task:
-  """Base class of a model family. Subclasses override the methods marked 'required'.
+  """A model family, as a value: `Task(config, prepared)` is never changed after construction.
 
-  After `prepare` (training) or `bind` (reloading a run), `self.tokenizer` and
-  `self.model_config` hold what was resolved; `self.config` is never written to.
+  Required: `model_config_class`, `prepare`, `build_model`, `loss`, `example_batch`. Optional:
+  `resolved_from_tokenizer`, `evaluate`, `predict`, and the rest below with their defaults.
   """
   model_config_class: type = type(None)  # required: the family's frozen model-config dataclass
   # Language models: the compiled prompt continuation, (model, tokens [B, P], valid [B, P], rng, *,
   # max_new_tokens, temperature, top_k, top_p, eos_id, pad_id) -> (new tokens [B, N], lengths [B]).
   generate = None
 
-  def __init__(self, config, platform: str | None = None):
+  def __init__(self, config, prepared: Prepared):
     self.config = config
-    self.platform = platform  # what 'auto' attention resolves for: 'cpu' | 'gpu' | 'tpu' (None: this backend)
-    self.tokenizer = None
-    self.model_config = None
+    self.prepared = prepared
+    self._frozen = True
 
-  # ------------------------------------------------------------------ data
-  def prepare(self, workdir: str) -> Prepared:
-    """Data, tokenizer and resolved model config for training in `workdir`."""
-    return self.bind(self.load_data(workdir))
+  def __setattr__(self, name, value):
+    if getattr(self, '_frozen', False):
+      raise AttributeError(f'A Task is a value: {name!r} cannot be assigned after construction.')
+    super().__setattr__(name, value)
 
-  def load_data(self, workdir: str) -> Prepared:
+  @property
+  def tokenizer(self):
+    return self.prepared.tokenizer
+
+  @property
+  def model_config(self):
+    return self.prepared.model_config
+
+  # ------------------------------------------------------------------ preparing (before a Task exists)
+  @classmethod
+  def prepare(cls, config, workdir: str, platform: str | None = None) -> Prepared:
     """Required. Read and tokenize the data (load the tokenizer from `workdir` when the run saved
-    one, else train it and save it there) and resolve the model config."""
+    one, else train it and save it there) and resolve the model config for `platform` ('cpu' |
+    'gpu' | 'tpu'; None: this backend)."""
     raise NotImplementedError
 
-  def bind(self, prepared: Prepared) -> Prepared:
-    """Adopt a resolved tokenizer and model config (from `prepare`, a saved run, or an import)."""
-    self.tokenizer, self.model_config = prepared.tokenizer, prepared.model_config
-    return prepared
+  @classmethod
+  def without_data(cls, config, tokenizer, platform: str | None = None) -> Prepared:
+    """The tokenizer and the model config resolved as in training, without reading data
+    (reloading a run, benchmarks, compiling)."""
+    return Prepared(tokenizer, cls.resolve_model_config(config, platform, **cls.resolved_from_tokenizer(config, tokenizer)))
 
-  def load_tokenizer(self, workdir: str):
-    """The tokenizer a finished run saved in `workdir` (families without text return None)."""
-    from data.tokenizers import load_tokenizer
-    return load_tokenizer(workdir)
-
-  def resolve_model_config(self, **resolved) -> Any:
-    """`model_config_class` from the `config.model` keys it shares, the 'auto' attention resolved
-    for `self.platform` and the dtype, and `resolved` (values that come from the data) on top."""
-    fields = {f.name for f in dataclasses.fields(self.model_config_class)}
-    values = {k: v for k, v in self.config.model.items() if k in fields}
-    if values.get('attention') == 'auto':
-      from models.attention import default_attention_implementation
-      values['attention'] = default_attention_implementation(values.get('dtype', 'float32'), self.platform)
-    return self.model_config_class(**{**values, **resolved})
-
-  def bind_tokenizer(self, tokenizer) -> Prepared:
-    """Bind to `tokenizer` alone, the model config resolved as in training (benchmarks, tests: no data)."""
-    return self.bind(Prepared(None, tokenizer, self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer))))
-
-  def legacy_model_config(self, saved_config, tokenizer) -> Any:
-    """The model config of a run saved before `model.json` existed, from its `config.json` (which
-    then also held the values resolved from the data). Default: resolve as in training."""
-    del saved_config
-    return self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer))
-
-  def resolved_from_tokenizer(self, tokenizer) -> dict[str, Any]:
+  @classmethod
+  def resolved_from_tokenizer(cls, config, tokenizer) -> dict[str, Any]:
     """Model-config values that come from the tokenizer (e.g. {'vocab_size': ...}). Default: none."""
-    del tokenizer
+    del config, tokenizer
     return {}
 
+  @classmethod
+  def resolve_model_config(cls, config, platform: str | None = None, **resolved) -> Any:
+    """`model_config_class` from the `config.model` keys it shares, the 'auto' attention resolved
+    for `platform` and the dtype, and `resolved` (values that come from the data) on top."""
+    fields = {f.name for f in dataclasses.fields(cls.model_config_class)}
+    values = {k: v for k, v in config.model.items() if k in fields}
+    if values.get('attention') == 'auto':
+      from models.attention import default_attention_implementation
+      values['attention'] = default_attention_implementation(values.get('dtype', 'float32'), platform)
+    return cls.model_config_class(**{**values, **resolved})
+
+  # ------------------------------------------------------------------ batches
   def train_batches(self, examples: grain.MapDataset, batch_size: int, seed: int, process_index: int,
                     process_count: int) -> grain.MapDataset:
     """This process's rows of every global training batch: endless, seeded and deterministic.
@@ -139,7 +142,7 @@ class Task:
 
   @property
   def eval_batch_size(self) -> int:
-    return self.config.train.eval_batch_size or self.config.train.batch_size
+    return eval_batch_size(self.config)
 
   # ------------------------------------------------------------------ model
   def build_model(self, rngs: nnx.Rngs) -> nnx.Module:
@@ -172,9 +175,9 @@ class Task:
     return None
 
   # ------------------------------------------------------------------ after training
-  def evaluate(self, model: nnx.Module, datasets: Datasets, workdir: str) -> dict[str, Any]:
-    """Extra evaluation after the loop (BLEU, samples, accuracy, pictures), named as in the module
-    docstring; pictures as {'images': {name: path}}. Default: none."""
+  def evaluate(self, model: nnx.Module, workdir: str) -> dict[str, Any]:
+    """Extra evaluation after the loop (BLEU, samples, accuracy, pictures) of `self.prepared`'s
+    data, named as in the module docstring; pictures as {'images': {name: path}}. Default: none."""
     return {}
 
   def predict(self, model: nnx.Module, lines: list[str], workdir: str) -> list[Any]:
@@ -187,14 +190,19 @@ class Task:
     del lines
     return []
 
-  def import_hf(self, hf_dir: str, rngs: nnx.Rngs) -> tuple[Prepared, nnx.Module]:
+  @classmethod
+  def import_hf(cls, config, hf_dir: str, rngs: nnx.Rngs) -> tuple[Prepared, nnx.Module]:
     """`--mode=import_hf`: (tokenizer and model config, the model) read from a Hugging Face directory;
     `rngs` initialise what the checkpoint lacks (and the dropout streams)."""
-    raise UserError(f'--mode=import_hf is not available for family {self.config.family!r}.')
+    raise UserError(f'--mode=import_hf is not available for family {config.family!r}.')
 
   def init_from(self, model: nnx.Module, source: nnx.Module) -> None:
     """`config.init_from`: copy parameters from another run's model `source` into `model`, in place."""
     raise ConfigError(f'config.init_from is not supported by family {self.config.family!r}.')
+
+
+def eval_batch_size(config) -> int:
+  return config.train.eval_batch_size or config.train.batch_size
 
 
 def process_rows_of_global_batches(order: grain.MapDataset, batch_size: int, process_index: int,
@@ -213,10 +221,22 @@ def process_rows_of_global_batches(order: grain.MapDataset, batch_size: int, pro
   return grain.MapDataset.range(len(order) // process_count).map(row).batch(local, drop_remainder=True)
 
 
-def get_task(config, platform: str | None = None) -> Task:
-  """The family's Task; `platform` ('cpu' | 'gpu' | 'tpu') is the one its steps are compiled for
-  (None: this process's default backend)."""
-  return task_module(config.family).Task(config, platform)
+def task_class(family: str) -> type[Task]:
+  """The `Task` class of `train/tasks/<family>.py`."""
+  return task_module(family).Task
+
+
+def prepare_task(config, workdir: str, platform: str | None = None) -> Task:
+  """The family's Task with its data read (training, --mode=eval, --mode=predict); `platform`
+  ('cpu' | 'gpu' | 'tpu') is the one its steps are compiled for (None: this process's backend)."""
+  cls = task_class(config.family)
+  return cls(config, cls.prepare(config, workdir, platform))
+
+
+def task_without_data(config, tokenizer, platform: str | None = None) -> Task:
+  """The family's Task bound to `tokenizer` alone (reloading a run, benchmarks, compiling)."""
+  cls = task_class(config.family)
+  return cls(config, cls.without_data(config, tokenizer, platform))
 
 
 def task_module(family: str):

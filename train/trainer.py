@@ -34,7 +34,7 @@ from train import state as state_lib
 from train.metrics import MetricWriter
 from train.optim import make_optimizer
 from train.state import StateSpec, TrainState
-from train.task import RUNTIME_FIELDS, Prepared, Task, get_task
+from train.task import RUNTIME_FIELDS, Task, task_class
 from train.validation import validate_config
 from train.workdir_guard import WorkdirGuard
 
@@ -48,8 +48,7 @@ class Setup:
   optimizer, the state's shapes and shardings, the compiled eval step. The state itself is
   passed from stage to stage."""
   config: Any
-  task: Task
-  prepared: Prepared
+  task: Task  # holds the prepared data, tokenizer and model config
   mesh: jax.sharding.Mesh
   tx: optax.GradientTransformation
   schedule: Callable
@@ -66,18 +65,19 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   """
   compilation.enable_cache(config.compile_cache)
   mesh = sharding.make_mesh(config.mesh)
-  task = get_task(config)
-  prepared = task.prepare(workdir)
+  family = task_class(config.family)
+  prepared = family.prepare(config, workdir)
   if model_config is not None:
-    prepared = task.bind(dataclasses.replace(prepared, model_config=model_config))
+    prepared = dataclasses.replace(prepared, model_config=model_config)
   else:
-    resume.check_same_model(ckpt.read_model_config(workdir, task.model_config_class), prepared.model_config, workdir)
+    resume.check_same_model(ckpt.read_model_config(workdir, family.model_config_class), prepared.model_config, workdir)
+  task = family(config, prepared)
   rng_impl = rng_impl or resume.rng_impl(config, workdir)
   tx, schedule = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
   memory.log_estimate(config, spec.abstract, spec.shardings, mesh)
   state = state_lib.init_state(spec, task.build_model, tx, config.seed)
-  setup = Setup(config, task, prepared, mesh, tx, schedule, spec, jax.jit(steps.make_eval_step(task, spec.graphdef)))
+  setup = Setup(config, task, mesh, tx, schedule, spec, jax.jit(steps.make_eval_step(task, spec.graphdef)))
   evaluation.eval_batches(setup)  # an empty eval split stops here, before anything is saved
   if config.init_from:
     state = _init_from(setup, state, config.init_from)
@@ -97,7 +97,7 @@ def _init_from(setup: Setup, state: TrainState, source_workdir: str) -> TrainSta
 # ============================================================================ stage 3: resume
 def train_iterator(setup: Setup):
   """This process's rows of the global training batches, as a checkpointable grain iterator."""
-  batch_size, examples = setup.config.train.batch_size, setup.prepared.datasets.train
+  batch_size, examples = setup.config.train.batch_size, setup.task.prepared.datasets.train
   if len(examples) < batch_size:
     raise UserError(f'The training split has {len(examples)} examples, fewer than train.batch_size='
                     f'{batch_size}; use more data or a smaller batch.')
@@ -112,7 +112,7 @@ def save_run_files(setup: Setup, workdir: str, history: list[dict]) -> None:
   """config.json (with the data history) and model.json: what reloads the run."""
   if jax.process_index() == 0:
     ckpt.save_config(setup.config, workdir, history)
-    ckpt.save_model_config(setup.prepared.model_config, setup.spec.rng_impl, workdir)
+    ckpt.save_model_config(setup.task.prepared.model_config, setup.spec.rng_impl, workdir)
 
 
 # ============================================================================ stage 4: the loop
@@ -259,9 +259,8 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
   if (storage.path(workdir) / ckpt.CHECKPOINT_DIR).is_dir():
     raise ckpt.CheckpointError(f'{workdir} already holds checkpoints; import into a fresh --workdir.')
   validate_config(config)
-  task = get_task(config)
   rng_impl = state_lib.resolve_rng_impl(config.rng_impl)
-  prepared, model = task.import_hf(hf_dir, state_lib.make_rngs(config.seed, rng_impl))
+  prepared, model = task_class(config.family).import_hf(config, hf_dir, state_lib.make_rngs(config.seed, rng_impl))
   with WorkdirGuard(workdir):
     prepared.tokenizer.save(workdir)
     ckpt.save_config(_with_model_of(config, prepared.model_config), workdir)

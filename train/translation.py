@@ -15,6 +15,7 @@ the teacher-forced loss and token accuracy over the real target tokens (`test/lo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -35,22 +36,25 @@ class TranslationTask(task_lib.Task):
   """A translation family; subclasses define the model, `loss` and `translate_batch`."""
 
   # ------------------------------------------------------------------ data
-  def filter_pairs(self, splits: translation.Splits) -> translation.Splits:
+  @classmethod
+  def filter_pairs(cls, config, splits: translation.Splits) -> translation.Splits:
     """Hook: keep only some pairs of every split (e.g. long inputs). Default: all."""
     return splits
 
-  def load_data(self, workdir):
-    data = self.config.data
-    splits = self.filter_pairs(translation.load_pairs(data, self.config.seed))
+  @classmethod
+  def prepare(cls, config, workdir, platform=None):
+    """The encoded splits; `evaluation` holds the test split's (source, reference) text pairs."""
+    data = config.data
+    splits = cls.filter_pairs(config, translation.load_pairs(data, config.seed))
     tokenizer = translation.get_tokenizer(data, workdir, splits.train)
     encode = lambda pairs, split: translation.as_dataset(translation.encode_pairs(
         tokenizer, pairs, data.seq_len, data.seq_len, drop_long=split == 'train', split=split)[0])
     train = encode(splits.train, 'train')
     if not len(train):
       raise sources.DataError(f'No training pair fits in data.seq_len={data.seq_len} tokens; raise data.seq_len.')
-    self.test_pairs = splits.test
     datasets = task_lib.Datasets(train=train, eval=encode(splits.validation, 'valid'), test=encode(splits.test, 'test'))
-    return task_lib.Prepared(datasets, tokenizer, self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer)))
+    return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets,
+                               evaluation=tuple(splits.test))
 
   def example_batch(self, batch_size):
     rng = np.random.default_rng(0)
@@ -100,11 +104,11 @@ class TranslationTask(task_lib.Task):
     return [self.tokenizer.decode(row) for row in ids]
 
   # ------------------------------------------------------------------ evaluation
-  def evaluate(self, model, datasets, workdir):
+  def evaluate(self, model, workdir):
     import sacrebleu
-    test = datasets.test
+    test, test_pairs = self.prepared.datasets.test, self.prepared.evaluation
     source = np.stack([test[i]['source'] for i in range(len(test))])
-    references = [target for _, target in self.test_pairs]
+    references = [target for _, target in test_pairs]
     results, translations, ids = {}, {}, {}
     for name, beam in (('greedy', 1), ('beam', int(self.config.decode.beam_size))):
       ids[name] = self.translate_ids(model, source, beam)
@@ -115,11 +119,11 @@ class TranslationTask(task_lib.Task):
     results.update(self.teacher_forced_metrics(model, test))
     with storage.path(os.path.join(workdir, 'translations.json')).open('w') as f:
       json.dump([{'source': s, 'reference': r, 'greedy': g, 'beam': b} for (s, r), g, b in
-                 zip(self.test_pairs, translations['greedy'], translations['beam'])], f, indent=1, ensure_ascii=False)
+                 zip(test_pairs, translations['greedy'], translations['beam'])], f, indent=1, ensure_ascii=False)
     print(f'Test ({len(references)} pairs): BLEU {results["test/bleu"]:.2f} (beam {self.config.decode.beam_size}), '
           f'{results["test/bleu_greedy"]:.2f} (greedy); exact match {results["test/exact_match_beam"]:.3f}; '
           f'token accuracy {results["test/accuracy"]:.4f}', flush=True)
-    for (s, r), b in list(zip(self.test_pairs, translations['beam']))[:SHOWN_TRANSLATIONS]:
+    for (s, r), b in list(zip(test_pairs, translations['beam']))[:SHOWN_TRANSLATIONS]:
       print(f'  {s}\n    -> {b}\n    (reference: {r})', flush=True)
     images = self.attention_images(model, source, ids['beam'], workdir)
     if images:

@@ -80,15 +80,13 @@ class Task(task_lib.Task):
     """The regression data; regenerated from the seed, so a reloaded run needs no files for it."""
     return regression_data(self.config.seed)
 
-  def load_data(self, workdir):
-    data = self.data
+  @classmethod
+  def prepare(cls, config, workdir, platform=None):
+    data = regression_data(config.seed)
     train = examples(data['x_train'], data['y_train'], data, leave_one_out=True)
     test = examples(data['x_test'], data['y_test'], data, leave_one_out=False)
     datasets = task_lib.Datasets(train=grain.MapDataset.source(train), eval=grain.MapDataset.source(test))
-    return task_lib.Prepared(datasets, None, self.resolve_model_config())
-
-  def load_tokenizer(self, workdir):
-    return None
+    return task_lib.Prepared(None, cls.resolve_model_config(config, platform), datasets)
 
   def build_model(self, rngs):
     width = self.model_config.initial_width
@@ -116,7 +114,7 @@ class Task(task_lib.Task):
       out[name], out[f'{name}_weights'] = np.asarray(prediction), np.asarray(weights)
     return out
 
-  def evaluate(self, model, datasets, workdir):
+  def evaluate(self, model, workdir):
     fits = self.fits(model)
     mse = {name: float(np.mean((fits[name] - self.data['y_test'])**2)) for name in ('nonparametric', 'parametric')}
     path = os.path.join(workdir, 'attention_pooling.png')

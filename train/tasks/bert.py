@@ -28,6 +28,7 @@ from flax import nnx
 import storage
 from data import bert_data
 from data.lm import get_tokenizer
+from data.tokenizers import load_tokenizer
 from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
 from train import task as task_lib
@@ -82,45 +83,50 @@ def validate(config):
 
 class Task(task_lib.Task):
   model_config_class = BertConfig
-  masker = None  # pretraining: draws the MLM positions of an example (set when the data is read)
 
   # ------------------------------------------------------------------ data
-  def load_data(self, workdir):
-    task = self.config.task
+  @classmethod
+  def prepare(cls, config, workdir, platform=None):
+    task = config.task
     if task == 'features':
       raise ConfigError('config.task=features has no training: use it with --mode=predict (or import_hf); '
                         'train with config.task=pretrain or classify.')
-    source = self._source_run(self.config.init_from) if self.config.init_from else None
+    source = cls._source_run(config.init_from) if config.init_from else None
     tokenizer = source[1] if source else None
     if task == 'classify':
-      datasets, tokenizer, labels = classification.classification_data(self.config.data, workdir, tokenizer)
+      datasets, tokenizer, labels = classification.classification_data(config.data, workdir, tokenizer)
       resolved = {'num_classes': len(labels), 'labels': labels}
     else:
-      datasets, tokenizer = self._pretraining_datasets(workdir, tokenizer)
+      datasets, tokenizer = cls._pretraining_datasets(config, workdir, tokenizer)
       resolved = {}
-    model_config = self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer), **resolved)
+    model_config = cls.resolve_model_config(config, platform, **cls.resolved_from_tokenizer(config, tokenizer),
+                                            **resolved)
     if source:
-      model_config = self._with_source_architecture(model_config, source[0])
-    return task_lib.Prepared(datasets, tokenizer, model_config)
+      model_config = cls._with_source_architecture(config, model_config, source[0])
+    return task_lib.Prepared(tokenizer, model_config, datasets)
 
-  def resolved_from_tokenizer(self, tokenizer):
-    return {'vocab_size': self.config.model.vocab_size or tokenizer.vocab_size, 'heads': HEADS[self.config.task]}
+  @classmethod
+  def resolved_from_tokenizer(cls, config, tokenizer):
+    return {'vocab_size': config.model.vocab_size or tokenizer.vocab_size, 'heads': HEADS[config.task]}
 
-  def legacy_model_config(self, saved_config, tokenizer):
+  @classmethod
+  def legacy_model_config(cls, saved_config, tokenizer):
     heads = saved_config.model.get('heads') or HEADS[saved_config.task]
     labels = tuple(json.loads(saved_config.data.labels)) if saved_config.data.get('labels') else ()
-    return self.resolve_model_config(vocab_size=saved_config.model.vocab_size or tokenizer.vocab_size, heads=heads,
+    return cls.resolve_model_config(saved_config, None, vocab_size=saved_config.model.vocab_size or tokenizer.vocab_size, heads=heads,
                                      num_classes=saved_config.model.get('num_classes', 0), labels=labels)
 
-  def _source_run(self, source: str) -> tuple[BertConfig, object]:
+  @staticmethod
+  def _source_run(source: str) -> tuple[BertConfig, object]:
     """(model config, tokenizer) of the run fine-tuning starts from (they must match its weights)."""
     from train.checkpoint import run_config
     source_config, source_model = run_config(source)
     if source_config.family != 'bert':
       raise ConfigError(f'config.init_from={source} is a {source_config.family!r} run; BERT starts from a bert run.')
-    return source_model, self.load_tokenizer(source)
+    return source_model, load_tokenizer(source)
 
-  def _with_source_architecture(self, model_config: BertConfig, source: BertConfig) -> BertConfig:
+  @staticmethod
+  def _with_source_architecture(config, model_config: BertConfig, source: BertConfig) -> BertConfig:
     """The sizes of the run fine-tuning starts from; positions: at least the source's, more when
     this run asks for more (positions past the source's start untrained, see `init_from`)."""
     changed = {k: getattr(source, k) for k in ARCHITECTURE_KEYS
@@ -128,18 +134,19 @@ class Task(task_lib.Task):
     if source.max_len > model_config.max_len:
       changed['max_len'] = source.max_len
     if changed:
-      print(f'init_from {self.config.init_from}: model sizes taken from that run: {changed}', flush=True)
+      print(f'init_from {config.init_from}: model sizes taken from that run: {changed}', flush=True)
     model_config = dataclasses.replace(model_config, **changed)
     if model_config.max_len > source.max_len:
-      print(f'init_from {self.config.init_from}: positions {source.max_len}..{model_config.max_len - 1} are new '
+      print(f'init_from {config.init_from}: positions {source.max_len}..{model_config.max_len - 1} are new '
             f'(that run has {source.max_len}); they start from random values.', flush=True)
-    if self.config.data.seq_len > model_config.max_len:
-      raise ConfigError(f'config.data.seq_len={self.config.data.seq_len} exceeds the {model_config.max_len} '
-                        f'positions of {self.config.init_from}; lower data.seq_len.')
+    if config.data.seq_len > model_config.max_len:
+      raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds the {model_config.max_len} '
+                        f'positions of {config.init_from}; lower data.seq_len.')
     return model_config
 
-  def _pretraining_datasets(self, workdir, tokenizer):
-    data, seed = self.config.data, self.config.seed
+  @staticmethod
+  def _pretraining_datasets(config, workdir, tokenizer):
+    data, seed = config.data, config.seed
     train_texts, eval_texts, _ = bert_data.pretraining_documents(data)
     if tokenizer is None:
       tokenizer = get_tokenizer(data, workdir, train_texts)
@@ -150,12 +157,12 @@ class Task(task_lib.Task):
         short_seq_prob=data.short_seq_prob, seed=seed_, max_examples=cap)
     train = examples(train_texts, data.dupe_factor, seed, data.max_examples)
     evaluation = examples(eval_texts, 1, seed + 1, data.max_examples)
-    self.masker = bert_data.Masker(tokenizer, data.mask_prob, data.max_predictions)
+    masker = bert_data.Masker(tokenizer, data.mask_prob, data.max_predictions)
     print(f'BERT pretraining: {len(train["tokens"])} train and {len(evaluation["tokens"])} eval sentence pairs, '
           f'vocabulary {tokenizer.vocab_size}.', flush=True)
     # Eval masks are drawn once (fixed seed) so that every evaluation scores the same positions.
     datasets = task_lib.Datasets(train=as_dataset(train),
-                                 eval=as_dataset(evaluation).random_map(self.masker, seed=seed + 2))
+                                 eval=as_dataset(evaluation).random_map(masker, seed=seed + 2))
     return datasets, tokenizer
 
   def train_order(self, examples, seed):
@@ -163,7 +170,8 @@ class Task(task_lib.Task):
     if self.config.task != 'pretrain':
       return order
     # Masks are drawn after `repeat`, per position in the stream: every epoch gets new ones.
-    return order.random_map(self.masker, seed=seed + 3)
+    data = self.config.data
+    return order.random_map(bert_data.Masker(self.tokenizer, data.mask_prob, data.max_predictions), seed=seed + 3)
 
   # ------------------------------------------------------------------ model
   def build_model(self, rngs):
@@ -221,14 +229,15 @@ class Task(task_lib.Task):
           f'({copied} parameters'
           f'{f", positions {old_rows}..{new_rows - 1} new" if old_rows < new_rows else ""}).', flush=True)
 
-  def import_hf(self, hf_dir, rngs):
+  @classmethod
+  def import_hf(cls, config, hf_dir, rngs):
     from interop.hf_bert import import_bert
-    task = self.config.task
+    task = config.task
     if task == 'classify':
       raise ConfigError('Import with --config.task=pretrain (or features), then fine-tune with --config.task=classify '
                         '--config.init_from=<the imported workdir>.')
-    model, tokenizer, bert, heads_loaded = import_bert(hf_dir, rngs=rngs, dtype=self.config.model.dtype,
-                                                       vocab_multiple=self.config.model.vocab_multiple,
+    model, tokenizer, bert, heads_loaded = import_bert(hf_dir, rngs=rngs, dtype=config.model.dtype,
+                                                       vocab_multiple=config.model.vocab_multiple,
                                                        attention='xla')
     if task == 'features':
       model = model.encoder
@@ -236,16 +245,16 @@ class Task(task_lib.Task):
       print(f'{hf_dir} has no pretraining heads: the MLM transform and NSP layer start from random values.',
             flush=True)
     model_config = dataclasses.replace(model.config, heads=HEADS[task])
-    return self.bind(task_lib.Prepared(None, tokenizer, model_config)), model
+    return task_lib.Prepared(tokenizer, model_config), model
 
   # ------------------------------------------------------------------ after training
   def _logits_fn(self, model):
     forward = nnx.jit(lambda m, t, s, v: m(t, s, v))
     return lambda batch: forward(model, batch['tokens'], batch['segments'], batch['valid'])
 
-  def evaluate(self, model, datasets, workdir):
+  def evaluate(self, model, workdir):
     if self.config.task == 'classify':
-      return classification.evaluate_classifier(self._logits_fn(model), datasets, list(self.model_config.labels),
+      return classification.evaluate_classifier(self._logits_fn(model), self.prepared.datasets, list(self.model_config.labels),
                                                  workdir, self.eval_batch_size, 'BERT')
     return {}  # pretraining: the trainer's eval/... over the whole validation split say it all
 

@@ -29,19 +29,22 @@ def validate(config):
 class Task(task_lib.Task):
   model_config_class = ClassifierConfig
 
-  def load_data(self, workdir):
-    datasets, tokenizer, labels = classification_data(self.config.data, workdir)
-    model_config = self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer), num_classes=len(labels),
-                                             labels=labels)
-    return task_lib.Prepared(datasets, tokenizer, model_config)
+  @classmethod
+  def prepare(cls, config, workdir, platform=None):
+    datasets, tokenizer, labels = classification_data(config.data, workdir)
+    model_config = cls.resolve_model_config(config, platform, **cls.resolved_from_tokenizer(config, tokenizer),
+                                            num_classes=len(labels), labels=labels)
+    return task_lib.Prepared(tokenizer, model_config, datasets)
 
-  def resolved_from_tokenizer(self, tokenizer):
+  @classmethod
+  def resolved_from_tokenizer(cls, config, tokenizer):
     return {'vocab_size': tokenizer.vocab_size}
 
-  def legacy_model_config(self, saved_config, tokenizer):
+  @classmethod
+  def legacy_model_config(cls, saved_config, tokenizer):
     labels = tuple(json.loads(saved_config.data.labels))
-    return self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer), num_classes=len(labels),
-                                     labels=labels)
+    return cls.resolve_model_config(saved_config, None, **cls.resolved_from_tokenizer(saved_config, tokenizer),
+                                    num_classes=len(labels), labels=labels)
 
   def build_model(self, rngs):
     return TransformerClassifier(self.model_config, rngs=rngs)
@@ -57,8 +60,8 @@ class Task(task_lib.Task):
     forward = nnx.jit(lambda m, tokens, valid: m(tokens, valid))
     return lambda batch: forward(model, batch['tokens'], batch['valid'])
 
-  def evaluate(self, model, datasets, workdir):
-    return evaluate_classifier(self._logits_fn(model), datasets, list(self.model_config.labels), workdir,
+  def evaluate(self, model, workdir):
+    return evaluate_classifier(self._logits_fn(model), self.prepared.datasets, list(self.model_config.labels), workdir,
                                self.eval_batch_size, 'Transformer classifier')
 
   def predict_truncation(self, lines):

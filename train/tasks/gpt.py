@@ -1,6 +1,8 @@
 """GPT language modelling: packed token windows, next-token cross-entropy, sampled continuations."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from data.lm import lm_datasets
@@ -52,13 +54,15 @@ class Task(task_lib.Task):
 
   generate = staticmethod(gpt_model.generate)
 
-  def load_data(self, workdir):
-    tokenizer, train, evaluation, test = lm_datasets(self.config.data, workdir, self.config.seed)
-    return task_lib.Prepared(task_lib.Datasets(train=train, eval=evaluation, test=test), tokenizer,
-                             self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer)))
+  @classmethod
+  def prepare(cls, config, workdir, platform=None):
+    tokenizer, train, evaluation, test = lm_datasets(config.data, workdir, config.seed)
+    prepared = cls.without_data(config, tokenizer, platform)
+    return dataclasses.replace(prepared, datasets=task_lib.Datasets(train=train, eval=evaluation, test=test))
 
-  def resolved_from_tokenizer(self, tokenizer):
-    return {'vocab_size': self.config.model.vocab_size or tokenizer.vocab_size}
+  @classmethod
+  def resolved_from_tokenizer(cls, config, tokenizer):
+    return {'vocab_size': config.model.vocab_size or tokenizer.vocab_size}
 
   def build_model(self, rngs):
     return GPT(self.model_config, rngs=rngs)
@@ -96,7 +100,7 @@ class Task(task_lib.Task):
     return 6 * (non_embedding + c.width * c.vocab_size) + 12 * c.num_layers * self.config.data.seq_len * c.width
 
   # ------------------------------------------------------------------ generation
-  def evaluate(self, model, datasets, workdir):
+  def evaluate(self, model, workdir):
     samples = sampling.sample_prompts(self.generate, model, self.tokenizer, self.config.decode, workdir,
                                       seed=self.config.seed, max_len=self.model_config.max_len)
     return {'samples': samples} if samples else {}
@@ -108,12 +112,12 @@ class Task(task_lib.Task):
     return sampling.continue_prompts(self.generate, model, self.tokenizer, lines, self.config.decode,
                                      seed=self.config.seed, max_len=self.model_config.max_len)
 
-  def import_hf(self, hf_dir, rngs):
+  @classmethod
+  def import_hf(cls, config, hf_dir, rngs):
     """A GPT2LMHeadModel or LlamaForCausalLM directory, by its config.json's model_type."""
     from interop import hf_gpt2, hf_llama
     from interop.common import read_hf_config
     importer = hf_llama.import_llama if read_hf_config(hf_dir).get('model_type') == 'llama' else hf_gpt2.import_gpt2
-    imported = importer(hf_dir, dtype=self.config.model.dtype, vocab_multiple=self.config.model.vocab_multiple,
-                        rngs=rngs)
-    return self.bind(task_lib.Prepared(None, imported.tokenizer, imported.config)), imported.model
+    imported = importer(hf_dir, dtype=config.model.dtype, vocab_multiple=config.model.vocab_multiple, rngs=rngs)
+    return task_lib.Prepared(imported.tokenizer, imported.config), imported.model
 

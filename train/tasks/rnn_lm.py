@@ -17,6 +17,8 @@ throughout, and samples continuations of `decode.prompts`.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import grain
 import jax
 import jax.numpy as jnp
@@ -116,33 +118,40 @@ def validate(config):
                       'holds one row per example of the whole batch. Use a smaller train.batch_size instead.')
 
 
+def sequential(config) -> bool:
+  """Whether training carries the state across consecutive windows of each row (data.sampler)."""
+  return config.data.sampler == 'sequential'
+
+
 class Task(task_lib.Task):
   model_config_class = RNNLMConfig
 
   @property
   def sequential(self) -> bool:
-    return self.config.data.sampler == 'sequential'
+    return sequential(self.config)
 
   generate = staticmethod(rnn_lm_model.generate)
 
-  def load_data(self, workdir):
-    data, train = self.config.data, self.config.train
-    train_docs, eval_docs, _ = split_documents(data, self.config.seed)
+  @classmethod
+  def prepare(cls, config, workdir, platform=None):
+    """Windows of the token streams; `evaluation` holds the held-out stream (for its perplexity
+    with the state carried across windows)."""
+    data, train = config.data, config.train
+    train_docs, eval_docs, _ = split_documents(data, config.seed)
     tokenizer = get_tokenizer(data, workdir, (text for _, text in train_docs))
     # data.max_examples windows of seq_len tokens (0: the whole stream, not one token)
     train_stream = token_stream(train_docs, tokenizer, data.max_examples * data.seq_len + 1 if data.max_examples else 0)
-    eval_tokens = train.eval_steps * self.eval_batch_size * data.seq_len + 1 if train.eval_steps else 0
-    self.eval_stream = token_stream(eval_docs, tokenizer, eval_tokens)
-    train_examples = rows(train_stream, train.batch_size, data.seq_len) if self.sequential else \
+    eval_tokens = train.eval_steps * task_lib.eval_batch_size(config) * data.seq_len + 1 if train.eval_steps else 0
+    eval_stream = token_stream(eval_docs, tokenizer, eval_tokens)
+    train_examples = rows(train_stream, train.batch_size, data.seq_len) if sequential(config) else \
         windows(train_stream, data.seq_len)
     as_dataset = lambda array: grain.MapDataset.source(array).map(lambda w: {'tokens': w})
-    datasets = task_lib.Datasets(train=as_dataset(train_examples), eval=as_dataset(windows(self.eval_stream,
-                                                                                            data.seq_len)))
-    return task_lib.Prepared(datasets, tokenizer, self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer)))
+    datasets = task_lib.Datasets(train=as_dataset(train_examples), eval=as_dataset(windows(eval_stream, data.seq_len)))
+    return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets, evaluation=eval_stream)
 
-  def resolved_from_tokenizer(self, tokenizer):
-    return {'vocab_size': tokenizer.vocab_size,
-            'carried_batch': self.config.train.batch_size if self.sequential else 0}
+  @classmethod
+  def resolved_from_tokenizer(cls, config, tokenizer):
+    return {'vocab_size': tokenizer.vocab_size, 'carried_batch': config.train.batch_size if sequential(config) else 0}
 
   def train_batches(self, examples, batch_size, seed, process_index, process_count):
     if not self.sequential:
@@ -183,8 +192,8 @@ class Task(task_lib.Task):
     return batch
 
   # ------------------------------------------------------------------ after training
-  def evaluate(self, model, datasets, workdir):
-    perplexity = stream_perplexity(model, self.eval_stream, self.eval_batch_size, self.config.data.seq_len)
+  def evaluate(self, model, workdir):
+    perplexity = stream_perplexity(model, self.prepared.evaluation, self.eval_batch_size, self.config.data.seq_len)
     print(f'Held-out stream perplexity (state carried across windows): {perplexity:.3f}', flush=True)
     results = {'eval/stream_perplexity': perplexity}
     samples = sampling.sample_prompts(self.generate, model, self.tokenizer, self.config.decode, workdir,

@@ -76,17 +76,19 @@ def validate(config):
 class Task(TranslationTask):
   model_config_class = Seq2SeqConfig
 
-  def filter_pairs(self, splits):
-    minimum = self.config.data.min_number
+  @classmethod
+  def filter_pairs(cls, config, splits):
+    minimum = config.data.min_number
     if not minimum:
       return splits
-    if sources.parse_source(self.config.data.source)[0] != 'numbers_en_fr':
+    if sources.parse_source(config.data.source)[0] != 'numbers_en_fr':
       raise sources.DataError(f'data.min_number={minimum} filters numbers_en_fr pairs only; '
-                              f'data.source is {self.config.data.source!r}. Set data.min_number=0.')
+                              f'data.source is {config.data.source!r}. Set data.min_number=0.')
     return translation.Splits(*(keep_numbers_at_least(pairs, minimum)
                                 for pairs in (splits.train, splits.validation, splits.test)))
 
-  def resolved_from_tokenizer(self, tokenizer):
+  @classmethod
+  def resolved_from_tokenizer(cls, config, tokenizer):
     return {'src_vocab_size': tokenizer.vocab_size, 'tgt_vocab_size': tokenizer.vocab_size}
 
   def build_model(self, rngs):

@@ -135,9 +135,10 @@ def validate(config):
 class Task(TranslationTask):
   model_config_class = TransformerConfig
 
-  def resolved_from_tokenizer(self, tokenizer):
+  @classmethod
+  def resolved_from_tokenizer(cls, config, tokenizer):
     return {'vocab_size': tokenizer.vocab_size, 'pad_id': tokenizer.pad_id,
-            'max_len': max_decode_len(self.config.decode.max_len_ratio, self.config.data.seq_len)}
+            'max_len': max_decode_len(config.decode.max_len_ratio, config.data.seq_len)}
 
   def train_batches(self, examples, batch_size, seed, process_index, process_count):
     data, pad = self.config.data, self.tokenizer.pad_id
@@ -212,7 +213,7 @@ class Task(TranslationTask):
           [pictures.Panel(np.asarray(self_attention[h]), out_labels, in_labels, f'self-attention, head {h + 1}',
                           'decoder input', 'predicted target') for h in range(self_attention.shape[0])]]
       path = os.path.join(workdir, f'attention_{n}.png')
-      pictures.plot_attention(path, panels, f'Decoder layer {layer + 1}: "{self.test_pairs[n][0]}" -> '
+      pictures.plot_attention(path, panels, f'Decoder layer {layer + 1}: "{self.prepared.evaluation[n][0]}" -> '
                                             f'"{tok.decode(outputs[n])}"')
       images[f'attention/sentence_{n}'] = path
     return images
