@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from data import batching
 from errors import ConfigError, UserError
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
@@ -120,22 +121,10 @@ class Task:
     del tokenizer
     return {}
 
-  def train_batches(self, examples: grain.MapDataset, batch_size: int, seed: int, process_index: int,
-                    process_count: int) -> grain.MapDataset:
-    """This process's rows of every global training batch: endless, seeded and deterministic.
-
-    `examples` is the whole training split. Global batch b is the same whatever the process count,
-    so 1 and N processes train on the same batches (and a resume continues the same order). The
-    default shuffles `train_order(examples, seed)`; override `train_order` for per-example
-    randomness (e.g. fresh MLM masks every epoch) and this method only for batches that are not
-    made of independent examples (length buckets, carried streams).
-    """
-    return process_rows_of_global_batches(self.train_order(examples, seed), batch_size, process_index,
-                                          process_count)
-
-  def train_order(self, examples: grain.MapDataset, seed: int) -> grain.MapDataset:
-    """The endless order in which training examples are read."""
-    return examples.shuffle(seed=seed).repeat()
+  def batch_plan(self) -> batching.BatchPlan:
+    """How training examples become batches (data/batching.py): the trainer reads
+    `batch_plan().global_batches(...)`. Default: independent examples, shuffled every epoch."""
+    return batching.Shuffled()
 
   @property
   def eval_batch_size(self) -> int:
@@ -195,22 +184,6 @@ class Task:
   def init_from(self, model: nnx.Module, source: nnx.Module) -> None:
     """`config.init_from`: copy parameters from another run's model `source` into `model`, in place."""
     raise ConfigError(f'config.init_from is not supported by family {self.config.family!r}.')
-
-
-def process_rows_of_global_batches(order: grain.MapDataset, batch_size: int, process_index: int,
-                                   process_count: int) -> grain.MapDataset:
-  """This process's rows of each global batch of the endless example order `order`, reading only those rows.
-
-  Global batch b holds elements [b * batch_size, (b + 1) * batch_size) of `order`, whatever the
-  process count.
-  """
-  local = batch_size // process_count
-
-  def row(i):
-    step, offset = divmod(i, local)
-    return order[step * batch_size + process_index * local + offset]
-
-  return grain.MapDataset.range(len(order) // process_count).map(row).batch(local, drop_remainder=True)
 
 
 def get_task(config, platform: str | None = None) -> Task:

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 import storage
-from data import bert_data
+from data import batching, bert_data
 from data.lm import get_tokenizer
 from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
@@ -158,12 +158,12 @@ class Task(task_lib.Task):
                                  eval=as_dataset(evaluation).random_map(self.masker, seed=seed + 2))
     return datasets, tokenizer
 
-  def train_order(self, examples, seed):
-    order = super().train_order(examples, seed)
+  def batch_plan(self):
     if self.config.task != 'pretrain':
-      return order
-    # Masks are drawn after `repeat`, per position in the stream: every epoch gets new ones.
-    return order.random_map(self.masker, seed=seed + 3)
+      return batching.Shuffled()
+    # Masks are drawn per position of the endless order, so every epoch gets new ones; their seed
+    # (seed + 3) is apart from the eval masks' (seed + 2).
+    return batching.Shuffled(draw=self.masker, draw_seed_offset=3)
 
   # ------------------------------------------------------------------ model
   def build_model(self, rngs):
