@@ -11,12 +11,13 @@ import grain
 import numpy as np
 
 import storage
-from data import sources
+from data import batching, sources
 from data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_tokenizer
 
 EVAL_FRACTION = 0.05
 # Tokenizer training reads at most this many characters: BPE merges stabilise long before.
 TOKENIZER_TRAINING_CHARS = 20_000_000
+TOKENIZE_CHUNK = 256  # documents tokenized together when only the first max_tokens are needed
 
 
 def read_documents(source: str, default_split: str = 'train') -> list[tuple[str, str]]:
@@ -88,32 +89,40 @@ def get_tokenizer(data_config, workdir: str, train_texts) -> Tokenizer:
   return tokenizer
 
 
+def token_stream(documents: list[tuple[str, str]], tokenizer: Tokenizer, max_tokens: int = 0) -> np.ndarray:
+  """The documents' tokens, each document followed by EOS, int32 [N]: the first `max_tokens` of
+  them (0: all), tokenizing only as many documents as that takes."""
+  texts = [text for _, text in documents]
+  chunk = TOKENIZE_CHUNK if max_tokens else max(len(texts), 1)
+  pieces, total = [], 0
+  for start in range(0, len(texts), chunk):
+    for ids in tokenizer.encode_batch(texts[start:start + chunk]):
+      pieces.append(np.asarray(ids + [tokenizer.eos_id], np.int32))
+      total += len(pieces[-1])
+    if max_tokens and total >= max_tokens:
+      break
+  stream = np.concatenate(pieces) if pieces else np.zeros((0,), np.int32)
+  return stream[:max_tokens] if max_tokens else stream
+
+
 def pack(documents: list[tuple[str, str]], tokenizer: Tokenizer, seq_len: int, max_examples: int = 0,
          split: str = '') -> np.ndarray:
-  """Tokenize, join with EOS and cut into [N, seq_len + 1] windows.
+  """The documents' token stream (`token_stream`) cut into disjoint int32 [N, seq_len + 1] windows
+  (`batching.stream_windows`), at most `max_examples` (0: all).
 
   The ragged tail (fewer tokens than a window) is dropped; with a `split` name, one line says how
   many tokens that is (a warning above sources.WARN_FRACTION of the split's tokens).
   """
-  separator = tokenizer.eos_id
-  ids = tokenizer.encode_batch([text for _, text in documents])
-  stream = []
-  for doc in ids:
-    stream.extend(doc)
-    stream.append(separator)
+  stream = token_stream(documents, tokenizer)
   window = seq_len + 1
-  count = len(stream) // window
-  if count == 0:
-    raise sources.DataError(f'The data has {len(stream)} tokens, fewer than one sequence of data.seq_len + 1 = '
-                            f'{window}; use more text or a smaller data.seq_len.')
+  windows = batching.stream_windows(stream, seq_len, stride=window, max_windows=max_examples)
   if split:
-    line = (f'{split} split: {count} windows of {window} tokens; the last {len(stream) - count * window} of '
-            f'{len(stream)} tokens are dropped (less than a window).')
-    print(f'WARNING: {line}' if len(stream) - count * window > sources.WARN_FRACTION * len(stream) else line,
-          flush=True)
-  if max_examples:
-    count = min(count, max_examples)
-  return np.asarray(stream[: count * window], dtype=np.int32).reshape(count, window)
+    count = len(stream) // window
+    dropped = len(stream) - count * window
+    line = (f'{split} split: {count} windows of {window} tokens; the last {dropped} of {len(stream)} tokens are '
+            f'dropped (less than a window).')
+    print(f'WARNING: {line}' if dropped > sources.WARN_FRACTION * len(stream) else line, flush=True)
+  return windows
 
 
 def lm_datasets(data_config, workdir: str, seed: int):

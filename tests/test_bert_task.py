@@ -137,6 +137,16 @@ def test_pretraining_loss_by_hand():
   assert float(metrics['mlm_loss'][1]) == 5 and float(metrics['nsp_accuracy'][1]) == 2
 
 
+def test_pretraining_draws_new_masks_every_epoch_and_fine_tuning_reads_examples_as_they_are():
+  from data import batching
+  from train.task import Prepared
+  from train.tasks.bert import Task
+  masker = object()  # what prepare puts there: the MLM masker of the run's tokenizer
+  pretraining = Task(tiny_config(task='pretrain'), Prepared(None, None, family_data=masker))
+  assert pretraining.batch_plan() == batching.Shuffled(draw=masker, draw_seed_offset=3)
+  assert Task(tiny_config(task='classify'), Prepared(None, None)).batch_plan() == batching.Shuffled()
+
+
 def test_launch_predict_applies_config_overrides_to_a_trained_run(tmp_path):
   """`--mode=predict --config.task=features` on a pretraining run writes vectors; unknown keys
   are still rejected with one message (checked against the run's own config.json)."""

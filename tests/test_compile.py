@@ -26,7 +26,7 @@ def variable_length_pairs(path, count=800, seed=0):
 
 def test_a_variable_length_corpus_compiles_the_train_step_at_most_8_times(tmp_path):
   from configs.transformer import get_config
-  from train.tasks.transformer import bucket_lengths
+  from data.batching import bucket_lengths
   config = support.with_overrides(get_config('tiny'), {
       'data.source': variable_length_pairs(tmp_path / 'pairs.tsv'), 'data.seq_len': 96, 'data.max_examples': 0,
       'data.vocab_size': 120, 'data.packing': False, 'train.steps': 32, 'train.batch_size': 8, 'train.eval_every': 32,

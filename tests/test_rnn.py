@@ -183,33 +183,10 @@ def lm_task(sampler, batch_size=4, seq_len=5):
   return Task(config, Task.without_data(config, CharTokenizer('abcdefghij')))
 
 
-def test_sequential_batches_continue_each_row():
-  from train.tasks.rnn_lm import rows, sequential_batches
-  stream = np.arange(1000, dtype=np.int32)
-  row_array = rows(stream, 4, 5)
-  assert row_array.shape == (4, 250)
-  batches = sequential_batches(row_array, 5, seed=0)
-  per_pass = (250 - 5) // 5
-  for k in range(per_pass - 1):
-    now, after = batches[k]['tokens'], batches[k + 1]['tokens']
-    assert now.shape == (4, 6)
-    # Window k+1 of a row starts where window k's targets end: the carried state is its history.
-    np.testing.assert_array_equal(after[:, 0], now[:, -1])
-    np.testing.assert_array_equal(np.diff(now, axis=1), 1)
-    assert batches[k + 1]['reset'].tolist() == [False] * 4
-  assert batches[0]['reset'].all() and batches[per_pass]['reset'].all()
-  # Rows are consecutive pieces of the stream, and each pass starts at a fresh offset below seq_len.
-  np.testing.assert_array_equal(batches[0]['tokens'][:, 0] % 250, batches[0]['tokens'][0, 0])
-  offsets = {int(batches[e * per_pass]['tokens'][0, 0]) for e in range(8)}
-  assert offsets <= set(range(5)) and len(offsets) > 1
-
-
-def test_random_sampler_windows_cover_the_stream_once():
-  from train.tasks.rnn_lm import windows
-  stream = np.arange(23, dtype=np.int32)
-  w = windows(stream, 5)
-  assert w.shape == (4, 6)
-  np.testing.assert_array_equal(w[:, 1:].ravel(), np.arange(1, 21))  # every target exactly once
+def test_the_samplers_choose_shuffled_windows_or_carried_stream_rows():
+  from data import batching
+  assert lm_task('random').batch_plan() == batching.Shuffled()
+  assert lm_task('sequential', seq_len=5).batch_plan() == batching.Stream(seq_len=5)
 
 
 def test_trainer_step_carries_and_detaches_the_state():

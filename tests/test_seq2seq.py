@@ -178,7 +178,7 @@ def test_numbers_filter_keeps_only_large_numbers(tmp_path, monkeypatch):
   config.data.source = 'numbers_en_fr'
   config.data.min_number = 100_000
   config.data.seq_len = 48
-  test_pairs = Task.prepare(config, str(tmp_path)).evaluation
+  test_pairs = Task.prepare(config, str(tmp_path)).family_data
   assert [s for s, _ in test_pairs] == ['one hundred and two thousand', 'two hundred thousandth']
 
 

@@ -228,7 +228,7 @@ def ragged_pairs(count, length, seed):
 
 
 def test_packed_rows_give_the_unpacked_loss_and_gradients():
-  from data.translation import pack_pairs
+  from data.batching import pack_pairs
   from train.losses import lm_loss
   model = tiny(5, max_len=24)
   examples = ragged_pairs(12, 24, seed=5)
@@ -254,7 +254,7 @@ def test_packed_rows_give_the_unpacked_loss_and_gradients():
 
 
 def test_attention_never_crosses_segments():
-  from data.translation import pack_pairs
+  from data.batching import pack_pairs
   model = tiny(6, max_len=24)
   packed, _ = pack_pairs(ragged_pairs(8, 24, seed=6), rows=2, pad_id=PAD)
   segments = {name: jnp.asarray(packed[name]) for name in ('source_segments', 'target_segments')}
@@ -315,57 +315,19 @@ def test_loss_is_label_smoothed_cross_entropy_over_real_target_tokens(tmp_path):
   np.testing.assert_allclose(float(metrics['accuracy'][0] / metrics['accuracy'][1]), accuracy, rtol=1e-6)
 
 
-def test_bucketed_batches_group_lengths_and_cover_each_window(tmp_path):
-  from train.tasks import transformer as task_module
-  config = tiny_config(tmp_path)
+def test_the_task_chooses_packed_length_bucketed_or_shuffled_batches():
+  from configs.transformer import get_config
+  from data import batching
+  from data.tokenizers import CharTokenizer
+  from train.task import task_without_data
+  config = get_config('tiny')
+  plan = lambda: task_without_data(config, CharTokenizer('abc')).batch_plan()
+  pad = CharTokenizer('abc').pad_id
+  assert plan() == batching.Packed(pad)  # the default
   config.data.packing = False
-  task = prepare_task(config, str(tmp_path / 'run'))
-  datasets = task.prepared.datasets
-  batch_size, window = 4, task_module.BATCH_WINDOW
-  batches = task.train_batches(datasets.train, batch_size, seed=3, process_index=0, process_count=1)
-  pad = task.tokenizer.pad_id
-  seen = []
-  for i in range(window):
-    b = batches[i]
-    for name in ('source', 'target_in', 'target_out'):
-      assert b[name].shape == (batch_size, b['source'].shape[1])
-      assert b[name].shape[1] in task_module.bucket_lengths(task.config.data.seq_len, task.config.data.min_bucket_len)
-    # Nothing real is cut off: every row still ends in padding or EOS within the kept width.
-    assert (b['source'] != pad).sum(1).max() <= b['source'].shape[1]
-    seen.extend(map(tuple, b['source'].tolist()))
-  # The window's batches hold each of its examples once, in a seeded order.
-  assert len(set(seen)) == len(seen) == batch_size * window
-  np.testing.assert_array_equal(task.train_batches(datasets.train, batch_size, 3, 0, 1)[5]['source'],
-                                batches[5]['source'])
-  # Two processes read the two halves of the same global batches (same shapes, same order).
-  halves = [task.train_batches(datasets.train, batch_size, 3, index, 2)[5]['source'] for index in (0, 1)]
-  np.testing.assert_array_equal(np.concatenate(halves), batches[5]['source'])
-  # Sorting by length inside a window makes batches much more uniform than random ones.
-  lengths = lambda b: (b['source'] != pad).sum(1)
-  spread = np.mean([np.ptp(lengths(batches[i])) for i in range(window)])
-  random_batches = datasets.train.shuffle(seed=3).batch(batch_size)
-  random_spread = np.mean([np.ptp(lengths(random_batches[i])) for i in range(window)])
-  assert spread < random_spread
-
-
-def test_packed_batches_have_one_shape_and_are_the_same_for_any_process_count(tmp_path):
-  from train.tasks import transformer as task_module
-  task = prepare_task(tiny_config(tmp_path), str(tmp_path / 'run'))
-  datasets = task.prepared.datasets
-  assert task.config.data.packing  # the default
-  batches = task.train_batches(datasets.train, 4, seed=3, process_index=0, process_count=1)
-  pad, seq_len = task.tokenizer.pad_id, task.config.data.seq_len
-  pairs = 0
-  for i in range(task_module.BATCH_WINDOW + 2):
-    b = batches[i]
-    assert all(v.shape == (4, seq_len) for v in b.values()), {k: v.shape for k, v in b.items()}
-    np.testing.assert_array_equal(b['target_segments'] > 0, b['target_out'] != pad)
-    pairs += int(b['target_segments'].max(1).sum())
-  assert pairs > 2 * 4 * (task_module.BATCH_WINDOW + 2)  # several pairs per row
-  # Random access (what a resume does) and two processes' halves give the same global batch.
-  np.testing.assert_array_equal(task.train_batches(datasets.train, 4, 3, 0, 1)[17]['source'], batches[17]['source'])
-  halves = [task.train_batches(datasets.train, 4, 3, index, 2)[17]['source'] for index in (0, 1)]
-  np.testing.assert_array_equal(np.concatenate(halves), batches[17]['source'])
+  assert plan() == batching.LengthBuckets(pad, config.data.seq_len, config.data.min_bucket_len)
+  config.data.min_bucket_len = 0
+  assert plan() == batching.Shuffled()
 
 
 def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
@@ -391,7 +353,7 @@ def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
     first = next(m for m in map(json.loads, f) if m['step'] == 1 and 'train/tokens_per_s' in m)
   task = prepare_task(config, straight)
   datasets = task.prepared.datasets
-  batch = task.train_batches(datasets.train, config.train.batch_size, config.seed, 0, 1)[0]
+  batch = task.batch_plan().global_batches(datasets.train, config.train.batch_size, config.seed, 0, 1)[0]
   real_share = (batch['target_out'] != task.tokenizer.pad_id).mean()
   assert 0.2 < real_share < 1.0
   assert first['train/real_tokens_per_s'] / first['train/tokens_per_s'] == pytest.approx(real_share, rel=1e-5)

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from data import batching
 from errors import ConfigError, UserError
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
@@ -59,7 +60,7 @@ class Prepared:
   tokenizer: Any  # data.tokenizers.Tokenizer, or None for families without text
   model_config: Any  # the family's frozen model-config dataclass (Task.model_config_class)
   datasets: Datasets | None = None  # None when a run is reloaded without its data
-  evaluation: Any = None  # what the family's evaluation reads besides the splits (test pairs, an eval stream)
+  family_data: Any = None  # what the family reads besides the splits: test pairs, a held-out stream, the MLM masker
 
 
 class Task:
@@ -123,22 +124,10 @@ class Task:
     return cls.model_config_class(**{**values, **resolved})
 
   # ------------------------------------------------------------------ batches
-  def train_batches(self, examples: grain.MapDataset, batch_size: int, seed: int, process_index: int,
-                    process_count: int) -> grain.MapDataset:
-    """This process's rows of every global training batch: endless, seeded and deterministic.
-
-    `examples` is the whole training split. Global batch b is the same whatever the process count,
-    so 1 and N processes train on the same batches (and a resume continues the same order). The
-    default shuffles `train_order(examples, seed)`; override `train_order` for per-example
-    randomness (e.g. fresh MLM masks every epoch) and this method only for batches that are not
-    made of independent examples (length buckets, carried streams).
-    """
-    return process_rows_of_global_batches(self.train_order(examples, seed), batch_size, process_index,
-                                          process_count)
-
-  def train_order(self, examples: grain.MapDataset, seed: int) -> grain.MapDataset:
-    """The endless order in which training examples are read."""
-    return examples.shuffle(seed=seed).repeat()
+  def batch_plan(self) -> batching.BatchPlan:
+    """How training examples become batches (data/batching.py): the trainer reads
+    `batch_plan().global_batches(...)`. Default: independent examples, shuffled every epoch."""
+    return batching.Shuffled()
 
   @property
   def eval_batch_size(self) -> int:
@@ -203,22 +192,6 @@ class Task:
 
 def eval_batch_size(config) -> int:
   return config.train.eval_batch_size or config.train.batch_size
-
-
-def process_rows_of_global_batches(order: grain.MapDataset, batch_size: int, process_index: int,
-                                   process_count: int) -> grain.MapDataset:
-  """This process's rows of each global batch of the endless example order `order`, reading only those rows.
-
-  Global batch b holds elements [b * batch_size, (b + 1) * batch_size) of `order`, whatever the
-  process count.
-  """
-  local = batch_size // process_count
-
-  def row(i):
-    step, offset = divmod(i, local)
-    return order[step * batch_size + process_index * local + offset]
-
-  return grain.MapDataset.range(len(order) // process_count).map(row).batch(local, drop_remainder=True)
 
 
 def task_class(family: str) -> type[Task]:

@@ -54,7 +54,7 @@ class TranslationTask(task_lib.Task):
       raise sources.DataError(f'No training pair fits in data.seq_len={data.seq_len} tokens; raise data.seq_len.')
     datasets = task_lib.Datasets(train=train, eval=encode(splits.validation, 'valid'), test=encode(splits.test, 'test'))
     return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets,
-                               evaluation=tuple(splits.test))
+                               family_data=tuple(splits.test))
 
   def example_batch(self, batch_size):
     rng = np.random.default_rng(0)
@@ -106,7 +106,7 @@ class TranslationTask(task_lib.Task):
   # ------------------------------------------------------------------ evaluation
   def evaluate(self, model, workdir):
     import sacrebleu
-    test, test_pairs = self.prepared.datasets.test, self.prepared.evaluation
+    test, test_pairs = self.prepared.datasets.test, self.prepared.family_data
     source = np.stack([test[i]['source'] for i in range(len(test))])
     references = [target for _, target in test_pairs]
     results, translations, ids = {}, {}, {}

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 import storage
-from data import bert_data
+from data import batching, bert_data
 from data.lm import get_tokenizer
 from data.tokenizers import load_tokenizer
 from errors import ConfigError
@@ -93,17 +93,18 @@ class Task(task_lib.Task):
                         'train with config.task=pretrain or classify.')
     source = cls._source_run(config.init_from) if config.init_from else None
     tokenizer = source[1] if source else None
+    masker = None  # pretraining: draws the MLM positions of every training example
     if task == 'classify':
       datasets, tokenizer, labels = classification.classification_data(config.data, workdir, tokenizer)
       resolved = {'num_classes': len(labels), 'labels': labels}
     else:
-      datasets, tokenizer = cls._pretraining_datasets(config, workdir, tokenizer)
+      datasets, tokenizer, masker = cls._pretraining_datasets(config, workdir, tokenizer)
       resolved = {}
     model_config = cls.resolve_model_config(config, platform, **cls.resolved_from_tokenizer(config, tokenizer),
                                             **resolved)
     if source:
       model_config = cls._with_source_architecture(config, model_config, source[0])
-    return task_lib.Prepared(tokenizer, model_config, datasets)
+    return task_lib.Prepared(tokenizer, model_config, datasets, family_data=masker)
 
   @classmethod
   def resolved_from_tokenizer(cls, config, tokenizer):
@@ -163,15 +164,14 @@ class Task(task_lib.Task):
     # Eval masks are drawn once (fixed seed) so that every evaluation scores the same positions.
     datasets = task_lib.Datasets(train=as_dataset(train),
                                  eval=as_dataset(evaluation).random_map(masker, seed=seed + 2))
-    return datasets, tokenizer
+    return datasets, tokenizer, masker
 
-  def train_order(self, examples, seed):
-    order = super().train_order(examples, seed)
+  def batch_plan(self):
     if self.config.task != 'pretrain':
-      return order
-    # Masks are drawn after `repeat`, per position in the stream: every epoch gets new ones.
-    data = self.config.data
-    return order.random_map(bert_data.Masker(self.tokenizer, data.mask_prob, data.max_predictions), seed=seed + 3)
+      return batching.Shuffled()
+    # Masks are drawn per position of the endless order, so every epoch gets new ones; their seed
+    # (seed + 3) is apart from the eval masks' (seed + 2).
+    return batching.Shuffled(draw=self.prepared.family_data, draw_seed_offset=3)
 
   # ------------------------------------------------------------------ model
   def build_model(self, rngs):

@@ -3,12 +3,14 @@
 The training documents become one token stream (documents joined by EOS). `data.sampler`:
 
   'random'      the stream is cut into windows of seq_len + 1 tokens (inputs and shifted
-                targets), shuffled into batches; each batch starts from a zero state.
-  'sequential'  the stream is cut into batch_size rows; batch k holds window k of every row, so
-                row b of batch k+1 continues row b of batch k. The final state of a batch is
-                carried into the next one (model.carried) with its gradient stopped there
-                (truncated backpropagation through time). Every pass over the stream starts at
-                a new random offset with a fresh state (the batch's 'reset' flag).
+                targets), shuffled into batches (batching.Shuffled); each batch starts from a
+                zero state.
+  'sequential'  the stream is cut into batch_size rows (batching.Stream); batch k holds window k
+                of every row, so row b of batch k+1 continues row b of batch k. The final state
+                of a batch is carried into the next one (model.carried) with its gradient
+                stopped there (truncated backpropagation through time). Every pass over the
+                stream starts at a new random offset with a fresh state (the batch's 'reset'
+                flag).
 
 Both samplers read the same tokens, so the same `train.steps` is the same budget. Evaluation:
 the trainer's eval/loss and eval/perplexity are on held-out windows, each from a zero state;
@@ -25,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data import sources
+from data import batching
+from data.lm import get_tokenizer, split_documents, token_stream
 from errors import ConfigError
-from data.lm import get_tokenizer, split_documents
 from models import rnn_lm as rnn_lm_model
 from models.rnn_lm import RNNLM, RNNLMConfig
 from train import sampling
@@ -35,56 +37,6 @@ from train import task as task_lib
 from train.losses import example_weights, lm_loss
 
 SAMPLERS = ('random', 'sequential')
-
-
-def token_stream(documents: list[tuple[str, str]], tokenizer, max_tokens: int = 0) -> np.ndarray:
-  """The documents' tokens joined by EOS, int32 [N]; tokenizes only as far as `max_tokens` (0: all)."""
-  pieces, total = [], 0
-  for _, text in documents:
-    pieces.append(np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], np.int32))
-    total += len(pieces[-1])
-    if max_tokens and total >= max_tokens:
-      break
-  stream = np.concatenate(pieces) if pieces else np.zeros((0,), np.int32)
-  return stream[:max_tokens] if max_tokens else stream
-
-
-def windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
-  """[N] -> [W, seq_len + 1] windows at stride seq_len: every token but the first is a target once."""
-  count = (len(stream) - 1) // seq_len
-  if count == 0:
-    raise sources.DataError(f'The data has {len(stream)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; '
-                            f'use more text or a smaller data.seq_len.')
-  index = np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-  return stream[index]
-
-
-def rows(stream: np.ndarray, num_rows: int, seq_len: int) -> np.ndarray:
-  """[N] -> [num_rows, N // num_rows] consecutive pieces, long enough for two windows at any offset."""
-  length = len(stream) // num_rows
-  if length < 3 * seq_len:
-    raise sources.DataError(f'Sequential partitioning needs at least {3 * seq_len * num_rows} tokens for '
-                            f'{num_rows} rows of data.seq_len={seq_len}; the data has {len(stream)}. Use more '
-                            f'text or a smaller train.batch_size.')
-  return stream[: num_rows * length].reshape(num_rows, length)
-
-
-def sequential_batches(row_array: np.ndarray, seq_len: int, seed: int) -> grain.MapDataset:
-  """Endless batches {'tokens' [R, seq_len + 1], 'reset' [R]} walking along every row together.
-
-  Pass e over the rows starts at a random offset in [0, seq_len) drawn from (seed, e), so window
-  borders move between passes; its first batch has reset=True.
-  """
-  num_rows, length = row_array.shape
-  per_pass = (length - seq_len) // seq_len
-
-  def batch(index, window):
-    offset = np.random.default_rng([seed, index // per_pass]).integers(seq_len)
-    start = offset + window * seq_len
-    return {'tokens': row_array[:, start:start + seq_len + 1],
-            'reset': np.full((num_rows,), window == 0)}
-
-  return grain.MapDataset.range(per_pass).repeat().map_with_index(batch)
 
 
 @nnx.jit
@@ -143,23 +95,21 @@ class Task(task_lib.Task):
     train_stream = token_stream(train_docs, tokenizer, data.max_examples * data.seq_len + 1 if data.max_examples else 0)
     eval_tokens = train.eval_steps * task_lib.eval_batch_size(config) * data.seq_len + 1 if train.eval_steps else 0
     eval_stream = token_stream(eval_docs, tokenizer, eval_tokens)
-    train_examples = rows(train_stream, train.batch_size, data.seq_len) if sequential(config) else \
-        windows(train_stream, data.seq_len)
+    # Windows at stride seq_len: every token but the first is a target once.
+    windows = lambda stream: batching.stream_windows(stream, data.seq_len, stride=data.seq_len)
+    train_examples = batching.stream_rows(train_stream, train.batch_size, data.seq_len) if sequential(config) else \
+        windows(train_stream)
     as_dataset = lambda array: grain.MapDataset.source(array).map(lambda w: {'tokens': w})
-    datasets = task_lib.Datasets(train=as_dataset(train_examples), eval=as_dataset(windows(eval_stream, data.seq_len)))
-    return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets, evaluation=eval_stream)
+    datasets = task_lib.Datasets(train=as_dataset(train_examples), eval=as_dataset(windows(eval_stream)))
+    return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets, family_data=eval_stream)
 
   @classmethod
   def resolved_from_tokenizer(cls, config, tokenizer):
     return {'vocab_size': tokenizer.vocab_size, 'carried_batch': config.train.batch_size if sequential(config) else 0}
 
-  def train_batches(self, examples, batch_size, seed, process_index, process_count):
-    if not self.sequential:
-      return super().train_batches(examples, batch_size, seed, process_index, process_count)
-    # One example per row of the whole batch; this process reads its rows (its part of the carried state).
-    local = batch_size // process_count
-    row_array = np.stack([examples[i]['tokens'] for i in range(process_index * local, (process_index + 1) * local)])
-    return sequential_batches(row_array, self.config.data.seq_len, seed)
+  def batch_plan(self):
+    # Sequential: one stream row per row of the global batch, its state carried to the next batch.
+    return batching.Stream(self.config.data.seq_len) if self.sequential else batching.Shuffled()
 
   def build_model(self, rngs):
     return RNNLM(self.model_config, rngs=rngs)
@@ -193,7 +143,7 @@ class Task(task_lib.Task):
 
   # ------------------------------------------------------------------ after training
   def evaluate(self, model, workdir):
-    perplexity = stream_perplexity(model, self.prepared.evaluation, self.eval_batch_size, self.config.data.seq_len)
+    perplexity = stream_perplexity(model, self.prepared.family_data, self.eval_batch_size, self.config.data.seq_len)
     print(f'Held-out stream perplexity (state carried across windows): {perplexity:.3f}', flush=True)
     results = {'eval/stream_perplexity': perplexity}
     samples = sampling.sample_prompts(self.generate, model, self.tokenizer, self.config.decode, workdir,
