@@ -16,10 +16,11 @@ Implementations (`model.attention`):
             bfloat16/float16 only). GPU default for those dtypes.
   'jax_nn'  `jax.nn.dot_product_attention` with the same structured arguments, JAX choosing the
             kernel (XLA's today). GPU default for float32, which cuDNN does not take.
-  'splash'  the Pallas splash-attention kernel (TPU flash attention): causality as a static block
-            mask, padding and packing as segment ids, so masked blocks are skipped. Sequence
-            lengths must be multiples of 128 (others, and cached decoding, run 'xla'). TPU default.
-            Compiled for any other platform, the kernel runs in Pallas's interpreter: for tests, slow.
+  'splash'  the Pallas splash-attention kernel (TPU flash attention, models/splash.py): causality
+            as a static block mask, padding and packing as segment ids, so masked blocks are skipped.
+            Sequence lengths must be multiples of 128 (others, and cached decoding, run 'xla'). TPU
+            default. Compiled for any other platform, the kernel runs in Pallas's interpreter: for
+            tests, slow.
   'auto'    resolved per platform and dtype by `default_attention_implementation`: the task resolves
             it for the devices the step is compiled for, a model called directly for its mesh's.
 
@@ -31,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import splash
 from models.partitioning import constrain
 from models.rope import apply_rope
 
@@ -45,12 +46,6 @@ from models.rope import apply_rope
 _MASKED_LOGIT = -1e9
 ATTENTION_IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'jax_nn', 'splash')
 _FUSED = ('cudnn', 'jax_nn')  # the implementations calling jax.nn.dot_product_attention
-# Mesh axes (train/sharding.py's names) the splash kernel is split over. A Pallas kernel is opaque
-# to XLA's partitioner, so it runs once per shard under shard_map: the batch split like the
-# activations, the heads like the tensor-parallel projections.
-SPLASH_BATCH_AXES = ('data', 'fsdp')
-SPLASH_HEAD_AXES = ('tensor',)
-SPLASH_BLOCK = 128  # the kernel's default block size: sequence lengths must be multiples of it
 HEADS = ('batch', 'length', 'heads', None)  # logical axes of [B, L, H, D] queries, keys, values, outputs
 
 
@@ -165,7 +160,7 @@ def dot_product_attention(
                                        implementation='cudnn' if implementation == 'cudnn' else None)
     return out, None
   if implementation == 'splash' and fused_allowed and splash_fits(mask, q_len, k_len):
-    return splash_attention(query, key, value, mask), None
+    return _splash_attention(query, key, value, mask), None
   batch, _, num_heads, depth = query.shape
   kv_heads = key.shape[2]
   if kv_heads == num_heads:  # multi-head (GPT-2, BERT, ...): these einsums, bit for bit as before GQA
@@ -184,40 +179,23 @@ def dot_product_attention(
 
 
 # ----------------------------------------------------------------------------- splash (TPU)
-@functools.cache
-def splash_available() -> bool:
-  """Whether the installed JAX ships the Pallas splash-attention kernel."""
-  try:
-    return importlib.util.find_spec('jax.experimental.pallas.ops.tpu.splash_attention') is not None
-  except ImportError:  # a parent package is missing
-    return False
-
-
 def splash_fits(mask: AttentionMask | None, q_len: int, k_len: int) -> bool:
   """Whether the splash kernel takes these lengths and mask (whole blocks; causal from position 0).
   Where the installed JAX lacks the kernel, nothing fits and attention takes the einsum path."""
-  return (q_len % SPLASH_BLOCK == 0 and k_len % SPLASH_BLOCK == 0 and (mask is None or mask.q_offset is None)
-          and splash_available())
+  return (mask is None or mask.q_offset is None) and splash.fits(q_len, k_len)
 
 
-@functools.cache
-def _splash_kernel(causal: bool, q_len: int, k_len: int, num_heads: int, interpret: bool, shared_kv: bool = False):
-  """One splash kernel per static mask shape; built once (its block-sparsity tables are numpy).
-  shared_kv: the multi-query kernel, whose `num_heads` query heads read one K/V head."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # imported only where used
-  block_mask = splash.CausalMask((q_len, k_len)) if causal else splash.FullMask((q_len, k_len))
-  make = splash.make_splash_mqa if shared_kv else splash.make_splash_mha
-  return make(splash.MultiHeadMask([block_mask] * num_heads), head_shards=1, q_seq_shards=1, interpret=interpret)
+def splash_arguments(mask: AttentionMask | None, batch: int, q_len: int, k_len: int) -> dict[str, Any]:
+  """Keyword arguments of `splash.attention` expressing `mask`, but for its query padding.
 
-
-def _splash_segment_ids(mask: AttentionMask | None, batch: int, q_len: int, k_len: int):
-  """([B, Lq], [B, Lk]) int32 segment ids carrying the mask's segments and key padding, or None.
-
-  A padded key gets an id no query has, so it is never attended to. Padded queries keep their ids
-  (a row with no visible key is undefined in the kernel); their outputs are zeroed afterwards.
+  Causality (from position 0) is the kernel's static block mask; segments and key padding are
+  ([B, Lq], [B, Lk]) int32 segment ids, or None. A padded key gets an id no query has, so it is
+  never attended to. Padded queries keep their ids (a row with no visible key is undefined in the
+  kernel); `_splash_attention` zeroes their outputs afterwards.
   """
+  causal = mask is not None and mask.causal
   if mask is None or (mask.query_segment_ids is None and mask.key_lengths is None):
-    return None
+    return {'causal': causal, 'segment_ids': None}
   if (mask.query_segment_ids is None) != (mask.key_segment_ids is None):
     raise ValueError('AttentionMask needs both query_segment_ids and key_segment_ids, or neither.')
   zeros = lambda length: jnp.zeros((batch, length), jnp.int32)
@@ -226,58 +204,15 @@ def _splash_segment_ids(mask: AttentionMask | None, batch: int, q_len: int, k_le
   if mask.key_lengths is not None:
     real_key = jnp.arange(k_len)[None, :] < jnp.asarray(mask.key_lengths)[:, None]
     k_ids = jnp.where(real_key, k_ids, jnp.iinfo(jnp.int32).min)
-  return q_ids, k_ids
+  return {'causal': causal, 'segment_ids': (q_ids, k_ids)}
 
 
-def _dividing_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...] | None:
-  """The axes of `names` in `mesh` whose product divides `size` (greedily, in order), or None."""
-  chosen, product = [], 1
-  for name in names:
-    if name in mesh.axis_names and size % (product * mesh.shape[name]) == 0:
-      chosen.append(name)
-      product *= mesh.shape[name]
-  return tuple(chosen) or None
-
-
-def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
-                     mask: AttentionMask | None) -> jax.Array:
-  """softmax(q k^T / sqrt(D)) v by the splash kernel: query [B, Lq, H, D], key/value [B, Lk, K, D]
-  -> [B, Lq, H, D]. Lq and Lk must be multiples of SPLASH_BLOCK (`splash_fits`). With K < H
-  (grouped-query attention) the multi-query kernel runs once per K/V head on its G = H / K query
-  heads, so the K/V heads are never repeated."""
-  batch, q_len, num_heads, depth = query.shape
-  k_len, kv_heads = key.shape[1], key.shape[2]
-  grouped = kv_heads < num_heads
-  causal = mask is not None and mask.causal
-  interpret = traced_platform() != 'tpu'  # Mosaic compiles the kernel for TPUs only
-  head_major = lambda x: jnp.swapaxes(x, 1, 2)  # the kernel's layout: [B, H, L, D]
-  q, k, v = head_major(query / jnp.sqrt(depth).astype(query.dtype)), head_major(key), head_major(value)
-  if grouped:  # [B, K, G, Lq, D]: the query heads of each K/V head together
-    q = q.reshape(batch, kv_heads, num_heads // kv_heads, q_len, depth)
-  segment_ids = _splash_segment_ids(mask, batch, q_len, k_len)
-
-  def per_shard(q, k, v, *ids):  # [b, h, L, D] ([b, k, G, L, D] grouped) of one shard; ids: ([b, Lq], [b, Lk]) or ()
-    kernel = _splash_kernel(causal, q.shape[-2], k.shape[-2], q.shape[2] if grouped else q.shape[1], interpret,
-                            shared_kv=grouped)
-    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
-    segments = (lambda q_ids, k_ids: {'segment_ids': SegmentIds(q=q_ids, kv=k_ids)}) if ids else (lambda: {})
-    one_row = lambda q, k, v, *ids: kernel(q, k, v, **segments(*ids))
-    if grouped:  # the multi-query kernel per K/V head, the row's segment ids shared by all
-      one_row = jax.vmap(one_row, in_axes=(0, 0, 0) + (None,) * len(ids))
-    return jax.vmap(one_row)(q, k, v, *ids)
-
-  args = (q, k, v) + (segment_ids or ())
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    out = per_shard(*args)
-  else:
-    batch_axes = _dividing_axes(mesh, SPLASH_BATCH_AXES, batch)
-    head_axes = _dividing_axes(mesh, SPLASH_HEAD_AXES, kv_heads)  # grouped: split by K/V head, groups whole
-    heads = jax.P(batch_axes, head_axes, None, None)
-    query_heads = jax.P(batch_axes, head_axes, None, None, None) if grouped else heads
-    in_specs = (query_heads, heads, heads) + ((jax.P(batch_axes, None),) * 2 if segment_ids else ())
-    out = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=query_heads, check_vma=False)(*args)
-  out = head_major(out.reshape(batch, num_heads, q_len, depth))
+def _splash_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: AttentionMask | None) -> jax.Array:
+  """query [B, Lq, H, D], key/value [B, Lk, K, D] -> [B, Lq, H, D] by models/splash.py's kernel,
+  split over the mesh like the [B, L, H, D] activations (HEADS); padded queries output zeros."""
+  batch, q_len = query.shape[:2]
+  out = splash.attention(query, key, value, **splash_arguments(mask, batch, q_len, key.shape[1]), axes=HEADS,
+                         interpret=traced_platform() != 'tpu')  # Mosaic compiles the kernel for TPUs only
   if mask is not None and mask.query_lengths is not None:
     real_query = jnp.arange(q_len)[None, :] < jnp.asarray(mask.query_lengths)[:, None]
     out = jnp.where(real_query[:, :, None, None], out, 0)

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionMask
-from models.layers import ACTIVATIONS, Embed, TransformerBlock, mask_padded_logits, padded_vocab_size, vocab_embedding
+from models.layers import ACTIVATIONS, Embed, TransformerBlock, padded_vocab_size, vocab_embedding
+from models.lm_head import vocab_logits
 from models.partitioning import constrain
 
 
@@ -156,7 +157,7 @@ class BertEncoder(nnx.Module):
 
 class BertMLMHead(nnx.Module):
   """[..., E] hidden -> [..., V'] logits in the compute dtype through the (tied) token embedding plus
-  a per-token bias, the padded ids masked."""
+  a per-token bias, the padded ids masked (models/lm_head.py `vocab_logits`)."""
 
   def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(config.dtype)
@@ -169,8 +170,7 @@ class BertMLMHead(nnx.Module):
 
   def __call__(self, x: jax.Array, token_embedding: Embed) -> jax.Array:
     h = self.norm(self.activation(self.dense(x)))
-    logits = token_embedding.attend(h)
-    return mask_padded_logits(logits + self.bias[...].astype(logits.dtype), self.vocab_size)
+    return vocab_logits(h, token_embedding.table().T, self.vocab_size, bias=self.bias[...])
 
 
 class BertForPretraining(nnx.Module):

@@ -18,6 +18,7 @@ Two switches for depth and size (as in MaxText):
                projection matmuls and recomputes the rest (attention scores, softmax, GELU, norms) in
                the backward pass; 'full' saves only each block's input.
 
+`logits` and `chunked_loss` are the output layer and its next-token loss (models/lm_head.py);
 `generate` continues prompts through the shared decoding loop (models/decoding.py).
 
 The Llama-style decoder (Llama, Mistral, Qwen2, SmolLM) is GPT-2 plus six steps, each a config
@@ -45,7 +46,8 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import Embed, TransformerBlock, mask_padded_logits, norm_layer, vocab_embedding
+from models.layers import Embed, TransformerBlock, norm_layer, vocab_embedding
+from models.lm_head import chunked_lm_loss, vocab_logits
 from models.rope import RopeConfig, inverse_frequencies
 
 
@@ -228,7 +230,18 @@ class GPT(nnx.Module):
     (decoding); default its transpose here.
     """
     head = self.output_embedding().T if output_matrix is None else output_matrix
-    return mask_padded_logits(hidden @ head.astype(hidden.dtype), self.config.vocab_size)
+    return vocab_logits(hidden, head, self.config.vocab_size)
+
+  def chunked_loss(self, hidden: jax.Array, targets: jax.Array, weights: jax.Array | None = None, *,
+                   chunk_tokens: int, label_smoothing: float = 0.0):
+    """Next-token cross-entropy of `logits(hidden)` computed `chunk_tokens` tokens at a time, never
+    holding the [B, L, V'] logits (models/lm_head.py `chunked_lm_loss`).
+
+    hidden: [B, L, E] from `__call__(..., return_hidden=True)`; targets: [B, L] int; weights: [B, L]
+    or [B] per example (default ones). Returns (mean loss, {'loss', 'accuracy': (sum, count)}).
+    """
+    return chunked_lm_loss(hidden, self.output_embedding(), targets, weights, vocab_size=self.config.vocab_size,
+                           label_smoothing=label_smoothing, chunk_tokens=chunk_tokens)
 
   def init_cache(self, batch: int, max_len: int) -> list[dict[str, Any]] | dict[str, Any]:
     """Per-layer {'self': {'k','v': [B, K, L_max, D]}} (K = the key/value heads): a list, or with

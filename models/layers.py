@@ -35,8 +35,9 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
   return -(-vocab_size // multiple) * multiple
 
 
-def _leading_names(ndim: int) -> tuple[str | None, ...]:
-  """Logical names of the leading (id) dimensions of a lookup: [B], [B, L], [B, L, ...]."""
+def leading_names(ndim: int) -> tuple[str | None, ...]:
+  """Logical names of the leading (token) dimensions [B], [B, L], [B, L, ...] of ids, their
+  lookups and their logits."""
   return ('batch', 'length', *([None] * max(ndim - 2, 0)))[:ndim]
 
 
@@ -59,12 +60,12 @@ class Embed(nnx.Embed):
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError('Input type must be an integer or unsigned integer.')
     (table,) = self.promote_dtype((self.table(),), dtype=self.dtype, inexact=False)
-    return constrain(jnp.take(table, inputs, axis=0), (*_leading_names(inputs.ndim), 'embed'))
+    return constrain(jnp.take(table, inputs, axis=0), (*leading_names(inputs.ndim), 'embed'))
 
   def attend(self, query: jax.Array) -> jax.Array:
     """[..., E] -> [..., N] logits against every row (a tied output layer)."""
     query, table = self.promote_dtype((query, self.table()), dtype=self.dtype)
-    return constrain(jnp.dot(query, table.T), (*_leading_names(query.ndim - 1), 'vocab'))
+    return constrain(jnp.dot(query, table.T), (*leading_names(query.ndim - 1), 'vocab'))
 
 
 def vocab_embedding(vocab_size: int, multiple: int, features: int, *, embedding_init, dtype: Any,

@@ -12,6 +12,9 @@ table is train/sharding.py's ACTIVATION_RULES: 'batch' -> the data-parallel mesh
 array's sharding with `jax.lax.with_sharding_constraint`, so that XLA's partitioner moves the
 (sharded) weights to the activations instead of the activations to the weights.
 
+A kernel opaque to the partitioner runs under `jax.shard_map` split the same way: `manual_spec`
+resolves its inputs' logical names through the same rules (models/splash.py).
+
 Without rules, or without a mesh of more than one device (single-device training, decoding and
 tests outside a mesh), `constrain` returns its argument unchanged: numerics are bit-identical.
 
@@ -95,6 +98,17 @@ def shard_count(name: str, size: int) -> int:
   if axes is None or axes is P.UNCONSTRAINED:
     return 1
   return math.prod(mesh.shape[axis] for axis in (axes if isinstance(axes, tuple) else (axes,)))
+
+
+def manual_spec(shape: Sequence[int], names: Sequence[str | None]) -> P | None:
+  """The PartitionSpec a `jax.shard_map` over the current mesh splits an array of `shape` with:
+  the mesh axes the active rules give its logical `names`, as `constrain` pins them, but a
+  dimension no axis can split whole (shard_map takes no P.UNCONSTRAINED). None where no rules or
+  no multi-device mesh are active: run the function unsplit."""
+  active = _active()
+  if active is None:
+    return None
+  return P(*(None if axes is P.UNCONSTRAINED else axes for axes in partition_spec(shape, names, *active)))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

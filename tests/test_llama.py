@@ -104,7 +104,7 @@ def test_splash_takes_grouped_heads_alone_and_split_over_a_mesh():
   assert max_difference(attend('splash', q[:1], k[:1], v[:1]), expected[:1]) < 1e-5
   key_grad = lambda implementation: jax.grad(lambda k: jnp.sum(jnp.sin(attend(implementation, q[:1], k, v[:1]))))(k[:1])
   assert max_difference(key_grad('splash'), key_grad('xla')) < 1e-4
-  with jax.set_mesh(sharding.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})):  # 2 KV heads over tensor=2
+  with sharding.use_mesh(sharding.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})):  # 2 KV heads over tensor=2
     out = jax.jit(functools.partial(attend, 'splash'))(q, k, v)
   assert max_difference(out, expected) < 1e-5
 

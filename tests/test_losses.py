@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from train.losses import chunked_lm_loss, lm_loss
+from models.lm_head import chunked_lm_loss
+from train.losses import lm_loss
 
 
 @pytest.mark.parametrize('label_smoothing', [0.0, 0.1])
@@ -17,7 +18,8 @@ def test_chunked_cross_entropy_equals_the_plain_one(label_smoothing, chunk):
   targets = jax.random.randint(keys[2], (3, 7), 0, 50)
   weights = (jax.random.uniform(keys[3], (3, 7)) > 0.3).astype(jnp.float32)
   plain = lambda h, w: lm_loss(h @ w.T, targets, weights, label_smoothing)
-  chunked = lambda h, w: chunked_lm_loss(h, w, targets, weights, label_smoothing, chunk_tokens=chunk)
+  chunked = lambda h, w: chunked_lm_loss(h, w, targets, weights, vocab_size=50, label_smoothing=label_smoothing,
+                                         chunk_tokens=chunk)
   (loss, metrics), (loss_c, metrics_c) = plain(hidden, table), chunked(hidden, table)
   np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
   for name in ('loss', 'accuracy'):

@@ -99,20 +99,20 @@ def test_lengths_off_the_block_and_cached_decoding_run_the_einsum_path():
 
 
 def test_on_a_mesh_the_kernel_runs_per_shard_with_the_same_numbers():
-  assert attention.SPLASH_BATCH_AXES == sharding.BATCH_AXES and set(attention.SPLASH_HEAD_AXES) <= set(
-      sharding.MESH_AXES)  # the names the model layer assumes are the trainer's mesh axes
   mesh = sharding.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
   q, k, v = qkv(4, batch=4, heads=4)
   mask, allowed, defined = CASES['causal + segments (packed decoder)']
   mask = attention.AttentionMask(causal=True, query_segment_ids=jnp.asarray(np.tile(SEGMENTS, (2, 1))),
                                  key_segment_ids=jnp.asarray(np.tile(SEGMENTS, (2, 1))))
   attend = jax.jit(lambda q, k, v, mask: attention.dot_product_attention(q, k, v, mask, implementation='splash')[0])
-  with jax.set_mesh(mesh):
+  with sharding.use_mesh(mesh):  # the activation rules name the mesh axes the kernel is split over
     batch_sharded = jax.sharding.NamedSharding(mesh, jax.P(sharding.BATCH_AXES))
     q, k, v = (jax.device_put(x, batch_sharded) for x in (q, k, v))
     hlo = attend.lower(q, k, v, mask).as_text()
     out = attend(q, k, v, mask)
   assert 'shard_map' in hlo or 'sdy.manual_computation' in hlo, 'the kernel was not split over the mesh'
+  # Split like the [B, L, H, D] activations: batch 4 over data x fsdp, heads 4 over tensor.
+  assert '"data", "fsdp"' in hlo and '"tensor"' in hlo
   rows = np.tile(defined, (2, 1))[:, :, None, None]
   expected = numpy_reference(q, k, v, np.tile(allowed, (2, 1, 1)))
   np.testing.assert_allclose(np.where(rows, out, 0), np.where(rows, expected, 0), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from models import decoding
 from models.bert import BertConfig, BertForPretraining
 from models.gpt import GPT, GPT2Config, generate
 from models.layers import padded_vocab_size
-from train.losses import chunked_lm_loss, lm_loss
+from train.losses import lm_loss
 from train.tasks.bert import pretraining_loss
 
 VOCAB = 37
@@ -132,8 +132,7 @@ def test_gpt_loss_and_gradients_equal_the_unpadded_model(loss):
   def loss_fn(model):
     if loss.startswith('chunked'):
       hidden, _ = model(tokens[:, :-1], return_hidden=True)
-      return chunked_lm_loss(hidden, model.token_embedding.embedding[...], tokens[:, 1:], label_smoothing=smoothing,
-                             chunk_tokens=20, vocab_size=VOCAB)
+      return model.chunked_loss(hidden, tokens[:, 1:], label_smoothing=smoothing, chunk_tokens=20)
     return lm_loss(model(tokens[:, :-1])[0], tokens[:, 1:], label_smoothing=smoothing, vocab_size=VOCAB)
 
   assert_same_loss_and_gradients(loss_fn, padded, unpadded)

@@ -13,7 +13,7 @@ from models.layers import NORMS
 from models.rope import ROPE_SCALINGS
 from train import sampling
 from train import task as task_lib
-from train.losses import chunked_lm_loss, example_weights, lm_loss
+from train.losses import example_weights, lm_loss
 
 
 def validate(config):
@@ -75,8 +75,7 @@ class Task(task_lib.Task):
       return lm_loss(logits, tokens[:, 1:], example_weights(batch), vocab_size=self.model_config.vocab_size)
     # The output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
     hidden, _ = model(tokens[:, :-1], deterministic=deterministic, return_hidden=True)
-    return chunked_lm_loss(hidden, model.output_embedding(), tokens[:, 1:], example_weights(batch), chunk_tokens=chunk,
-                           vocab_size=self.model_config.vocab_size)
+    return model.chunked_loss(hidden, tokens[:, 1:], example_weights(batch), chunk_tokens=chunk)
 
   def count_tokens(self, batch):
     inputs = batch['tokens'][:, :-1]  # windows of seq_len + 1: the model reads seq_len of them

@@ -1,0 +1,160 @@
+"""The language-model head: final hidden states -> vocabulary logits, and its chunked cross-entropy.
+
+One implementation for every model whose output layer is a vocabulary matrix (GPT's tied token
+embedding or its own `lm_head`, BERT's masked-LM head): `vocab_logits` makes the logits, and
+`chunked_lm_loss` the next-token cross-entropy of those logits without ever holding them all.
+
+Vocabularies may be padded to V' >= V rows (models/layers.py `padded_vocab_size`): the padded
+ids' logits are masked to the lowest finite value (`mask_padded_logits`), and `vocab_size` = V
+keeps label smoothing on the real ids, so every loss equals the unpadded model's.
+
+The cross-entropy pieces (`cross_entropy_parts`, `target_distribution`, `token_weights`) are
+shared with the losses on given logits (train/losses.py). Cross-entropies run in float32 whatever
+the logits' dtype. Losses return (mean, {'loss', 'accuracy': (sum, count)}): sums and counts, so
+averages stay exact across micro-batches, devices and evaluation batches.
+
+Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, C chunks.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layers import leading_names, mask_padded_logits
+from models.partitioning import constrain, shard_count
+
+_SHARD_TABLE = ('batch', 'vocab', 'embed')  # logical axes of per-batch-shard [S, V', E] table gradients
+
+
+def vocab_logits(hidden: jax.Array, matrix: jax.Array, vocab_size: int, bias: jax.Array | None = None) -> jax.Array:
+  """hidden [..., E] @ matrix [E, V'] (+ bias [V']) -> [..., V'] logits in hidden's dtype, ids >= vocab_size
+  masked. The logits stay split like the hidden states' leading dimensions and by 'vocab'."""
+  logits = constrain(hidden @ matrix.astype(hidden.dtype), (*leading_names(hidden.ndim - 1), 'vocab'))
+  if bias is not None:
+    logits = logits + bias.astype(logits.dtype)
+  return mask_padded_logits(logits, vocab_size)
+
+
+def token_weights(weights: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+  """float32 weights of `shape` [B, L] from None (ones), [B] (per example) or [B, L]."""
+  if weights is None:
+    return jnp.ones(shape, jnp.float32)
+  weights = weights.astype(jnp.float32)
+  return jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (len(shape) - weights.ndim)), shape)
+
+
+def target_distribution(targets: jax.Array, padded: int, label_smoothing: float, vocab_size: int | None) -> jax.Array:
+  """[..., V'] float32 (1 - eps) one-hot + eps / V on the ids below V (None: V'), from an iota
+  compare (XLA fuses it into its consumers, so it is never stored). targets: [...] int."""
+  target = jax.nn.one_hot(targets, padded, dtype=jnp.float32)
+  if not label_smoothing:
+    return target
+  vocab = padded if vocab_size is None else vocab_size
+  return (1 - label_smoothing) * target + label_smoothing / vocab * (jnp.arange(padded) < vocab)
+
+
+def cross_entropy_parts(logits: jax.Array, targets: jax.Array, label_smoothing: float, vocab_size: int | None):
+  """logits [..., V'], targets [...] -> (loss [...], log-normalizer [...], target distribution
+  [..., V']), all float32: the loss is -sum(target * log_softmax(logits))."""
+  logits = logits.astype(jnp.float32)
+  log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+  target = target_distribution(targets, logits.shape[-1], label_smoothing, vocab_size)
+  return log_normalizer - jnp.sum(target * logits, axis=-1), log_normalizer, target
+
+
+def chunked_lm_loss(hidden: jax.Array, table: jax.Array, targets: jax.Array, weights: jax.Array | None = None, *,
+                 vocab_size: int, label_smoothing: float = 0.0, chunk_tokens: int = 2048):
+  """Token cross-entropy of the logits `vocab_logits(hidden, table.T)`, `chunk_tokens` tokens at a time.
+
+  No [B, L, V'] logits tensor exists, in the forward or the backward pass: each chunk's logits are
+  made in the compute dtype and reduced in float32 to its loss and accuracy sums, and the gradients
+  with respect to the chunk's hidden states and the table are taken right there (the softmax minus
+  the smoothed targets), so nothing is recomputed and the largest temporary is [chunk_tokens, V']
+  float32. Chunk c holds the tokens c, c + C, c + 2C, ... of the C chunks, so on a mesh each chunk
+  is split like the batch and its logits are computed where its hidden states are (the table, a
+  weight, is what moves: models/layers.py `Embed.table`).
+
+  Args:
+    hidden: [B, L, E] final hidden states (compute dtype).
+    table: [V', E] the output layer (a tied token embedding, or an untied output matrix).
+    targets: [B, L] int; weights: [B, L] or [B] per example (default ones).
+    vocab_size: V; the logits of the padded ids past it are masked and get no gradient. On
+      XLA:CPU the masked [chunk, V'] logits are one more stored temporary when V' > V.
+  Returns:
+    (mean loss, {'loss', 'accuracy': (sum, count)}).
+  """
+  batch, length, _ = hidden.shape
+  tokens = batch * length
+  weights = token_weights(weights, targets.shape)
+  chunk = min(chunk_tokens, tokens)
+  chunks = -(-tokens // chunk)
+  pad = chunks * chunk - tokens  # padded tokens have weight 0
+
+  def flat(x):  # [B, L, ...] -> [C, chunk, ...]: chunk c holds the tokens c, c + C, c + 2C, ...
+    padded = jnp.pad(x.reshape(tokens, *x.shape[2:]), [(0, pad)] + [(0, 0)] * (x.ndim - 2))
+    # Strided rather than contiguous chunks: each chunk takes tokens from every row, so the chunks
+    # stay split like the batch and every device computes its share of each chunk's logits.
+    strided = jnp.swapaxes(padded.reshape(chunk, chunks, *x.shape[2:]), 0, 1)
+    return constrain(strided, (None, 'batch', 'embed')[:x.ndim])
+
+  total, correct = _chunked_sums(flat(hidden), table.astype(hidden.dtype), flat(targets), flat(weights),
+                                 label_smoothing, vocab_size)
+  count = weights.sum()
+  return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': (correct, count)}
+
+
+def _chunk_forward(h, table, t, w, label_smoothing, vocab_size):
+  """One chunk, h [chunk, E], t and w [chunk]: (loss sum, correct sum, d loss / d logits [chunk, V'] float32)."""
+  logits = vocab_logits(h, table.T, vocab_size)
+  nll, log_normalizer, target = cross_entropy_parts(logits, t, label_smoothing, vocab_size)
+  correct = (jnp.argmax(logits, -1) == t).astype(jnp.float32)
+  d_logits = (jnp.exp(logits.astype(jnp.float32) - log_normalizer[:, None]) - target) * w[:, None]
+  return (nll * w).sum(), (correct * w).sum(), d_logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size):
+  """(loss sum, correct sum) over [C, chunk, E] hidden states; see `chunked_lm_loss`. Without a
+  gradient (evaluation) only the sums are computed."""
+  def step(carry, chunk_inputs):
+    loss, correct, _ = _chunk_forward(chunk_inputs[0], table, *chunk_inputs[1:], label_smoothing, vocab_size)
+    return (carry[0] + loss, carry[1] + correct), None
+
+  zero = jnp.zeros((), jnp.float32)
+  sums, _ = jax.lax.scan(step, (zero, zero), (hidden_chunks, target_chunks, weight_chunks))
+  return sums
+
+
+def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size):
+  # The table's gradient is accumulated as one partial sum per batch shard, [S, V', E] split over S
+  # (S = 1 without a mesh), and summed once after the loop: one reduction of the table per step,
+  # where a single [V', E] carry would be all-reduced at every chunk.
+  shards = shard_count('batch', hidden_chunks.shape[1])
+  per_shard = lambda x: x.reshape(shards, x.shape[0] // shards, x.shape[1])
+
+  def step(carry, chunk_inputs):
+    loss_sum, correct_sum, d_table = carry
+    h, t, w = chunk_inputs
+    loss, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing, vocab_size)
+    d_hidden = (d_logits.astype(h.dtype) @ table).astype(h.dtype)
+    d_table = d_table + jnp.einsum('sck,sce->ske', per_shard(d_logits), per_shard(h.astype(jnp.float32)))
+    return (loss_sum + loss, correct_sum + correct, constrain(d_table, _SHARD_TABLE)), d_hidden
+
+  zero = jnp.zeros((), jnp.float32)
+  d_table = constrain(jnp.zeros((shards, *table.shape), jnp.float32), _SHARD_TABLE)
+  (loss, correct, d_table), d_hidden = jax.lax.scan(
+      step, (zero, zero, d_table), (hidden_chunks, target_chunks, weight_chunks))
+  return (loss, correct), (d_hidden, d_table.sum(0).astype(table.dtype), target_chunks, weight_chunks)
+
+
+def _chunked_sums_bwd(label_smoothing, vocab_size, residuals, cotangents):
+  d_hidden, d_table, target_chunks, weight_chunks = residuals
+  scale = cotangents[0]  # the accuracy sum has no gradient
+  return ((scale * d_hidden).astype(d_hidden.dtype), (scale * d_table).astype(d_table.dtype),
+          np.zeros(target_chunks.shape, jax.dtypes.float0), jnp.zeros_like(weight_chunks))
+
+
+_chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)
