@@ -5,11 +5,12 @@ family owns its data, model, loss and extra evaluation by subclassing `Task` in
 `train/tasks/<family>.py` (class name `Task`); `config.family` selects the module.
 
 Data flows one way. The run config (`ml_collections`, what the user asked for) is read, never
-written. `Task.prepare(workdir)` reads the data, trains or loads the tokenizer and resolves the
-family's frozen model-config dataclass (vocabulary size, classes and their names, attention
-implementation, positions); the trainer builds the model from that dataclass alone and saves it as
+written. `Task.prepare(config, workdir)` reads the data, trains or loads the tokenizer and resolves
+the family's frozen model-config dataclass (vocabulary size, classes and their names, attention
+implementation, positions) into a `Prepared` value; `Task(config, prepared)` is the family, a
+value nothing reassigns. The trainer builds the model from the model config alone and saves it as
 `model.json` beside `config.json`, so a reloaded run is rebuilt from what was built, not from
-what was asked.
+what was asked; training and `--mode=eval` build the task the same way.
 
 Batches are dicts of numpy arrays with a leading batch axis; every leaf is sharded on that axis.
 Loss metrics are dicts name -> (sum, count) so that averages over tokens stay exact across
