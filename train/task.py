@@ -109,12 +109,6 @@ class Task:
     """Bind to `tokenizer` alone, the model config resolved as in training (benchmarks, tests: no data)."""
     return self.bind(Prepared(None, tokenizer, self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer))))
 
-  def legacy_model_config(self, saved_config, tokenizer) -> Any:
-    """The model config of a run saved before `model.json` existed, from its `config.json` (which
-    then also held the values resolved from the data). Default: resolve as in training."""
-    del saved_config
-    return self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer))
-
   def resolved_from_tokenizer(self, tokenizer) -> dict[str, Any]:
     """Model-config values that come from the tokenizer (e.g. {'vocab_size': ...}). Default: none."""
     del tokenizer

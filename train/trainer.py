@@ -33,6 +33,7 @@ from flax import nnx
 import storage
 from errors import UserError
 from train import checkpoint as ckpt
+from train import rundir
 from data import batching
 from train import compilation, memory, sharding
 from train.workdir_lock import WorkdirLock
@@ -144,7 +145,7 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   if model_config is not None:
     prepared = task.bind(dataclasses.replace(prepared, model_config=model_config))
   else:
-    _check_same_model(ckpt.read_model_config(workdir, task.model_config_class), prepared.model_config, workdir)
+    _check_same_model(rundir.read_model_config(workdir, task.model_config_class), prepared.model_config, workdir)
   rng_impl = rng_impl or _run_rng_impl(config, workdir)
   tx, schedule = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
@@ -159,7 +160,7 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
 
 def _run_rng_impl(config, workdir: str) -> str:
   """The PRNG of a new run from `config.rng_impl`; a resumed run keeps the one it was built with."""
-  saved = ckpt.read_rng_impl(workdir)
+  saved = rundir.read_rng_impl(workdir)
   if saved is None:
     return state_lib.resolve_rng_impl(config.rng_impl)
   if config.rng_impl not in ('auto', saved):
@@ -177,13 +178,13 @@ def _check_same_model(saved, resolved, workdir: str) -> None:
     raise ckpt.CheckpointError(
         f'{workdir} holds a model with ' + ', '.join(f'{k}={getattr(saved, k)!r}' for k in differences) +
         ' but the config and data now give ' + ', '.join(f'{k}={getattr(resolved, k)!r}' for k in differences) +
-        f'. Resume with the run\'s own config ({os.path.join(workdir, ckpt.CONFIG_FILE)}) or use a fresh --workdir.')
+        f'. Resume with the run\'s own config ({os.path.join(workdir, rundir.CONFIG_FILE)}) or use a fresh --workdir.')
 
 
 def _init_from(setup: Setup, source_workdir: str) -> TrainState:
   """Fine-tuning: the task copies what it wants from another run's model; the optimizer starts fresh."""
   model = setup.model()
-  setup.task.init_from(model, ckpt.load_run(source_workdir).model)
+  setup.task.init_from(model, rundir.load_run(source_workdir).model)
   _, params, extra = nnx.split(model, nnx.Param, ...)
   params = jax.device_put(params, setup.spec.shardings.params)
   opt_state = jax.jit(setup.tx.init, out_shardings=setup.spec.shardings.opt_state)(params)
@@ -549,7 +550,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       _check_run_files(config, workdir)
       setup = setup_run(config, workdir)
       eval_batches(setup)
-      checkpointer = ckpt.Checkpointer(workdir, config.train, data_since=ckpt.data_since(workdir))
+      checkpointer = ckpt.Checkpointer(workdir, config.train, data_since=rundir.data_since(workdir))
     except BaseException:
       _release(lock)
       raise
@@ -560,8 +561,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       start_step, progress = restore_latest(setup, checkpointer, data_iter)
       history, progress = _record_data(config, workdir, start_step, progress, checkpointer)
       if jax.process_index() == 0:
-        ckpt.save_config(config, workdir, history)
-        ckpt.save_model_config(setup.prepared.model_config, setup.spec.rng_impl, workdir)
+        rundir.save_config(config, workdir, history)
+        rundir.save_model_config(setup.prepared.model_config, setup.spec.rng_impl, workdir)
       writer = MetricWriter(workdir, config.train.steps, start_step, trim_after=start_step,
                             wandb=_wandb_settings(config, workdir))
       if start_step:
@@ -604,9 +605,9 @@ def _record_data(config, workdir: str, start_step: int, progress: Progress, chec
   """(the run's data history with this run's data, the loop's progress). A resume on other data
   (`train.allow_data_change`, checked by `_check_run_files`) starts a history entry at
   `start_step` and restarts best-checkpoint tracking: validation losses of two datasets do not compare."""
-  current = {key: config.data[key] for key in ckpt.DATA_KEYS}
-  history = ckpt.data_history(workdir) if start_step else []
-  if history and {key: history[-1][key] for key in ckpt.DATA_KEYS} == current:
+  current = {key: config.data[key] for key in rundir.DATA_KEYS}
+  history = rundir.data_history(workdir) if start_step else []
+  if history and {key: history[-1][key] for key in rundir.DATA_KEYS} == current:
     return history, progress
   if history:
     print(f'Data changed at step {start_step} (train.allow_data_change): ' +
@@ -623,18 +624,18 @@ def _check_run_files(config, workdir: str) -> None:
   run builds its own. A resumed run must ask for the tokenizer it was built with, and read the
   data it was trained on unless `train.allow_data_change`."""
   from data import tokenizers
-  saved_config = os.path.join(workdir, ckpt.CONFIG_FILE)
+  saved_config = os.path.join(workdir, rundir.CONFIG_FILE)
   if not storage.path(saved_config).exists():
     orphans = [storage.path(workdir) / name for name in (tokenizers.TOKENIZER_FILE, tokenizers.META_FILE)]
     orphans = [orphan for orphan in orphans if orphan.exists()]
     if orphans and jax.process_index() == 0:
-      print(f'Removing {", ".join(map(str, orphans))}: left by an interrupted setup (no {ckpt.CONFIG_FILE}).',
+      print(f'Removing {", ".join(map(str, orphans))}: left by an interrupted setup (no {rundir.CONFIG_FILE}).',
             flush=True)
       for orphan in orphans:
         orphan.unlink()
     _agreed(True)  # no process reads the workdir's tokenizer before process 0 has removed it
     return
-  saved = ckpt.read_config(workdir)
+  saved = rundir.read_config(workdir)
   keys = ('tokenizer', 'vocab_size', 'lowercase')
   changed = [k for k in keys if k in saved.get('data', {}) and saved.data[k] != config.data[k]]
   if changed:
@@ -643,8 +644,8 @@ def _check_run_files(config, workdir: str) -> None:
         ' (its tokenizer is saved there) but the config asks for ' +
         ', '.join(f'data.{k}={config.data[k]!r}' for k in changed) +
         f". Resume with the run's own settings ({saved_config}) or use a fresh --workdir.")
-  trained_on = ckpt.data_history(workdir)[-1]
-  changed = [k for k in ckpt.DATA_KEYS if trained_on[k] != config.data[k]]
+  trained_on = rundir.data_history(workdir)[-1]
+  changed = [k for k in rundir.DATA_KEYS if trained_on[k] != config.data[k]]
   if changed and not config.train.allow_data_change:
     raise ckpt.CheckpointError(
         f'{workdir} was trained on ' + ', '.join(f'data.{k}={trained_on[k]!r}' for k in changed) +
@@ -676,11 +677,11 @@ def restored_setup(workdir: str, config_overrides: dict | None = None) -> tuple[
   The run's config.json (with `config_overrides`) and model.json rebuild the model; a run trained
   on another number of devices evaluates data-parallel over the devices present.
   """
-  config, model_config = ckpt.run_config(workdir, config_overrides)
-  checkpointer = ckpt.Checkpointer(workdir, config.train, read_only=True, data_since=ckpt.data_since(workdir))
+  config, model_config = rundir.run_config(workdir, config_overrides)
+  checkpointer = ckpt.Checkpointer(workdir, config.train, read_only=True, data_since=rundir.data_since(workdir))
   if checkpointer.latest_step() is None:
     raise ckpt.CheckpointError(f'No checkpoint in {checkpointer.directory}; train first or check --workdir.')
-  setup = setup_run(config, workdir, model_config, ckpt.read_rng_impl(workdir))
+  setup = setup_run(config, workdir, model_config, rundir.read_rng_impl(workdir))
   latest, restored = checkpointer.restore_newest_intact(ckpt.restore_target(setup.spec))
   setup.state = dataclasses.replace(setup.state, params=restored['model']['params'], extra=restored['model']['extra'])
   step = evaluated_step(setup, checkpointer, latest)
@@ -700,8 +701,8 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
   prepared, model = task.import_hf(hf_dir, state_lib.make_rngs(config.seed, rng_impl))
   with _removed_on_failure(workdir):
     prepared.tokenizer.save(workdir)
-    ckpt.save_config(_with_model_of(config, prepared.model_config), workdir)
-    ckpt.save_model_config(prepared.model_config, rng_impl, workdir)
+    rundir.save_config(_with_model_of(config, prepared.model_config), workdir)
+    rundir.save_model_config(prepared.model_config, rng_impl, workdir)
     _, params, extra = nnx.split(model, nnx.Param, ...)
     tx, _ = make_optimizer(config.train)
     checkpointer = ckpt.Checkpointer(workdir, config.train)

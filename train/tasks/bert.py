@@ -16,7 +16,6 @@ the source's position vectors fill the first rows and the others are learned in 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import grain
@@ -106,15 +105,9 @@ class Task(task_lib.Task):
   def resolved_from_tokenizer(self, tokenizer):
     return {'vocab_size': self.config.model.vocab_size or tokenizer.vocab_size, 'heads': HEADS[self.config.task]}
 
-  def legacy_model_config(self, saved_config, tokenizer):
-    heads = saved_config.model.get('heads') or HEADS[saved_config.task]
-    labels = tuple(json.loads(saved_config.data.labels)) if saved_config.data.get('labels') else ()
-    return self.resolve_model_config(vocab_size=saved_config.model.vocab_size or tokenizer.vocab_size, heads=heads,
-                                     num_classes=saved_config.model.get('num_classes', 0), labels=labels)
-
   def _source_run(self, source: str) -> tuple[BertConfig, object]:
     """(model config, tokenizer) of the run fine-tuning starts from (they must match its weights)."""
-    from train.checkpoint import run_config
+    from train.rundir import run_config
     source_config, source_model = run_config(source)
     if source_config.family != 'bert':
       raise ConfigError(f'config.init_from={source} is a {source_config.family!r} run; BERT starts from a bert run.')

@@ -6,7 +6,6 @@ run's model.json), so a reloaded run predicts names without reading the data.
 """
 from __future__ import annotations
 
-import json
 
 from flax import nnx
 
@@ -37,11 +36,6 @@ class Task(task_lib.Task):
 
   def resolved_from_tokenizer(self, tokenizer):
     return {'vocab_size': tokenizer.vocab_size}
-
-  def legacy_model_config(self, saved_config, tokenizer):
-    labels = tuple(json.loads(saved_config.data.labels))
-    return self.resolve_model_config(**self.resolved_from_tokenizer(tokenizer), num_classes=len(labels),
-                                     labels=labels)
 
   def build_model(self, rngs):
     return TransformerClassifier(self.model_config, rngs=rngs)
