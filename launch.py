@@ -165,7 +165,7 @@ def prepare_output(location: str) -> None:
 
 def predict(workdir: str) -> None:
   """--mode=predict: each --input line and its output, the outputs also in --output, one JSON line."""
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   lines = read_lines(FLAGS.input)
   if not lines:
     raise UserError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
@@ -199,7 +199,7 @@ def main(argv):
   maybe_initialize_distributed()
   import jax
   from train import trainer
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   config_arg = FLAGS['config'].config_filename if hasattr(FLAGS['config'], 'config_filename') else 'default'
   mode = FLAGS.mode
   workdir = FLAGS.workdir or (default_workdir(config_arg, prefix=f'compile-{FLAGS.compile_target}-')
@@ -213,7 +213,7 @@ def main(argv):
     if jax.process_index() == 0:
       if not results.get('preempted'):
         print('\nReload this run (Python or Colab):\n'
-              '  from train.checkpoint import load_run\n'
+              '  from train.rundir import load_run\n'
               f'  run = load_run({workdir!r})\n'
               "  run.predict(['...'])   # or call run.model(...) directly\n", flush=True)
       print(json.dumps({'mode': 'train', 'workdir': workdir, **_jsonable(results)}), flush=True)
@@ -232,7 +232,7 @@ def main(argv):
     if not FLAGS.hf_dir:
       raise app.UsageError('--mode=export_hf needs --hf_dir=DIR (a new directory to write).')
     from interop import check_export, export_run
-    from train.checkpoint import read_config
+    from train.rundir import read_config
     check_export(read_config(workdir).family, FLAGS.hf_dir)  # before the checkpoint loads
     results = export_run(load_run(workdir), FLAGS.hf_dir)
     print(json.dumps({'mode': 'export_hf', 'workdir': workdir, 'hf_dir': FLAGS.hf_dir, **results}), flush=True)

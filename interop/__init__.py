@@ -4,7 +4,7 @@
   from interop.hf_llama import import_llama, export_llama
   from interop.hf_bert import import_bert, export_bert
   from interop import export_run
-  export_run(train.checkpoint.load_run('runs/gpt-...'), 'hf/my-gpt')   # = --mode=export_hf
+  export_run(train.rundir.load_run('runs/gpt-...'), 'hf/my-gpt')   # = --mode=export_hf
 
 This package reads and writes files and tokenizers around `models/` (which take arrays only) and
 `data/`; it never imports `train/` or `configs/`, and never writes a run config.

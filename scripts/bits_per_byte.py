@@ -27,7 +27,7 @@ def bits_per_byte(workdir: str, batch_size: int) -> dict:
   from flax import nnx
 
   from data.lm import pack, split_documents
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   from train.losses import lm_loss
   run = load_run(workdir)
   _, _, test_docs = split_documents(run.config.data, run.config.seed)

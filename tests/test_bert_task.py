@@ -13,7 +13,7 @@ from flax import nnx
 from errors import ConfigError
 from support import with_overrides
 from train import task as task_lib
-from train.checkpoint import load_run
+from train.rundir import load_run
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -46,7 +46,7 @@ def tiny_config(**overrides):
 
 
 def test_imported_run_features_and_fill_mask_match_transformers(hf_bert_dir, tmp_path):
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   from train.trainer import import_hf_run
   directory, hf_model, hf_tokenizer = hf_bert_dir
   workdir = str(tmp_path / 'imported')

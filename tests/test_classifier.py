@@ -59,7 +59,7 @@ def test_rejects_sequences_longer_than_max_len():
 def test_trains_on_a_tsv_and_reloads_with_label_names(tmp_path):
   """A separable toy task end to end: the trainer, the saved labels, evaluation files, predict."""
   from configs import classifier as classifier_configs
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   from train.trainer import train_and_evaluate
   rng = np.random.default_rng(0)
   words = {'sport': 'goal match team win'.split(), 'money': 'bank shares profit market'.split()}

@@ -109,7 +109,7 @@ def test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads(emulator, tm
   written = [json.loads(line) for line in (bucket / 'predictions.jsonl').read_text().splitlines()]
   assert written == prediction['outputs'] and len(written) == 2
 
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   run = load_run(workdir)
   assert run.step == 20 and run.tokenizer.vocab_size == run.model_config.vocab_size
   assert run.predict(['alpha beta', 'gamma']) == prediction['outputs']

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 import support
-from train import checkpoint as ckpt
+from train.rundir import load_run
 from train.trainer import train_and_evaluate
 
 
@@ -76,7 +76,7 @@ def test_rbg_runs_resume_bit_exactly(tmp_path):
   train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 6}), resumed)
   with open(os.path.join(resumed, 'model.json')) as f:
     assert json.load(f)['rng_impl'] == 'rbg'
-  a, b = ckpt.load_run(straight).model, ckpt.load_run(resumed).model
+  a, b = load_run(straight).model, load_run(resumed).model
   from flax import nnx
   leaves = lambda model: jax.tree.leaves(nnx.state(model))
   keys = [x for x in leaves(a) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]

@@ -16,6 +16,7 @@ import pytest
 
 import support
 from train import checkpoint as ckpt
+from train.rundir import load_run
 from train import workdir_lock
 from train.trainer import evaluate_run, train_and_evaluate
 
@@ -143,7 +144,7 @@ def test_orphan_tokenizer_is_rebuilt_and_a_resume_must_keep_its_tokenizer(corpus
   train_tokenizer('bpe', ['alpha beta gamma delta'] * 20, 300, True).save(workdir)  # a killed setup's leftover
   train_and_evaluate(tiny(corpus, **{'train.steps': 2}), workdir)  # the tiny preset asks for 'char'
   assert 'left by an interrupted setup' in capsys.readouterr().out
-  assert ckpt.load_run(workdir).tokenizer.kind == 'char'
+  assert load_run(workdir).tokenizer.kind == 'char'
   with pytest.raises(ckpt.CheckpointError, match="built with data.tokenizer='char'.*asks for data.tokenizer='bpe'"):
     train_and_evaluate(tiny(corpus, **{'train.steps': 4, 'data.tokenizer': 'bpe'}), workdir)
 
@@ -294,7 +295,6 @@ def test_evaluation_scores_every_example_of_a_split_that_does_not_fill_its_batch
   """54 validation windows in one eval batch of 64: the 10 fillers count for nothing, so the
   metrics equal the loss of the 54 windows computed in one unpadded batch."""
   import numpy as np
-  from train.checkpoint import load_run
   workdir = str(tmp_path / 'run')
   results = train_and_evaluate(tiny(corpus, **{'train.steps': 1, 'train.eval_batch_size': 64}), workdir)
   run = load_run(workdir)

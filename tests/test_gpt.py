@@ -112,7 +112,7 @@ def hf_gpt2_dir(tmp_path_factory):
 def test_hf_gpt2_import_matches_transformers_logits(hf_gpt2_dir, tmp_path):
   import torch
   from configs import gpt as gpt_configs
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   from train.trainer import import_hf_run
   directory, hf_model = hf_gpt2_dir
   config = gpt_configs.get_config('tiny')

@@ -108,5 +108,5 @@ def test_scanned_remat_gpt_trains_sharded(tmp_path):
                                               'train.log_every': 1})
   results = train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 8 and results['eval/loss'] < 3.8
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   assert load_run(str(tmp_path / 'run')).model.config.scan_layers

@@ -89,7 +89,7 @@ def shard_over_devices(model):
 
 
 def test_launch_export_gpt2_loads_in_transformers_with_the_same_logits(gpt_run, tmp_path):
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   out = str(tmp_path / 'hf' / 'gpt')  # the parent is created too
   result = support.launch(['--mode=export_hf', f'--workdir={gpt_run}', f'--hf_dir={out}'])
   assert result.returncode == 0, result.stderr[-2000:]
@@ -115,7 +115,7 @@ def test_launch_export_gpt2_loads_in_transformers_with_the_same_logits(gpt_run, 
 def test_scanned_sharded_gpt_exports_one_layer_per_block(corpus, tmp_path):
   """A run trained with scan_layers and FSDP: stacked [num_layers, ...] parameters become h.<i>."""
   from interop import export_run
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   workdir = train(support.tiny_gpt_config(corpus), str(tmp_path / 'run'),
                   **{'model.scan_layers': True, 'mesh.data': 4, 'mesh.fsdp': 2})
   run = load_run(workdir)
@@ -156,7 +156,7 @@ PAIRS = [('alpha beta gamma.', 'delta epsilon.'), ('omega', 'psi chi phi upsilon
 
 def test_bert_pretraining_run_exports_to_automodel_and_bert_for_pretraining(bert_run, tmp_path):
   from interop import export_run
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   run = load_run(bert_run)
   randomize(run.model, seed=1)
   shard_over_devices(run.model)
@@ -184,7 +184,7 @@ def test_bert_pretraining_run_exports_to_automodel_and_bert_for_pretraining(bert
 def test_bert_classifier_run_exports_with_label_names(tmp_path):
   from configs import bert
   from interop import export_run
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   data = tmp_path / 'reviews.tsv'
   words = {'good': 'pos', 'bad': 'neg', 'fine': 'meh'}
   data.write_text(''.join(f'a {w} film\t{label}\n' for w, label in words.items() for _ in range(40)))
@@ -279,7 +279,7 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path):
 
 def test_export_errors_through_launch_are_one_line(gpt_run, tmp_path):
   from configs import rnn_lm
-  from train.checkpoint import save_config
+  from train.rundir import save_config
   taken = tmp_path / 'taken'
   taken.mkdir()
   (taken / 'notes.txt').write_text('keep me')

@@ -217,7 +217,7 @@ def test_import_with_another_family_config_is_a_one_line_error(hf_llama, tmp_pat
 
 
 def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_llama, imported_run):
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   _, hf_model = hf_llama
   run = load_run(imported_run)
   assert run.config.family == 'gpt' and run.model.config.kv_heads == 2 and not run.model.config.tie_embeddings
@@ -244,7 +244,7 @@ def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, 
   from safetensors import safe_open
 
   from interop import export_run
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   directory, hf_model = hf_llama
   out = str(tmp_path / 'hf')
   assert export_run(load_run(imported_run), out)['architecture'] == 'LlamaForCausalLM'
@@ -272,7 +272,7 @@ def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, 
 def test_trained_scanned_sharded_llama_exports_to_transformers(tmp_path):
   from interop import export_run
   from test_interop import randomize, shard_over_devices, train
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   corpus = support.write_corpus(str(tmp_path / 'corpus'), files=4, lines=30)
   steps = {f'model.{k}': v for k, v in LLAMA_STEPS.items()}
   workdir = train(support.tiny_gpt_config(corpus), str(tmp_path / 'run'),

@@ -1,14 +1,18 @@
 """One-way data flow: `Task.prepare` never writes into the config, runs save what was built
-(model.json) beside what was asked (config.json), and runs saved before model.json existed still
-reload, evaluate and predict."""
+(model.json) beside what was asked (config.json), and runs saved in older layouts (before
+model.json existed, or in its older schemas) still reload, evaluate and predict."""
 import json
 import os
 import shutil
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from train.checkpoint import load_run
+from train.rundir import MODEL_SCHEMA, RunDirError, load_run, model_record
 from train.task import task_class
 from train.sharding import use_mesh
 from train.evaluation import evaluate_loss, final_evaluation
@@ -108,3 +112,23 @@ def test_a_restored_run_evaluates_to_the_last_digit_as_after_training(spec, tmp_
                              if isinstance(v, float) and k.startswith(('eval/', 'test/'))}
   assert numbers(trained) and numbers(restored) == numbers(trained)
   assert restored['step'] == trained['final_eval_step']
+def test_a_model_json_without_schema_or_rng_impl_reloads_as_threefry(tmp_path):
+  workdir = legacy_copy('gpt_tiny', tmp_path)
+  before = load_run(workdir)
+  with open(os.path.join(workdir, 'model.json'), 'w') as f:  # schema 1: the layout before config.rng_impl
+    json.dump({'class': type(before.model_config).__name__, 'fields': dataclasses.asdict(before.model_config)}, f)
+  assert model_record(workdir)['schema'] == MODEL_SCHEMA and model_record(workdir)['rng_impl'] == 'threefry'
+  after = load_run(workdir)
+  assert after.model_config == before.model_config
+  params = lambda run: jax.tree.leaves(nnx.state(run.model, nnx.Param))
+  for a, b in zip(params(before), params(after), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_model_json_of_a_newer_schema_is_one_clear_error(tmp_path):
+  workdir = legacy_copy('gpt_tiny', tmp_path)
+  with open(os.path.join(workdir, 'model.json'), 'w') as f:
+    json.dump({'schema': MODEL_SCHEMA + 1, 'class': 'GPT2Config', 'fields': {}, 'rng_impl': 'threefry'}, f)
+  newer = f'has schema {MODEL_SCHEMA + 1}, newer than the {MODEL_SCHEMA} this code reads'
+  with pytest.raises(RunDirError, match=newer):
+    load_run(workdir)

@@ -15,6 +15,7 @@ from errors import ConfigError
 from data.sources import DataError
 from train import checkpoint as ckpt
 from train.loop import TrainingDiverged
+from train.rundir import load_run
 from train.trainer import train_and_evaluate
 
 
@@ -83,7 +84,7 @@ def test_run_trained_on_eight_devices_reloads_on_one(fsdp_run):
   evaluation = support.launch(['--mode=eval', f'--workdir={workdir}'], devices=1)
   assert evaluation.returncode == 0, evaluation.stderr[-3000:]
   np.testing.assert_allclose(support.last_json(evaluation.stdout)['eval/loss'], results['eval/loss'], rtol=1e-5)
-  code = ('from train.checkpoint import load_run; import jax, json; run = load_run(%r); '
+  code = ('from train.rundir import load_run; import jax, json; run = load_run(%r); '
           'print(json.dumps([jax.device_count(), run.step, run.predict(["alpha beta"])]))' % workdir)
   import subprocess, sys
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
@@ -119,7 +120,7 @@ def test_sigterm_saves_exits_zero_and_resumes_to_identical_results(corpus, tmp_p
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f'Resumed from the checkpoint at step {stopped_at}' in resumed.stdout + resumed.stderr
   assert support.last_json(resumed.stdout)['eval/loss'] == support.last_json(straight.stdout)['eval/loss']
-  a, b = ckpt.load_run(f'{tmp_path}/straight'), ckpt.load_run(workdir)
+  a, b = load_run(f'{tmp_path}/straight'), load_run(workdir)
   from flax import nnx
   for x, y in zip(jax.tree.leaves(nnx.state(a.model)), jax.tree.leaves(nnx.state(b.model))):
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
@@ -143,7 +144,7 @@ def test_divergence_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(
                                               'train.async_checkpoints': False})
   with pytest.raises(TrainingDiverged, match='last good checkpoint'):
     train_and_evaluate(config, str(tmp_path / 'nan'))
-  run = ckpt.load_run(str(tmp_path / 'nan'))
+  run = load_run(str(tmp_path / 'nan'))
   assert run.step >= 1
   from flax import nnx
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
@@ -255,7 +256,7 @@ def test_bfloat16_compute_keeps_float32_parameters(corpus, tmp_path):
   results = train_and_evaluate(config, str(tmp_path / 'bf16'))
   losses = [m['train/loss'] for m in read_metrics(str(tmp_path / 'bf16')) if 'train/loss' in m]
   assert losses[-1] < losses[0] - 0.5 and np.isfinite(results['eval/loss'])
-  run = ckpt.load_run(str(tmp_path / 'bf16'))
+  run = load_run(str(tmp_path / 'bf16'))
   from flax import nnx
   assert {x.dtype for x in jax.tree.leaves(nnx.state(run.model, nnx.Param))} == {np.dtype('float32')}
   logits, _ = nnx.jit(lambda model, tokens: model(tokens))(run.model, np.zeros((1, 4), np.int32))  # one compile, not ~70

@@ -332,7 +332,7 @@ def test_the_task_chooses_packed_length_bucketed_or_shuffled_batches():
 
 def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
   import support
-  from train import checkpoint as ckpt
+  from train.rundir import load_run
   from train import trainer
   config = tiny_config(tmp_path)
   config.train.update(steps=4, eval_every=4, checkpoint_every=2, log_every=1, eval_steps=1)
@@ -342,7 +342,7 @@ def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
   trainer.train_and_evaluate(config, straight)
   resumed = support.copy_run_back_to(straight, 2, str(tmp_path / 'resumed'))  # the packer's position too
   trainer.train_and_evaluate(config, resumed)
-  a, b = (nnx.state(ckpt.load_run(workdir).model, nnx.Param) for workdir in (straight, resumed))
+  a, b = (nnx.state(load_run(workdir).model, nnx.Param) for workdir in (straight, resumed))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # tokens/s counts target positions, padding included; real_tokens/s only the real target tokens
@@ -363,7 +363,7 @@ def test_train_evaluate_predict_on_a_tsv_corpus(tmp_path):
   import json
   import os
   from train import trainer
-  from train.checkpoint import load_run
+  from train.rundir import load_run
   config = tiny_config(tmp_path)
   config.train.update(steps=4, eval_every=4, checkpoint_every=4, log_every=2)
   workdir = str(tmp_path / 'run')

@@ -1,27 +1,19 @@
-"""Orbax checkpoints of a run, and `load_run` to reload one anywhere.
+"""Orbax checkpoints of a run: saving, retention, restoring onto any mesh, a full disk.
 
 A checkpoint step holds three items, written together and atomically by Orbax:
   model      {'params': nnx.State, 'extra': nnx.State}  parameters plus every other model variable
              (dropout RNG streams, carried recurrent state)
   optimizer  the Optax state
   data       the input iterator position (JSON)
-The workdir also holds `config.json` (the config the user asked for), `model.json` (the model
-config that was built: the family's dataclass with everything resolved from the data) and the
-tokenizer files, so a run reloads without its config file or data:
+They live in `<workdir>/checkpoints/`; the run's other files are train/rundir.py's.
 
-    from train.checkpoint import load_run
-    run = load_run('runs/gpt-default-...')
-    run.predict(['def fibonacci(n):'])
-
-Restoring passes abstract arrays carrying the *current* mesh's shardings, so a run trained on 8
-devices reloads on 1 (or the reverse).
+Restoring passes abstract arrays carrying the *current* mesh's shardings (`restore_target`), so a
+run trained on 8 devices restores on 1 (or the reverse).
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
-import json
 import logging
 import os
 import shutil
@@ -31,19 +23,15 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
-from flax import nnx
+from orbax.checkpoint._src.metadata import array_metadata_store  # no public alias in Orbax 0.12
 
 import storage
 from errors import UserError
+from train.state import with_shardings
 
 CHECKPOINT_DIR = 'checkpoints'
 BROKEN_DIR = 'checkpoints_broken'  # checkpoints that failed to restore, moved aside by a resume
-CONFIG_FILE = 'config.json'
-MODEL_FILE = 'model.json'
-DATA_KEYS = ('source', 'eval_source', 'test_source')  # config.data keys that name what a run reads
-DATA_HISTORY = 'data_history'  # config.json: [{'step': the step it started at, 'source': ..., ...}], oldest first
 
 
 class CheckpointError(UserError):
@@ -120,7 +108,6 @@ def _replica_parallel_saving_only_for_large_slices(min_bytes: int = 2**20) -> No
   JAX_PLATFORMS names a GPU.) The metadata store is the one Orbax's default handler has: it
   records which PRNG implementation a key array uses.
   """
-  from orbax.checkpoint._src.metadata import array_metadata_store  # no public alias in Orbax 0.12
   handler = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
                                            min_slice_bytes_for_replica_parallel=min_bytes)
   absl_logger = logging.getLogger('absl')
@@ -312,210 +299,7 @@ def _size(num_bytes: int) -> str:
   return f'{num_bytes / 2**30:.1f} GB' if num_bytes >= 2**30 else f'{num_bytes / 2**20:.1f} MB'
 
 
-def save_config(config, workdir: str, data_history: list[dict] | None = None) -> None:
-  """`config.json`: the config, and the run's `data_history` when given (see `data_history`)."""
-  record = json.loads(config.to_json())
-  if data_history:
-    record[DATA_HISTORY] = data_history
-  storage.write_atomically(os.path.join(workdir, CONFIG_FILE), json.dumps(record, indent=2))
-
-
-def data_history(workdir: str) -> list[dict]:
-  """[{'step', 'source', 'eval_source', 'test_source'}]: the data a run in `workdir` has read, each
-  entry from the step it started at (a run saved before the history existed: its one source, from
-  step 0); [] when the workdir holds no config.json."""
-  if not (storage.path(workdir) / CONFIG_FILE).exists():
-    return []
-  saved = json.loads((storage.path(workdir) / CONFIG_FILE).read_text())
-  if DATA_HISTORY in saved:
-    return list(saved[DATA_HISTORY])
-  return [{'step': 0, **{key: saved.get('data', {}).get(key, '') for key in DATA_KEYS}}]
-
-
-def data_since(workdir: str) -> int:
-  """The step at which the run's current data started (0 unless `train.allow_data_change` was used)."""
-  history = data_history(workdir)
-  return history[-1]['step'] if history else 0
-
-
-def read_config(workdir: str) -> ml_collections.ConfigDict:
-  path = storage.path(workdir) / CONFIG_FILE
-  if not path.exists():
-    raise CheckpointError(f'{path} not found: {workdir} is not a run directory '
-                          f'(expected config.json, tokenizer and checkpoints/).')
-  return ml_collections.ConfigDict(json.loads(path.read_text()))
-
-
-def save_model_config(model_config, rng_impl: str, workdir: str) -> None:
-  """`model.json`: {'class': the dataclass name, 'fields': its values, 'rng_impl': the PRNG of its
-  random streams (the shape of the dropout keys the checkpoints hold)}."""
-  storage.write_atomically(os.path.join(workdir, MODEL_FILE), json.dumps(
-      {'class': type(model_config).__name__, 'fields': dataclasses.asdict(model_config), 'rng_impl': rng_impl},
-      indent=2))
-
-
-def read_rng_impl(workdir: str) -> str | None:
-  """The PRNG a run's model was built with (None: no run in `workdir`; runs saved before
-  model.json used threefry)."""
-  from train.state import LEGACY_RNG_IMPL
-  path = storage.path(workdir) / MODEL_FILE
-  if not path.exists():
-    return LEGACY_RNG_IMPL if (storage.path(workdir) / CONFIG_FILE).exists() else None
-  return json.loads(path.read_text())['rng_impl']
-
-
-def read_model_config(workdir: str, model_config_class: type):
-  """The model config saved in `workdir/model.json`, or None for runs saved before it existed."""
-  path = storage.path(workdir) / MODEL_FILE
-  if not path.exists():
-    return None
-  saved = json.loads(path.read_text())
-  if saved['class'] != model_config_class.__name__:
-    raise CheckpointError(f'{path} holds a {saved["class"]}, not the {model_config_class.__name__} of this family; '
-                          f'the run directory belongs to another model family.')
-  types = {f.name: f.type for f in dataclasses.fields(model_config_class)}
-  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in saved['fields'].items() if k in types}
-  return model_config_class(**fields)
-
-
-def run_config(workdir: str, overrides: dict | None = None):
-  """(the run's config, its resolved model config): `config.json` with `overrides` applied and
-  checked, and `model.json` (or, for runs saved before model.json, the model config the family
-  derives from the old config.json, whose keys that are no longer inputs are dropped)."""
-  from train.task import task_class
-  from train.validation import validate_config
-  config = read_config(workdir)
-  family = task_class(config.family)
-  model_config = read_model_config(workdir, family.model_config_class)
-  if model_config is None:
-    legacy = getattr(family, 'legacy_model_config', None)
-    tokenizer = run_tokenizer(workdir)
-    model_config = legacy(config, tokenizer) if legacy else family.without_data(config, tokenizer).model_config
-  config = _in_current_schema(config)
-  for key, value in (overrides or {}).items():
-    _set(config, key, value, workdir)
-    model_config = _with_model_override(model_config, key, value, workdir)
-  config = _on_these_devices(config)
-  validate_config(config)
-  return config, model_config
-
-
-def _with_model_override(model_config, key: str, value, workdir: str):
-  """A `model.<field>` override of a reloaded run: runtime fields (attention, dtype, ...) change its
-  model config; fields that fix what the checkpoint holds cannot."""
-  from train.task import RUNTIME_FIELDS
-  section, _, field = key.partition('.')
-  if section != 'model' or field not in {f.name for f in dataclasses.fields(model_config)}:
-    return model_config
-  if field in RUNTIME_FIELDS:
-    return dataclasses.replace(model_config, **{field: value})
-  if getattr(model_config, field) != value:
-    raise CheckpointError(f'--config.{key}={value!r} cannot apply to {workdir}: its model has {field}='
-                          f'{getattr(model_config, field)!r} ({os.path.join(workdir, MODEL_FILE)}). Train a new run '
-                          f'for another model.')
-  return model_config
-
-
-def _in_current_schema(saved):
-  """The family's current schema with the saved values of the keys it still has: keys a run saved
-  that are no longer inputs are dropped, keys added since take their defaults."""
-  from train.validation import flatten, reference_config
-  config = reference_config(saved)
-  known = flatten(config)
-  for key, value in flatten(saved).items():
-    if key in known:
-      *parents, leaf = key.split('.')
-      target = config
-      for parent in parents:
-        target = target[parent]
-      target[leaf] = value
-  return config
-
-
-def _set(config, key: str, value, workdir: str) -> None:
-  target = config
-  *parents, leaf = key.split('.')
-  for parent in parents:
-    target = target.get(parent) if isinstance(target, ml_collections.ConfigDict) else None
-  if not isinstance(target, ml_collections.ConfigDict) or leaf not in target:
-    raise CheckpointError(f"Unknown config key '{key}': {os.path.join(workdir, CONFIG_FILE)} has no such "
-                          f"setting, so the override cannot apply to this run.")
-  target[leaf] = value
-
-
-def _on_these_devices(config):
-  """`config` with a data-parallel mesh over the devices present when its own mesh does not fit
-  them (a run trained on 8 devices evaluates on 1: checkpoints restore onto any mesh)."""
-  from train import sharding
-  try:
-    sharding.mesh_shape(config.mesh, jax.device_count())
-    return config
-  except ValueError:
-    print(f"Note: the run's mesh {dict(config.mesh)} does not fit the {jax.device_count()} devices here; "
-          f'using a data-parallel mesh over all of them.', flush=True)
-    config = config.copy_and_resolve_references()
-    config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
-    return config
-
-
-@dataclasses.dataclass
-class Run:
-  """A reloaded run: call `run.model(...)` directly, or `run.predict(lines)`."""
-  config: ml_collections.ConfigDict
-  model_config: Any
-  model: nnx.Module
-  tokenizer: Any
-  step: int
-  task: Any
-  workdir: str
-
-  def predict(self, lines: list[str]) -> list[Any]:
-    """One output per line; inputs longer than the model's window are cut, with a note on stderr."""
-    for note in self.task.predict_truncation(lines):
-      print(f'note: {note}', file=sys.stderr, flush=True)
-    return self.task.predict(self.model, lines, self.workdir)
-
-
-def load_run(workdir: str, step: int | None = None, config_overrides: dict | None = None) -> Run:
-  """Reload a run's model (parameters bound), tokenizer and config on the current devices.
-
-  `step` None is the newest checkpoint that restores (see `Checkpointer.best_step` for the best).
-
-  The model is rebuilt from `model.json`. `config_overrides` ({'task': 'features'}) change
-  settings of the saved config.json (behaviour such as decoding or the BERT task, not the model's
-  shape); keys it lacks are an error."""
-  from train import sharding, state
-  from train.task import Prepared, task_class
-  config, model_config = run_config(workdir, config_overrides)
-  task = task_class(config.family)(config, Prepared(run_tokenizer(workdir), model_config))
-  checkpointer = Checkpointer(workdir, read_only=True)
-  if checkpointer.latest_step() is None:
-    raise CheckpointError(f'No checkpoint in {checkpointer.directory}; train first (python launch.py '
-                          f'--config=... --workdir={workdir}).')
-  mesh = sharding.make_mesh({'data': -1, 'fsdp': 1, 'tensor': 1})
-  spec = state.state_spec(task.build_model, mesh, read_rng_impl(workdir))
-  if step is None:
-    step, restored = checkpointer.restore_newest_intact(restore_target(spec))
-  else:
-    restored = checkpointer.restore(step, restore_target(spec))
-  restored = restored['model']
-  checkpointer.close()
-  model = nnx.merge(spec.graphdef, restored['params'], restored['extra'])
-  model.eval()
-  return Run(config=config, model_config=model_config, model=model, tokenizer=task.tokenizer, step=step, task=task,
-             workdir=workdir)
-
-
-def run_tokenizer(workdir: str):
-  """The tokenizer a run saved in `workdir` (None for a family without text, which saves none)."""
-  from data import tokenizers
-  if not (storage.path(workdir) / tokenizers.TOKENIZER_FILE).exists():
-    return None
-  return tokenizers.load_tokenizer(workdir)
-
-
 def restore_target(spec) -> dict:
   """The abstract {'params', 'extra'} model item of a checkpoint, with `spec`'s shardings."""
-  from train.state import with_shardings
   return {'params': with_shardings(spec.abstract.params, spec.shardings.params),
           'extra': with_shardings(spec.abstract.extra, spec.shardings.extra)}

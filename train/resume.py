@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import storage
 from data import tokenizers
 from train import checkpoint as ckpt
+from train import rundir
 from train import state as state_lib
 from train.loop import Progress
 from train.multihost import agreed
@@ -26,11 +27,11 @@ def check_run_files(config, workdir: str) -> None:
   """Tokenizer files without config.json are left by a setup that was killed: remove them so this
   run builds its own. A resumed run must ask for the tokenizer it was built with, and read the
   data it was trained on unless `train.allow_data_change`."""
-  saved_config = os.path.join(workdir, ckpt.CONFIG_FILE)
+  saved_config = os.path.join(workdir, rundir.CONFIG_FILE)
   if not storage.path(saved_config).exists():
     _remove_orphan_tokenizer(workdir)
     return
-  saved = ckpt.read_config(workdir)
+  saved = rundir.read_config(workdir)
   keys = ('tokenizer', 'vocab_size', 'lowercase')
   changed = [k for k in keys if k in saved.get('data', {}) and saved.data[k] != config.data[k]]
   if changed:
@@ -39,8 +40,8 @@ def check_run_files(config, workdir: str) -> None:
         ' (its tokenizer is saved there) but the config asks for ' +
         ', '.join(f'data.{k}={config.data[k]!r}' for k in changed) +
         f". Resume with the run's own settings ({saved_config}) or use a fresh --workdir.")
-  trained_on = ckpt.data_history(workdir)[-1]
-  changed = [k for k in ckpt.DATA_KEYS if trained_on[k] != config.data[k]]
+  trained_on = rundir.data_history(workdir)[-1]
+  changed = [k for k in rundir.DATA_KEYS if trained_on[k] != config.data[k]]
   if changed and not config.train.allow_data_change:
     raise ckpt.CheckpointError(
         f'{workdir} was trained on ' + ', '.join(f'data.{k}={trained_on[k]!r}' for k in changed) +
@@ -53,7 +54,7 @@ def _remove_orphan_tokenizer(workdir: str) -> None:
   orphans = [storage.path(workdir) / name for name in (tokenizers.TOKENIZER_FILE, tokenizers.META_FILE)]
   orphans = [orphan for orphan in orphans if orphan.exists()]
   if orphans and jax.process_index() == 0:
-    print(f'Removing {", ".join(map(str, orphans))}: left by an interrupted setup (no {ckpt.CONFIG_FILE}).',
+    print(f'Removing {", ".join(map(str, orphans))}: left by an interrupted setup (no {rundir.CONFIG_FILE}).',
           flush=True)
     for orphan in orphans:
       orphan.unlink()
@@ -71,12 +72,12 @@ def check_same_model(saved, resolved, workdir: str) -> None:
     raise ckpt.CheckpointError(
         f'{workdir} holds a model with ' + ', '.join(f'{k}={getattr(saved, k)!r}' for k in differences) +
         ' but the config and data now give ' + ', '.join(f'{k}={getattr(resolved, k)!r}' for k in differences) +
-        f'. Resume with the run\'s own config ({os.path.join(workdir, ckpt.CONFIG_FILE)}) or use a fresh --workdir.')
+        f'. Resume with the run\'s own config ({os.path.join(workdir, rundir.CONFIG_FILE)}) or use a fresh --workdir.')
 
 
 def rng_impl(config, workdir: str) -> str:
   """The PRNG of a new run from `config.rng_impl`; a resumed run keeps the one it was built with."""
-  saved = ckpt.read_rng_impl(workdir)
+  saved = rundir.read_rng_impl(workdir)
   if saved is None:
     return state_lib.resolve_rng_impl(config.rng_impl)
   if config.rng_impl not in ('auto', saved):
@@ -112,9 +113,9 @@ def record_data(config, workdir: str, start_step: int, progress: Progress, check
   """(the run's data history with this run's data, the loop's progress). A resume on other data
   (`train.allow_data_change`, checked by `check_run_files`) starts a history entry at
   `start_step` and restarts best-checkpoint tracking: validation losses of two datasets do not compare."""
-  current = {key: config.data[key] for key in ckpt.DATA_KEYS}
-  history = ckpt.data_history(workdir) if start_step else []
-  if history and {key: history[-1][key] for key in ckpt.DATA_KEYS} == current:
+  current = {key: config.data[key] for key in rundir.DATA_KEYS}
+  history = rundir.data_history(workdir) if start_step else []
+  if history and {key: history[-1][key] for key in rundir.DATA_KEYS} == current:
     return history, progress
   if history:
     print(f'Data changed at step {start_step} (train.allow_data_change): ' +

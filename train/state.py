@@ -24,7 +24,6 @@ from errors import ConfigError
 from train import sharding
 
 RNG_IMPLS = {'threefry': 'threefry2x32', 'rbg': 'rbg', 'unsafe_rbg': 'unsafe_rbg'}  # config name -> JAX's
-LEGACY_RNG_IMPL = 'threefry'  # runs saved before config.rng_impl existed
 
 
 @dataclasses.dataclass

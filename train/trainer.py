@@ -29,6 +29,7 @@ from flax import nnx
 import storage
 from errors import UserError
 from train import checkpoint as ckpt
+from train import rundir
 from train import compilation, evaluation, loop, memory, resume, sharding, steps
 from train import state as state_lib
 from train.metrics import MetricWriter
@@ -70,7 +71,7 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   if model_config is not None:
     prepared = dataclasses.replace(prepared, model_config=model_config)
   else:
-    resume.check_same_model(ckpt.read_model_config(workdir, family.model_config_class), prepared.model_config, workdir)
+    resume.check_same_model(rundir.read_model_config(workdir, family.model_config_class), prepared.model_config, workdir)
   task = family(config, prepared)
   rng_impl = rng_impl or resume.rng_impl(config, workdir)
   tx, schedule = make_optimizer(config.train)
@@ -87,7 +88,7 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
 def _init_from(setup: Setup, state: TrainState, source_workdir: str) -> TrainState:
   """Fine-tuning: the task copies what it wants from another run's model; the optimizer starts fresh."""
   model = state_lib.model_of(setup.spec, state)
-  setup.task.init_from(model, ckpt.load_run(source_workdir).model)
+  setup.task.init_from(model, rundir.load_run(source_workdir).model)
   _, params, extra = nnx.split(model, nnx.Param, ...)
   params = jax.device_put(params, setup.spec.shardings.params)
   opt_state = jax.jit(setup.tx.init, out_shardings=setup.spec.shardings.opt_state)(params)
@@ -111,8 +112,8 @@ def train_iterator(setup: Setup):
 def save_run_files(setup: Setup, workdir: str, history: list[dict]) -> None:
   """config.json (with the data history) and model.json: what reloads the run."""
   if jax.process_index() == 0:
-    ckpt.save_config(setup.config, workdir, history)
-    ckpt.save_model_config(setup.task.prepared.model_config, setup.spec.rng_impl, workdir)
+    rundir.save_config(setup.config, workdir, history)
+    rundir.save_model_config(setup.task.prepared.model_config, setup.spec.rng_impl, workdir)
 
 
 # ============================================================================ stage 4: the loop
@@ -190,7 +191,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # ---------------------------------------------------------------- 2. setup
     resume.check_run_files(config, workdir)
     setup, state = setup_run(config, workdir)
-    checkpointer = ckpt.Checkpointer(workdir, config.train, data_since=ckpt.data_since(workdir))
+    checkpointer = ckpt.Checkpointer(workdir, config.train, data_since=rundir.data_since(workdir))
     guard.set_up()
     try:
       # -------------------------------------------------------------- 3. resume
@@ -240,11 +241,11 @@ def restored_setup(workdir: str, config_overrides: dict | None = None) -> tuple[
   The run's config.json (with `config_overrides`) and model.json rebuild the model; a run trained
   on another number of devices evaluates data-parallel over the devices present.
   """
-  config, model_config = ckpt.run_config(workdir, config_overrides)
-  checkpointer = ckpt.Checkpointer(workdir, config.train, read_only=True, data_since=ckpt.data_since(workdir))
+  config, model_config = rundir.run_config(workdir, config_overrides)
+  checkpointer = ckpt.Checkpointer(workdir, config.train, read_only=True, data_since=rundir.data_since(workdir))
   if checkpointer.latest_step() is None:
     raise ckpt.CheckpointError(f'No checkpoint in {checkpointer.directory}; train first or check --workdir.')
-  setup, state = setup_run(config, workdir, model_config, ckpt.read_rng_impl(workdir))
+  setup, state = setup_run(config, workdir, model_config, rundir.read_rng_impl(workdir))
   latest, restored = checkpointer.restore_newest_intact(ckpt.restore_target(setup.spec))
   state = dataclasses.replace(state, params=restored['model']['params'], extra=restored['model']['extra'])
   state, step = evaluated_state(setup, state, checkpointer, latest)
@@ -263,8 +264,8 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
   prepared, model = task_class(config.family).import_hf(config, hf_dir, state_lib.make_rngs(config.seed, rng_impl))
   with WorkdirGuard(workdir):
     prepared.tokenizer.save(workdir)
-    ckpt.save_config(_with_model_of(config, prepared.model_config), workdir)
-    ckpt.save_model_config(prepared.model_config, rng_impl, workdir)
+    rundir.save_config(_with_model_of(config, prepared.model_config), workdir)
+    rundir.save_model_config(prepared.model_config, rng_impl, workdir)
     _, params, extra = nnx.split(model, nnx.Param, ...)
     tx, _ = make_optimizer(config.train)
     checkpointer = ckpt.Checkpointer(workdir, config.train)

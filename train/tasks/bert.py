@@ -16,7 +16,6 @@ the source's position vectors fill the first rows and the others are learned in 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import grain
@@ -32,6 +31,7 @@ from data.tokenizers import load_tokenizer
 from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
 from train import task as task_lib
+from train.rundir import run_config
 from train.losses import classification_loss, example_weights, token_cross_entropy
 from train import classification
 
@@ -110,17 +110,9 @@ class Task(task_lib.Task):
   def resolved_from_tokenizer(cls, config, tokenizer):
     return {'vocab_size': config.model.vocab_size or tokenizer.vocab_size, 'heads': HEADS[config.task]}
 
-  @classmethod
-  def legacy_model_config(cls, saved_config, tokenizer):
-    heads = saved_config.model.get('heads') or HEADS[saved_config.task]
-    labels = tuple(json.loads(saved_config.data.labels)) if saved_config.data.get('labels') else ()
-    return cls.resolve_model_config(saved_config, None, vocab_size=saved_config.model.vocab_size or tokenizer.vocab_size, heads=heads,
-                                     num_classes=saved_config.model.get('num_classes', 0), labels=labels)
-
   @staticmethod
   def _source_run(source: str) -> tuple[BertConfig, object]:
     """(model config, tokenizer) of the run fine-tuning starts from (they must match its weights)."""
-    from train.checkpoint import run_config
     source_config, source_model = run_config(source)
     if source_config.family != 'bert':
       raise ConfigError(f'config.init_from={source} is a {source_config.family!r} run; BERT starts from a bert run.')

@@ -6,7 +6,6 @@ run's model.json), so a reloaded run predicts names without reading the data.
 """
 from __future__ import annotations
 
-import json
 
 from flax import nnx
 
@@ -39,12 +38,6 @@ class Task(task_lib.Task):
   @classmethod
   def resolved_from_tokenizer(cls, config, tokenizer):
     return {'vocab_size': tokenizer.vocab_size}
-
-  @classmethod
-  def legacy_model_config(cls, saved_config, tokenizer):
-    labels = tuple(json.loads(saved_config.data.labels))
-    return cls.resolve_model_config(saved_config, None, **cls.resolved_from_tokenizer(saved_config, tokenizer),
-                                    num_classes=len(labels), labels=labels)
 
   def build_model(self, rngs):
     return TransformerClassifier(self.model_config, rngs=rngs)
