@@ -10,92 +10,35 @@
   python launch.py --config=configs/gpt.py:gpt2 --mode=compile --compile_target=h100  # compile only: kernels, memory
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
 
-`train` resumes when `--workdir` holds a checkpoint. `eval` and `predict` rebuild the run from
-its own config.json and model.json, with the `--config.*` overrides given applied on top
-(checked against that file: configs/run.py). Each mode but `train` ends with one JSON line on
-stdout. A user mistake (`errors.UserError`) ends with one line on stderr and exit status 1.
+`--config=FILE[:preset]` names the config: by default configs/default.py, for `import_hf` the
+family of the HF directory's config.json. `train` resumes when `--workdir` holds a checkpoint.
+`eval` and `predict` rebuild the run from its own config.json and model.json, with the
+`--config.*` overrides given applied on top (checked against that file: configs/run.py). Each
+mode but `train` ends with one JSON line on stdout. A user mistake (`errors.UserError`, a bad flag
+or override) ends with one line on stderr and exit status 1.
 
   printf 'a text\n' | python launch.py --mode=predict --workdir=runs/bert-bbc --config.task=features --input=-
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import re
 import sys
 import time
+from typing import NoReturn
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
 import storage
 from errors import UserError
 
-
-def _flag_value(argv, name: str) -> str | None:
-  """The last value of `--name=VALUE` or `--name VALUE` in argv (before parsing), else None."""
-  value = None
-  for i, arg in enumerate(argv):
-    if arg.startswith(f'--{name}='):
-      value = arg.split('=', 1)[1]
-    elif arg == f'--{name}' and i + 1 < len(argv):
-      value = argv[i + 1]
-  return value
-
-
-# --mode=import_hf without --config: the config of the HF directory's config.json `model_type`.
-HF_IMPORT_CONFIGS = {'gpt2': 'configs/gpt.py:gpt2', 'llama': 'configs/gpt.py:llama', 'bert': 'configs/bert.py:base'}
-
-
-def hf_model_type(hf_dir: str | None) -> str | None:
-  """The `model_type` of hf_dir/config.json; None when there is no readable one."""
-  try:
-    with open(os.path.join(hf_dir or '', 'config.json')) as f:
-      return json.load(f).get('model_type')
-  except (OSError, ValueError, AttributeError):
-    return None
-
-
-def _with_config_file(argv: list[str]) -> list[str]:
-  """argv with an explicit `--config=` when none is given but one follows from the others.
-
-  import_hf: the family (and its full-size preset) of the HF directory's model_type
-  (HF_IMPORT_CONFIGS). eval/predict with `--config.*` overrides: `configs/run.py:<workdir>`, so that
-  the overrides are checked against (and applied to) the run's own config.json instead of
-  configs/default.py. Other modes with overrides: the default file, named, so that the overrides
-  are parsed (and their mistakes reported) by `parse_flags`.
-  """
-  if _flag_value(argv, 'config') is not None:
-    return list(argv)
-  import_config = HF_IMPORT_CONFIGS.get(hf_model_type(_flag_value(argv, 'hf_dir')))
-  if _flag_value(argv, 'mode') == 'import_hf' and import_config:
-    return [argv[0], f'--config={import_config}', *argv[1:]]
-  if not any(re.match(r'--(no)?config\.', a) for a in argv):
-    return list(argv)
-  if _flag_value(argv, 'mode') in ('eval', 'predict') and _flag_value(argv, 'workdir'):
-    return [argv[0], f'--config=configs/run.py:{_flag_value(argv, "workdir")}', *argv[1:]]
-  return [argv[0], '--config=configs/default.py', *argv[1:]]
-
-
-def _compile_mode_environment(argv: list[str]) -> None:
-  """--mode=compile runs nothing, so JAX needs no backend but the CPU (an installed CUDA plugin fails
-  to start without a GPU), and --compile_target=cpu-N needs N host devices. These must be set before
-  JAX is imported; every import of JAX in this file comes after this."""
-  if _flag_value(argv, 'mode') != 'compile':
-    return
-  os.environ['JAX_PLATFORMS'] = 'cpu'
-  # libtpu locks /tmp/libtpu_lockfile for the TPU it drives; compiling drives none, so let two compiles share it.
-  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-  cpu_devices = re.fullmatch(r'cpu-(\d+)', _flag_value(argv, 'compile_target') or '')
-  if cpu_devices:  # XLA reads its flags left to right: the last count wins
-    count_flag = f'--xla_force_host_platform_device_count={cpu_devices.group(1)}'
-    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {count_flag}'.strip()
-
-
-_compile_mode_environment(sys.argv)
-ARGV = _with_config_file(sys.argv)
-config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].', lock_config=True,
-                                sys_argv=ARGV)
+# `--config=FILE[:preset]` and its `--config.<key>=<value>` overrides are defined by parse_flags: the
+# override flags follow from the config, which is loaded only once the other flags say which one.
 flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config>-<preset>-<timestamp>).')
 flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf', 'export_hf', 'bench', 'compile'],
                   'What to do.')
@@ -117,9 +60,136 @@ flags.DEFINE_integer('num_processes', None, 'Number of processes, for manual mul
 flags.DEFINE_integer('process_id', None, 'This process index, for manual multi-process launches.')
 FLAGS = flags.FLAGS
 
+CONFIG_HELP = 'Config file[:preset] (default: configs/default.py, or the one --mode implies).'
+# --mode=import_hf without --config: the config of the HF directory's config.json `model_type`.
+HF_IMPORT_CONFIGS = {'gpt2': 'configs/gpt.py:gpt2', 'llama': 'configs/gpt.py:llama', 'bert': 'configs/bert.py:base'}
+OVERRIDE = re.compile(r'-{1,2}(?:no)?config\.([^=]+)')  # the key of a --config.<key>=<value> argument
 
-def default_workdir(config_arg: str, prefix: str = '') -> str:
-  path, _, preset = config_arg.partition(':')
+
+@dataclasses.dataclass(frozen=True)
+class Invocation:
+  """What parse_flags hands to main besides FLAGS."""
+  config_spec: str | None  # the FILE[:preset] that FLAGS.config was loaded from; None: an empty config
+  argv: list[str]  # the command line as given: a sweep passes its --config flags on to every trial
+  positional: list[str]  # arguments that are not flags (none is accepted)
+
+
+# The modes. Each takes the run directory (--workdir, or a new one for train, bench and compile),
+# reads its other flags from FLAGS and prints its one JSON line.
+
+def train_mode(workdir: str) -> None:
+  import jax
+  from train import trainer
+  leader = jax.process_index() == 0
+  if leader:
+    print(f'workdir: {workdir}', flush=True)
+  results = trainer.train_and_evaluate(FLAGS.config, workdir)
+  if not leader:
+    return
+  if not results.get('preempted'):
+    print('\nReload this run (Python or Colab):\n'
+          '  from train.rundir import load_run\n'
+          f'  run = load_run({workdir!r})\n'
+          "  run.predict(['...'])   # or call run.model(...) directly\n", flush=True)
+  print_line({'mode': 'train', 'workdir': workdir, **results})
+
+
+def eval_mode(workdir: str) -> None:
+  from train import trainer
+  print_line({'mode': 'eval', 'workdir': workdir, **trainer.evaluate_run(workdir, explicit_overrides())})
+
+
+def predict_mode(workdir: str) -> None:
+  """Each --input line and its output, the outputs also in --output."""
+  from train.rundir import load_run
+  lines = read_lines(FLAGS.input)
+  if not lines:
+    raise UserError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
+  if FLAGS.output:
+    prepare_output(FLAGS.output)
+  run = load_run(workdir, config_overrides=explicit_overrides())
+  outputs = jsonable(run.predict(lines))
+  if FLAGS.output:
+    storage.path(FLAGS.output).write_text(''.join(json.dumps(o) + '\n' for o in outputs))
+  for line, output in zip(lines, outputs):
+    print(f'>>> {line}\n{output}', flush=True)
+  print_line({'mode': 'predict', 'workdir': workdir, 'step': run.step, 'outputs': outputs})
+
+
+def import_hf_mode(workdir: str) -> None:
+  from train import trainer
+  if not FLAGS.hf_dir:
+    raise app.UsageError('--mode=import_hf needs --hf_dir=DIR (config.json + weights).')
+  check_import_family(FLAGS.hf_dir, FLAGS.config.family)
+  print_line({'mode': 'import_hf', 'workdir': workdir,
+              **trainer.import_hf_run(FLAGS.config, FLAGS.hf_dir, workdir)})
+
+
+def export_hf_mode(workdir: str) -> None:
+  if not FLAGS.hf_dir:
+    raise app.UsageError('--mode=export_hf needs --hf_dir=DIR (a new directory to write).')
+  from interop import check_export, export_run
+  from train.rundir import load_run, read_config
+  check_export(read_config(workdir).family, FLAGS.hf_dir)  # before the checkpoint loads
+  print_line({'mode': 'export_hf', 'workdir': workdir, 'hf_dir': FLAGS.hf_dir,
+              **export_run(load_run(workdir), FLAGS.hf_dir)})
+
+
+def bench_mode(workdir: str) -> None:
+  """Writes nothing: the workdir is unused."""
+  del workdir
+  if FLAGS.bench_steps < 1:
+    raise app.UsageError(f'--bench_steps={FLAGS.bench_steps}: time at least 1 step.')
+  from train.bench import run_benchmark
+  print_line(run_benchmark(FLAGS.config, steps=FLAGS.bench_steps, profile_dir=FLAGS.bench_profile,
+                           decode=FLAGS.bench_decode))
+
+
+def compile_mode(workdir: str) -> None:
+  """The config's steps compiled for --compile_target (with JAX on the CPU: set_compile_environment)."""
+  if not FLAGS.compile_target:
+    raise app.UsageError('--mode=compile needs --compile_target (cpu, cpu-8, h100, h100x8, h200, v5e-8, ...).')
+  from train import aot
+  print_line({'mode': 'compile', **aot.compile_for_target(FLAGS.config, FLAGS.compile_target, workdir)})
+
+
+MODES = {'train': train_mode, 'eval': eval_mode, 'predict': predict_mode, 'import_hf': import_hf_mode,
+         'export_hf': export_hf_mode, 'bench': bench_mode, 'compile': compile_mode}
+NEW_WORKDIR_MODES = ('train', 'bench', 'compile')  # the others read a run, so --workdir must name one
+
+
+def main(invocation: Invocation) -> None:
+  """Runs the sweep of --sweep, or else the --mode."""
+  if invocation.positional:
+    raise app.UsageError(f'Unexpected arguments: {invocation.positional}')
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
+  if FLAGS.sweep:
+    from train import sweep
+    sweep.run_sweep_from_flags(FLAGS, invocation.argv)
+    return
+  if not FLAGS.workdir and FLAGS.mode not in NEW_WORKDIR_MODES:
+    raise app.UsageError(f'--mode={FLAGS.mode} needs --workdir.')
+  prefix = f'compile-{FLAGS.compile_target}-' if FLAGS.mode == 'compile' else ''
+  maybe_initialize_distributed()
+  MODES[FLAGS.mode](FLAGS.workdir or default_workdir(invocation.config_spec, prefix))
+
+
+def run_main(invocation: Invocation) -> None:
+  """User mistakes (errors.UserError) end with one message and exit status 1, not a traceback."""
+  try:
+    main(invocation)
+  except UserError as e:
+    exit_with_error(str(e))
+  except KeyboardInterrupt:  # Ctrl-C (or SIGTERM during setup): the trainer kept what was complete
+    print('Interrupted.', file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+# What the modes share.
+
+def default_workdir(config_spec: str, prefix: str = '') -> str:
+  path, _, preset = config_spec.partition(':')
   name = os.path.splitext(os.path.basename(path))[0]
   return os.path.join('runs', f'{prefix}{name}-{preset or "default"}-{time.strftime("%Y%m%d-%H%M%S")}')
 
@@ -133,6 +203,11 @@ def maybe_initialize_distributed() -> None:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
                                process_id=FLAGS.process_id)
+
+
+def explicit_overrides() -> dict:
+  """{'task': 'features', ...}: the `--config.<key>=<value>` overrides given on the command line."""
+  return dict(config_flags.get_override_values(FLAGS['config']))
 
 
 def read_lines(path: str) -> list[str]:
@@ -163,97 +238,13 @@ def prepare_output(location: str) -> None:
                     f'name a file in a directory you can write.') from None
 
 
-def predict(workdir: str) -> None:
-  """--mode=predict: each --input line and its output, the outputs also in --output, one JSON line."""
-  from train.rundir import load_run
-  lines = read_lines(FLAGS.input)
-  if not lines:
-    raise UserError('--mode=predict got no input lines; pass --input=FILE or pipe lines into stdin.')
-  if FLAGS.output:
-    prepare_output(FLAGS.output)
-  run = load_run(workdir, config_overrides=explicit_overrides())
-  outputs = _jsonable(run.predict(lines))
-  if FLAGS.output:
-    storage.path(FLAGS.output).write_text(''.join(json.dumps(o) + '\n' for o in outputs))
-  for line, output in zip(lines, outputs):
-    print(f'>>> {line}\n{output}', flush=True)
-  print(json.dumps({'mode': 'predict', 'workdir': workdir, 'step': run.step, 'outputs': outputs}), flush=True)
-
-
-def explicit_overrides() -> dict:
-  """{'task': 'features', ...}: the `--config.<key>=<value>` overrides given on the command line."""
-  if not FLAGS['config'].present:
-    return {}
-  return dict(config_flags.get_override_values(FLAGS['config']))
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  from absl import logging
-  logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
-  if FLAGS.sweep:
-    from train import sweep
-    sweep.run_sweep_from_flags(FLAGS, sys.argv)
-    return
-  maybe_initialize_distributed()
-  import jax
-  from train import trainer
-  from train.rundir import load_run
-  config_arg = FLAGS['config'].config_filename if hasattr(FLAGS['config'], 'config_filename') else 'default'
-  mode = FLAGS.mode
-  workdir = FLAGS.workdir or (default_workdir(config_arg, prefix=f'compile-{FLAGS.compile_target}-')
-                              if mode == 'compile' else default_workdir(config_arg))
-  if mode not in ('train', 'bench', 'compile') and not FLAGS.workdir:
-    raise app.UsageError(f'--mode={mode} needs --workdir.')
-  if mode == 'train':
-    if jax.process_index() == 0:
-      print(f'workdir: {workdir}', flush=True)
-    results = trainer.train_and_evaluate(FLAGS.config, workdir)
-    if jax.process_index() == 0:
-      if not results.get('preempted'):
-        print('\nReload this run (Python or Colab):\n'
-              '  from train.rundir import load_run\n'
-              f'  run = load_run({workdir!r})\n'
-              "  run.predict(['...'])   # or call run.model(...) directly\n", flush=True)
-      print(json.dumps({'mode': 'train', 'workdir': workdir, **_jsonable(results)}), flush=True)
-  elif mode == 'eval':
-    results = trainer.evaluate_run(workdir, explicit_overrides())
-    print(json.dumps({'mode': 'eval', 'workdir': workdir, **_jsonable(results)}), flush=True)
-  elif mode == 'predict':
-    predict(workdir)
-  elif mode == 'import_hf':
-    if not FLAGS.hf_dir:
-      raise app.UsageError('--mode=import_hf needs --hf_dir=DIR (config.json + weights).')
-    check_import_family(FLAGS.hf_dir, FLAGS.config.family)
-    results = trainer.import_hf_run(FLAGS.config, FLAGS.hf_dir, workdir)
-    print(json.dumps({'mode': 'import_hf', 'workdir': workdir, **_jsonable(results)}), flush=True)
-  elif mode == 'export_hf':
-    if not FLAGS.hf_dir:
-      raise app.UsageError('--mode=export_hf needs --hf_dir=DIR (a new directory to write).')
-    from interop import check_export, export_run
-    from train.rundir import read_config
-    check_export(read_config(workdir).family, FLAGS.hf_dir)  # before the checkpoint loads
-    results = export_run(load_run(workdir), FLAGS.hf_dir)
-    print(json.dumps({'mode': 'export_hf', 'workdir': workdir, 'hf_dir': FLAGS.hf_dir, **results}), flush=True)
-  elif mode == 'bench':
-    if FLAGS.bench_steps < 1:
-      raise app.UsageError(f'--bench_steps={FLAGS.bench_steps}: time at least 1 step.')
-    from train.bench import run_benchmark
-    results = run_benchmark(FLAGS.config, steps=FLAGS.bench_steps, profile_dir=FLAGS.bench_profile,
-                            decode=FLAGS.bench_decode)
-    print(json.dumps(_jsonable(results)), flush=True)
-  elif mode == 'compile':
-    run_compile_mode(workdir)
-
-
-def run_compile_mode(workdir: str) -> None:
-  """--mode=compile: the config's steps compiled for --compile_target, described in one JSON line."""
-  if not FLAGS.compile_target:
-    raise app.UsageError('--mode=compile needs --compile_target (cpu, cpu-8, h100, h100x8, h200, v5e-8, ...).')
-  from train import aot
-  results = aot.compile_for_target(FLAGS.config, FLAGS.compile_target, workdir)
-  print(json.dumps({'mode': 'compile', **_jsonable(results)}), flush=True)
+def hf_model_type(hf_dir: str | None) -> str | None:
+  """The `model_type` of hf_dir/config.json; None when there is no readable one."""
+  try:
+    with open(os.path.join(hf_dir or '', 'config.json')) as f:
+      return json.load(f).get('model_type')
+  except (OSError, ValueError, AttributeError):
+    return None
 
 
 def check_import_family(hf_dir: str, family: str) -> None:
@@ -270,12 +261,12 @@ def check_import_family(hf_dir: str, family: str) -> None:
                     f'config given; drop --config (it follows from config.json) or pass --config={expected}.')
 
 
-def _jsonable(value):
+def jsonable(value):
   import numpy as np
   if isinstance(value, dict):
-    return {str(k): _jsonable(v) for k, v in value.items()}
+    return {str(k): jsonable(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
-    return [_jsonable(v) for v in value]
+    return [jsonable(v) for v in value]
   if isinstance(value, np.ndarray):
     return value.tolist()
   if isinstance(value, (np.floating, np.integer)):
@@ -283,82 +274,144 @@ def _jsonable(value):
   return value
 
 
-def _unknown_override(argv) -> str | None:
-  """The message for the first `--config.<key>=` override whose key the config file lacks."""
-  import importlib.util
-  spec_arg = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), 'configs/default.py')
-  path, _, preset = spec_arg.partition(':')
-  spec = importlib.util.spec_from_file_location('_launch_config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(preset) if preset else module.get_config()
+def print_line(result: dict) -> None:
+  print(json.dumps(jsonable(result)), flush=True)
+
+
+def exit_with_error(message: str) -> NoReturn:
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
+# Flag parsing.
+
+def parse_flags(argv: list[str]) -> Invocation:
+  """absl's parsing of argv, with the config file executed exactly once; app.run hands the result to main.
+
+  First the flags defined above, leaving `--config=...` and the `--config.*` overrides; these say
+  which config file to load (config_spec). Its config then defines the override flags, and the
+  rest is parsed. A mistake in any flag, the config file or an override ends with one line on
+  stderr and exit status 1, before anything runs.
+  """
+  try:
+    rest = FLAGS(argv, known_only=True)
+    set_compile_environment()
+    given, rest = split_config_flag(rest)
+    spec = config_spec(given, has_overrides=any(OVERRIDE.match(a) for a in rest))
+    config = load_config(spec)
+    check_override_keys(config, spec, rest)
+    config_flags.DEFINE_config_dict('config', config, CONFIG_HELP, lock_config=True, sys_argv=rest)
+    FLAGS['config'].default_as_str = None  # --help: CONFIG_HELP names the default, not the whole config
+    return Invocation(config_spec=spec, argv=list(argv), positional=FLAGS(rest)[1:])
+  except UserError as e:
+    exit_with_error(str(e))
+  except Exception as e:  # noqa: BLE001 - absl and config_flags raise many kinds for a bad value
+    exit_with_error('bad flag or config override: ' + one_line(e))
+
+
+def set_compile_environment() -> None:
+  """--mode=compile runs nothing, so JAX needs no backend but the CPU (an installed CUDA plugin fails
+  to start without a GPU), and --compile_target=cpu-N needs N host devices. JAX reads these when it
+  is imported, so they are set here, before anything imports it (launch.py's own imports do not)."""
+  if FLAGS.mode != 'compile':
+    return
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  # libtpu locks /tmp/libtpu_lockfile for the TPU it drives; compiling drives none, so let two compiles share it.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  cpu_devices = re.fullmatch(r'cpu-(\d+)', FLAGS.compile_target or '')
+  if cpu_devices:  # XLA reads its flags left to right: the last count wins
+    count_flag = f'--xla_force_host_platform_device_count={cpu_devices.group(1)}'
+    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {count_flag}'.strip()
+
+
+def split_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
+  """(the value of the last `--config=FILE[:preset]` or `--config FILE[:preset]` in args, or None;
+  args without it)."""
+  given, rest = None, []
+  args = iter(args)
+  for arg in args:
+    match = re.fullmatch(r'--?config(=(.*))?', arg, re.DOTALL)
+    if match is None:
+      rest.append(arg)
+    else:
+      given = match.group(2) if match.group(1) else next(args, '')
+  return given, rest
+
+
+def config_spec(given: str | None, has_overrides: bool) -> str | None:
+  """The FILE[:preset] to load: --config when given, else the one the other flags imply.
+
+  import_hf: the family (and full-size preset) of --hf_dir's config.json model_type
+  (HF_IMPORT_CONFIGS). eval/predict with `--config.*` overrides: configs/run.py:<workdir>, so
+  that the overrides are checked against (and applied to) the run's own config.json instead of
+  configs/default.py. None when nothing asks for a config and nothing uses one: eval, predict and
+  export_hf rebuild the run from its own files, a sweep gives each trial its own. Otherwise
+  configs/default.py.
+  """
+  if given is not None:
+    return given
+  if FLAGS.mode == 'import_hf' and hf_model_type(FLAGS.hf_dir) in HF_IMPORT_CONFIGS:
+    return HF_IMPORT_CONFIGS[hf_model_type(FLAGS.hf_dir)]
+  if not has_overrides and (FLAGS.sweep or FLAGS.mode in ('eval', 'predict', 'export_hf')):
+    return None
+  if FLAGS.mode in ('eval', 'predict') and FLAGS.workdir:
+    return f'configs/run.py:{FLAGS.workdir}'
+  return 'configs/default.py'
+
+
+def load_config(spec: str | None) -> ml_collections.ConfigDict:
+  """The config of `FILE[:preset]`: FILE's get_config(preset), or get_config() without a preset;
+  an empty config for None.
+
+  This is the one execution of FILE. UserError when FILE is missing, when a configs/run.py
+  workdir has no config.json, or when FILE raises (its message, e.g. an unknown preset).
+  """
+  if spec is None:
+    return ml_collections.ConfigDict()
+  path, colon, preset = spec.partition(':')
+  check_config_file(spec)
+  module_spec = importlib.util.spec_from_file_location('launch_config', path)
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+    return module.get_config(preset) if colon else module.get_config()
+  except Exception as e:  # noqa: BLE001 - whatever the config file raises, as one line
+    raise UserError('bad flag or config override: ' + one_line(e)) from None
+
+
+def check_config_file(spec: str) -> None:
+  """UserError when spec's file is not there, or names a run (configs/run.py:<workdir>) without config.json."""
+  path, colon, workdir = spec.partition(':')
+  if not os.path.isfile(path):
+    configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+    names = sorted(n for n in os.listdir(configs) if n.endswith('.py') and n not in ('__init__.py', 'base.py', 'run.py'))
+    problem = 'is a directory' if os.path.isdir(path) else 'does not exist'
+    raise UserError(f'--config={spec}: {path or "(no file)"} {problem}. Name a config file, one of '
+                    f'configs/{{{",".join(names)}}} with an optional :preset, e.g. --config=configs/gpt.py:tiny.')
+  if path == 'configs/run.py' and colon and not storage.path(os.path.join(workdir, 'config.json')).exists():
+    raise UserError(f'--config.* overrides with --mode={FLAGS.mode} apply to the run\'s own config.json, and '
+                    f'{os.path.join(workdir, "config.json")} was not found; pass the --workdir of a trained run.')
+
+
+def check_override_keys(config, spec: str | None, args: list[str]) -> None:
+  """UserError for the first `--config.<key>=` override in args whose key the config lacks, naming
+  the closest key."""
+  keys = [match.group(1) for match in map(OVERRIDE.match, args) if match]
+  if not keys:
+    return
   from train.validation import flatten, unknown_key_message
   known = flatten(config)
-  for arg in argv:
-    if arg.startswith('--config.'):
-      key = arg[len('--config.'):].split('=', 1)[0]
-      if key not in known and not any(k.startswith(key + '.') for k in known):
-        where = (f'{os.path.join(preset, "config.json")} (the run being reloaded)' if path == 'configs/run.py'
-                 else f'{path} and configs/base.py')
-        return unknown_key_message(key, known, where)
-  return None
+  for key in keys:
+    if key not in known and not any(k.startswith(key + '.') for k in known):
+      path, _, preset = spec.partition(':')
+      where = (f'{os.path.join(preset, "config.json")} (the run being reloaded)' if path == 'configs/run.py'
+               else f'{path} and configs/base.py')
+      raise UserError(unknown_key_message(key, known, where))
 
 
-def _missing_config_file(config_arg: str | None) -> str | None:
-  """The message for a `--config=FILE[:preset]` whose file is not there (config_flags reports it
-  only when the config is first used, as two chained tracebacks)."""
-  path = (config_arg or '').partition(':')[0]
-  if not path or os.path.isfile(path):
-    return None
-  configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
-  names = sorted(n for n in os.listdir(configs) if n.endswith('.py') and n not in ('__init__.py', 'base.py', 'run.py'))
-  problem = 'is a directory' if os.path.isdir(path) else 'does not exist'
-  return (f'--config={config_arg}: {path} {problem}. Name a config file, one of configs/{{{",".join(names)}}} '
-          f'with an optional :preset, e.g. --config=configs/gpt.py:tiny.')
-
-
-def parse_flags(argv):
-  """absl flag parsing, with config override mistakes (unknown key, bad value) as one clear line."""
-  argv = _with_config_file(argv)
-  run_file = _flag_value(argv, 'config')
-  missing = _missing_config_file(run_file)
-  if missing:
-    print(f'error: {missing}', file=sys.stderr)
-    sys.exit(1)
-  if run_file and run_file.startswith('configs/run.py:'):
-    path = os.path.join(run_file.split(':', 1)[1], 'config.json')
-    try:
-      found = storage.path(path).exists()
-    except UserError as e:  # a gs:// workdir without gcsfs or credentials
-      print(f'error: {e}', file=sys.stderr)
-      sys.exit(1)
-    if not found:
-      print(f'error: --config.* overrides with --mode={_flag_value(argv, "mode")} apply to the run\'s own '
-            f'config.json, and {path} was not found; pass the --workdir of a trained run.', file=sys.stderr)
-      sys.exit(1)
-  try:
-    return FLAGS(argv)
-  except Exception as e:  # noqa: BLE001 - config_flags raises AttributeError/KeyError/ValueError
-    try:
-      message = _unknown_override(argv)
-    except Exception:  # noqa: BLE001 - the config file itself is broken: show the original error
-      message = None
-    if message is None:
-      message = 'bad flag or config override: ' + str(e).strip().replace('\\n', ' ').replace("\\'", "'")
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(1)
-
-
-def run_main(argv):
-  """User mistakes (errors.UserError) end with one message and exit status 1, not a traceback."""
-  try:
-    main(argv)
-  except UserError as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)
-    sys.exit(1)
-  except KeyboardInterrupt:  # Ctrl-C (or SIGTERM during setup): the trainer kept what was complete
-    print('Interrupted.', file=sys.stderr, flush=True)
-    sys.exit(130)
+def one_line(error: Exception) -> str:
+  """error's message on one line (absl quotes the values it rejects, escaping their newlines)."""
+  return ' '.join(str(error).strip().replace('\\n', ' ').replace("\\'", "'").split('\n'))
 
 
 if __name__ == '__main__':
