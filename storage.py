@@ -5,9 +5,8 @@ events, pictures, predictions, exports, sweep tables) is read and written throug
 `--workdir=gs://bucket/run` works wherever a local directory does; Orbax writes the checkpoints
 through epath and TensorStore. Without TensorFlow, epath reaches gs:// through `gcsfs`.
 
-Real GCS needs Application Default Credentials (`gcloud auth application-default login`, or
-GOOGLE_APPLICATION_CREDENTIALS=key.json, or a TPU/GCE VM's service account). A GCS emulator
-needs the variables of `emulator_environment(url)`; README.md 'Cloud workdirs' lists both.
+Real GCS needs Application Default Credentials, an emulator the variables of
+`emulator_environment(url)` (README.md 'Cloud workdirs').
 
 Writes that must never be seen half-done use `write_atomically`: on local disk the file is
 written aside and renamed; a GCS object is complete or absent by itself (an upload becomes

@@ -24,12 +24,8 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
   c.model.dropout = 0.1
 
-  # Splits (the rule, for every family; details in data/sources.py): a source named for a split is
-  # used whole (a file, a glob, a TFDS split); a split not named is carved out of `source` by a
-  # deterministic hash split (or its own held-out data: numbers_en_fr, TFDS translation sets), and
-  # `source` trains on the rest. Only `source`: train/valid/test all out of it. `source` +
-  # `eval_source`: source trains whole, eval_source is validation and test. `source` +
-  # `test_source`: validation out of source, test_source is test. All three: each whole.
+  # Splits: a source named for a split is used whole; a split not named is carved out of `source`,
+  # which trains on the rest (the rule: data/sources.py).
   c.data = ml_collections.ConfigDict()
   c.data.source = ''  # training: 'tfds:<name>[:<split>]', 'text:<glob>', 'tsv:<path>' or a built-in name
   c.data.eval_source = ''  # validation (evaluated during training, picks the best checkpoint); '' = out of `source`

@@ -29,7 +29,7 @@ so wall times vary with the load; CPU time is user + sys):
     with --config.train.lr=1e-3: from scratch 0.969 / 0.967 (valid 0.937; 5.3 min wall, 6.6 CPU-min),
     from pretraining 0.924 / 0.921 (valid 0.901; 6.8 min wall, 6.8 CPU-min). The preset keeps
     lr 5e-4, the best valid score of these four runs (the test split chose nothing).
-    the same at 128 tokens (the previous preset): from scratch 0.919 / 0.921 (valid 0.932),
+    the same at 128 tokens: from scratch 0.919 / 0.921 (valid 0.932),
     from pretraining 0.852 / 0.845 (valid 0.878)
     TF-IDF + logistic regression 0.982 / 0.982   (scripts/tfidf_baseline.py, same split)
     the Transformer classifier   see configs/classifier.py (trained from scratch, 512 tokens)
@@ -131,7 +131,7 @@ def get_config(preset: str = 'default'):
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
-  # ids are never predicted. Runs saved before this key hold unpadded models (vocab_multiple=1).
+  # ids are never predicted. A run config without this key is unpadded (vocab_multiple=1).
   c.model.vocab_multiple = 128
   c.model.type_vocab_size = 2
   c.model.attention_dropout = 0.1

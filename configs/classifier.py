@@ -8,10 +8,10 @@ the 223 test articles, valid accuracy on 222, settings chosen on valid only:
   default, 512 tokens, 400 steps of 32 (7 epochs)  0.969 / 0.967  (valid 0.964; 9.5 CPU-min, 21 min wall)
   the same with model.dropout=0.2                   0.955 / 0.951  (valid 0.964, a tie: 0.1 kept; 9.4 CPU-min,
                                                                     11 min wall)
-  the previous default, 128 tokens, 400 steps       0.933 / 0.933  (valid 0.914; 12 min wall at load ~10)
+  128 tokens, 400 steps                             0.933 / 0.933  (valid 0.914; 12 min wall at load ~10)
   1,024 tokens (95% of the articles whole): about 3x slower per step (an estimated 25 minutes
   wall here), stopped after 40 steps, not measured
-References on the same split: TF-IDF + logistic regression (scripts/tfidf_baseline.py; remeasured:
+References on the same split: TF-IDF + logistic regression (scripts/tfidf_baseline.py;
 valid 0.995) 0.982 / 0.982; BERT (configs/bert.py, 256 tokens) fine-tuned from scratch 0.951 /
 0.948, after pretraining on bbc_news 0.874 / 0.870.
 The two dropout runs differ by 3 test articles with the same valid score: differences of one or

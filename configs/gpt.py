@@ -79,7 +79,7 @@ def get_config(preset: str = 'default'):
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
-  # ids are never predicted. Runs saved before this key hold unpadded models (vocab_multiple=1).
+  # ids are never predicted. A run config without this key is unpadded (vocab_multiple=1).
   c.model.vocab_multiple = 128
   c.model.num_layers = 4
   c.model.num_heads = 4
@@ -103,9 +103,8 @@ def get_config(preset: str = 'default'):
   c.model.num_kv_heads = 0  # key/value heads: 0 = num_heads (multi-head), 1 = multi-query, else grouped-query
   c.model.use_bias = True
   c.model.tie_embeddings = True  # the output layer is the token embedding's transpose
-  # Cross-entropy this many tokens at a time, so no [B, L, V] float32 logits exist; 0 = all at once.
-  # XLA's temporaries for the bench shapes with GPT-2's 50,257-token vocabulary (8 x 256 tokens, CPU
-  # memory analysis): 1,526 MB at once, 916 MB with 512-token chunks, 867 MB with 256.
+  # Cross-entropy this many tokens at a time, so no [B, L, V] float32 logits exist; 0 = all at once
+  # (README 'Speed' has XLA's temporaries for a few chunk sizes).
   c.train.loss_chunk_tokens = 2048
   c.decode.temperature = 0.8
   c.decode.top_k = 40

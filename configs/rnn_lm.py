@@ -20,9 +20,7 @@ Presets:
   lstm      default with an LSTM cell;  rnn: default with a tanh RNN cell
   tiny      tests: seconds
 
-Both samplers read the same token stream for the same number of steps. Metrics: eval/perplexity
-on held-out windows read from a zero state, and eval/stream_perplexity on the held-out stream read
-with the state carried across windows. Gradients are clipped to global norm train.grad_clip.
+Both samplers read the same token stream for the same number of steps.
 Other data: --config.data.source=text:'/path/*.txt'. Sampler: --config.data.sampler=random|sequential.
 """
 from configs.base import apply_preset, base_config

@@ -37,9 +37,9 @@ plain model closes the gap (seed 0, --config.train.steps=6000 --config.train.eva
 0.000006 at steps 2,000 / 4,000 / 6,000; 11 min 17 s wall, 11.5 min CPU). So at this size
 attention learns the long inputs in a quarter of the steps; it is not the only way to learn them.
 
-Earlier, with the BPE vocabulary of 512 (mostly whole words) these numbers were only ~13 source
-tokens, which the 2 x 64 GRU state carries, so the fixed context was not the bottleneck and
-attention did not reliably win (4,000 steps; add --config.data.tokenizer=bpe
+The long presets with the BPE vocabulary of 512 instead (mostly whole words): these numbers are
+then only ~13 source tokens, which the 2 x 64 GRU state carries, so the fixed context is not the
+bottleneck and attention does not reliably win (4,000 steps; add --config.data.tokenizer=bpe
 --config.data.seq_len=20 --config.train.steps=4000 --config.train.eval_every=1000
 --config.train.checkpoint_every=1000): no attention 99.34 / 99.34 (seed 0), 92.93 / 92.80 (seed 1);
 attention 94.40 / 94.30, 93.68 / 93.84, with diffuse attention weights.

@@ -34,8 +34,8 @@ Parameter counts (they depend on the vocabulary; tests/test_transformer.py check
   base, vocab 37,000:  63,082,496 (the paper's Table 3: 65M)
   big,  vocab 37,000: 214,245,376 (the paper: 213M)
 The differences come from the vocabulary: the paper's shared BPE vocabulary was "about 37,000"
-tokens, and each 1,000 tokens add 0.5M (base) or 1.0M (big) parameters. The layer sizes follow
-the paper exactly (tests/test_transformer.py checks the count against a hand count).
+tokens, and each 1,000 tokens add 0.5M (base) or 1.0M (big) parameters; the layer sizes follow
+the paper exactly.
 """
 import ml_collections
 

@@ -23,12 +23,9 @@ Families with a single held-out split (gpt, rnn_lm, BERT pretraining; none runs 
 evaluation) carve validation only: their test split is the validation split unless named.
 Each family prints one line per split at the start of a run: its size and where it came from.
 
-Every reader fails with one message naming the source and the fix: no files matched, empty or
-undecodable data (naming the file and line), an unknown TFDS name. A tsv file may be gzipped
-(known by its magic bytes) and may end its lines with empty fields (a tab at the end, as
-spreadsheets export); a header line is skipped with data.tsv_header=True, and a first line that
-looks like one (source<TAB>target, text<TAB>label) gets a warning when it is not. Malformed tsv
-lines are skipped and counted, up to data.max_malformed_fraction of the file.
+Every reader fails with one DataError naming the source and the fix (no files matched, empty or
+undecodable data with its file and line, an unknown TFDS name). tsv rules: `read_lines`,
+`tsv_fields`, `check_malformed`.
 """
 from __future__ import annotations
 
@@ -158,13 +155,13 @@ def looks_like_header(line: str) -> bool:
 
 
 def tsv_options(data_config) -> dict:
-  """The read_tsv options a data config sets (configs saved before data.tsv_header skip no line)."""
+  """The read_tsv options a data config sets (one without data.tsv_header skips no line)."""
   return {'max_malformed_fraction': max_malformed_fraction(data_config),
           'header': data_config.get('tsv_header', False)}
 
 
 def max_malformed_fraction(data_config) -> float:
-  """data.max_malformed_fraction, checked (configs saved before the key existed get the default)."""
+  """data.max_malformed_fraction, checked (a config without the key gets the default)."""
   fraction = data_config.get('max_malformed_fraction', MAX_MALFORMED_FRACTION)
   if not 0 <= fraction <= 1:
     raise DataError(f'data.max_malformed_fraction={fraction} must be in [0, 1] (0 = stop at the first '

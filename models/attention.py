@@ -163,7 +163,7 @@ def dot_product_attention(
     return _splash_attention(query, key, value, mask), None
   batch, _, num_heads, depth = query.shape
   kv_heads = key.shape[2]
-  if kv_heads == num_heads:  # multi-head (GPT-2, BERT, ...): these einsums, bit for bit as before GQA
+  if kv_heads == num_heads:  # multi-head (K = H)
     scores = jnp.einsum('bqhd,bkhd->bhqk', query, key)
   else:  # query heads grouped by the K/V head they read: [B, Lq, K, G, D], G = H / K, head h = k * G + g
     grouped = query.reshape(batch, q_len, kv_heads, num_heads // kv_heads, depth)
@@ -334,7 +334,7 @@ class MultiHeadAttention(nnx.Module):
     new entries of a self-attention's (keys rotated to `positions` [B, Lk] with rope).
 
     Caches are head-major, the layout the score and value matmuls read: a [B, L, H, D] cache
-    would be transposed in full at every decoding step (measured: 70% of a GPT decode step).
+    would be transposed in full at every decoding step.
     """
     key = self._split_heads(self.key(inputs_kv))
     if self.rope is not None:

@@ -10,7 +10,7 @@ bias), next-sentence prediction (2-way on the pooled vector) and sequence classi
 109,482,240 parameters, exactly `transformers.BertModel`'s (large: 335,141,888). `vocab_multiple`
 pads the token embedding and the MLM bias (models/layers.py): run configs use 128, so BERT-base
 stores 30,592 rows, 53,760 more parameters (zero, never used: their logits are masked); the
-default 1 is what runs saved before the field existed hold. Parameter names follow the structure
+default 1 (no padding) is what a model.json without the field means. Parameter names follow the structure
 of Hugging Face's BERT closely enough for `interop.hf_bert` to map them one to one.
 
 Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, P masked positions,
@@ -191,8 +191,8 @@ class BertForPretraining(nnx.Module):
     hidden = out.sequence
     if masked_positions is not None:
       # [B, P, L] one-hot x [B, L, E] rather than take_along_axis: the gradient is a batched matmul
-      # instead of a scatter-add into [B, L, E] (on an H100 the train step's slowest fusion was a
-      # scatter). P ~ 0.15 L, so the product costs 2 B P L E FLOPs, little beside the encoder.
+      # instead of a scatter-add into [B, L, E], slow on GPUs. P ~ 0.15 L, so the product costs
+      # 2 B P L E FLOPs, little beside the encoder.
       select = jax.nn.one_hot(masked_positions, hidden.shape[1], dtype=hidden.dtype)
       hidden = jnp.einsum('bpl,ble->bpe', select, hidden, precision=jax.lax.Precision.HIGHEST)
     mlm_logits = self.mlm(hidden, self.encoder.embeddings.token)

@@ -64,8 +64,8 @@ def disk_full_reason(error: BaseException | None) -> str | None:
 
 
 class _NoDiskFullTracebacks(logging.Filter):
-  """Orbax's save threads log a full disk with a traceback each (129 of them in one run); the
-  Checkpointer raises it in the main thread as one DiskFullError instead."""
+  """Orbax's save threads log a full disk with a traceback each; the Checkpointer raises it in the
+  main thread as one DiskFullError instead."""
 
   def filter(self, record):
     error = record.exc_info[1] if record.exc_info else None
@@ -75,7 +75,7 @@ class _NoDiskFullTracebacks(logging.Filter):
 def _without_closed_loop_callbacks(previous_hook):
   """sys.unraisablehook, less the "Event loop is closed" errors of TensorStore writes that finish after
   the save they belong to failed (a full disk): Orbax closed that save's event loop on the first
-  failure, and the failure itself is raised by the save (on a 1 MB disk, 29 tracebacks of 6 lines)."""
+  failure, and the failure itself is raised by the save."""
 
   def hook(unraisable):
     if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == 'Event loop is closed'):
@@ -103,10 +103,8 @@ def _replica_parallel_saving_only_for_large_slices(min_bytes: int = 2**20) -> No
   writes one slice of it) kept for slices of at least `min_bytes`.
 
   Below that, slicing every small array (biases, LayerNorms, their optimizer moments) on every
-  device costs more than it parallelises: on 8 CPU devices the two saves of a 4-step tiny
-  Transformer run took 16.2 s, and 1.9 s with this. (Orbax already turns it off when
-  JAX_PLATFORMS names a GPU.) The metadata store is the one Orbax's default handler has: it
-  records which PRNG implementation a key array uses.
+  device costs more than it parallelises (README, Checkpoints). The metadata store is the one
+  Orbax's default handler has: it records which PRNG implementation a key array uses.
   """
   handler = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
                                            min_slice_bytes_for_replica_parallel=min_bytes)

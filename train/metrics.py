@@ -31,9 +31,9 @@ def _summary_writer_class():
   """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet.
 
   tensorboardX imports torch when it is installed (requirements-dev.txt, for the Hugging Face
-  interop) only to accept torch tensors; this module logs floats, and torch's import costs ~1.5 s
-  of CPU in every training process. A `None` entry in sys.modules makes `import torch` raise
-  ImportError, which tensorboardX treats as torch being absent; torch imports normally afterwards.
+  interop) only to accept torch tensors; this module logs floats, and importing torch is slow. A
+  `None` entry in sys.modules makes `import torch` raise ImportError, which tensorboardX treats
+  as torch being absent; torch imports normally afterwards.
   """
   if 'torch' in sys.modules:
     from tensorboardX import SummaryWriter

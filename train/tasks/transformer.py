@@ -1,19 +1,13 @@
 """Translation with the encoder-decoder Transformer (models/transformer.py).
 
 Data and evaluation are shared with the RNN seq2seq family (train/translation.py). Training
-batches (data/batching.py) are made BATCH_WINDOW at a time from a window of shuffled pairs, in
-one of two ways:
+batches (data/batching.py):
 
-  data.packing=True   `batching.Packed`: several pairs per row (first-fit decreasing over the
-                      window into BATCH_WINDOW * batch rows of data.seq_len, rows then shuffled),
-                      with segment ids that keep every pair's attention and positions its own.
-                      One batch shape for the whole run, and little padding.
-  data.min_bucket_len `batching.LengthBuckets`: one pair per row; the window is sorted by length
-                      and each batch cut to one shared source/target length from a short
-                      geometric list (16, 24, 32, 48, 64, ... up to data.seq_len), so a run
-                      compiles the train step a handful of times (each distinct batch shape is
-                      one XLA compilation). Cutting source and target separately to multiples of
-                      8 would give up to (seq_len / 8)^2 shapes: hundreds at seq_len 128.
+  data.packing=True   `batching.Packed`: several pairs per row with segment ids; one batch shape.
+  data.min_bucket_len `batching.LengthBuckets`: one pair per row, each batch cut to one shared
+                      source/target length of a short geometric list, so the train step compiles
+                      a handful of times (cutting each side to multiples of 8 would give up to
+                      (seq_len / 8)^2 shapes: hundreds at seq_len 128).
 Neither: `batching.Shuffled`, pairs padded to data.seq_len. Evaluation and decoding are never
 packed.
 
