@@ -45,7 +45,7 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import Embed, TransformerBlock, mask_padded_logits, norm_layer, vocab_embedding
+from models.layers import BlockShape, Embed, TransformerBlock, mask_padded_logits, norm_layer, vocab_embedding
 from models.rope import RopeConfig, inverse_frequencies
 
 
@@ -86,6 +86,10 @@ class GPT2Config:
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+  def block_shape(self) -> BlockShape:
+    return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=self.mlp_width,
+                      vocab=self.vocab_size, dtype=self.dtype, remat=self.remat)
 
   @property
   def rope(self) -> RopeConfig:

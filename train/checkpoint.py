@@ -388,6 +388,7 @@ def run_config(workdir: str, overrides: dict | None = None):
   task = get_task(config)
   model_config = read_model_config(workdir, task.model_config_class)
   if model_config is None:
+    task = get_task(_model_fields_only(config, task.model_config_class))
     model_config = task.legacy_model_config(config, task.load_tokenizer(workdir))
   config = _in_current_schema(config)
   for key, value in (overrides or {}).items():
@@ -396,6 +397,17 @@ def run_config(workdir: str, overrides: dict | None = None):
   config = _on_these_devices(config)
   validate_config(config)
   return config, model_config
+
+
+def _model_fields_only(saved, model_config_class: type):
+  """A copy of a saved config without the `model.*` keys that are not fields of `model_config_class`
+  (keys an older schema had, e.g. `model.attention` of families without attention)."""
+  config = saved.copy_and_resolve_references()
+  fields = {f.name for f in dataclasses.fields(model_config_class)}
+  with config.unlocked():
+    for key in [k for k in config.model if k not in fields]:
+      del config.model[key]
+  return config
 
 
 def _with_model_override(model_config, key: str, value, workdir: str):

@@ -96,10 +96,12 @@ class Task:
     return load_tokenizer(workdir)
 
   def resolve_model_config(self, **resolved) -> Any:
-    """`model_config_class` from the `config.model` keys it shares, the 'auto' attention resolved
-    for `self.platform` and the dtype, and `resolved` (values that come from the data) on top."""
-    fields = {f.name for f in dataclasses.fields(self.model_config_class)}
-    values = {k: v for k, v in self.config.model.items() if k in fields}
+    """`model_config_class` from the `config.model` keys (ConfigError for one that is not a field),
+    the 'auto' attention resolved for `self.platform` and the dtype, and `resolved` (values that
+    come from the data) on top."""
+    from train.validation import check_model_fields
+    check_model_fields(self.config.model.keys(), self.model_config_class)
+    values = dict(self.config.model.items())
     if values.get('attention') == 'auto':
       from models.attention import default_attention_implementation
       values['attention'] = default_attention_implementation(values.get('dtype', 'float32'), self.platform)

@@ -148,7 +148,7 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   rng_impl = rng_impl or _run_rng_impl(config, workdir)
   tx, schedule = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
-  memory.log_estimate(config, spec.abstract, spec.shardings, mesh)
+  memory.log_estimate(config, task.model_config, spec.abstract, spec.shardings, mesh)
   state = state_lib.init_state(spec, task.build_model, tx, config.seed)
   eval_step = jax.jit(make_eval_step(task, spec.graphdef))
   setup = Setup(config, task, prepared, mesh, tx, schedule, spec, state, eval_step)
