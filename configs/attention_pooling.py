@@ -18,7 +18,6 @@ from configs.base import base_config
 def get_config(preset: str = 'default'):
   c = base_config('attention_pooling', preset, {'default': {}})
   c.model.initial_width = 0.0  # starting w; 0 = drawn from U(0, 1) as in D2L
-  c.model.dropout = 0.0
   c.data.source = 'd2l_regression'  # generated from config.seed; no other source
   c.train.steps = 200
   c.train.batch_size = 50  # the whole training set in every step
@@ -30,7 +29,6 @@ def get_config(preset: str = 'default'):
   c.train.grad_clip = 0.0
   c.train.eval_every = 50
   c.train.eval_steps = 0
-  c.train.checkpoint_every = 200
   c.train.log_every = 20
   c.train.best_metric = 'eval/mse'
   return c

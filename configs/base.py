@@ -2,6 +2,18 @@
 
 A family's config file calls `base_config(family)` and fills in `model.*` and its presets.
 Overrides: `--config.train.lr=1e-3`, `--config.mesh.fsdp=2`, `--config.data.source=text:/path/*.txt`.
+
+Each default is written once (tests/test_config_schema.py checks it):
+  here          the keys every family reads
+  get_config    the family's own keys and the shared ones it defaults differently; `model.*` are
+                all the family's own, each a field of its model-config dataclass (models/), since
+                validation refuses any other key there
+  PRESETS       only what a preset changes: no entry equal to the value it would get anyway
+A run's model config is its `model.*` keys plus what the data resolves (vocabulary, classes), so
+the model-config dataclasses' defaults of the fields `model.*` holds are never a run's: they are
+the Python API's, and what Hugging Face imports and model.json files saved before a field existed
+get (GPT2Config.vocab_multiple = 1 where runs use 128). Configs are plain data that never import
+models/, so they write a run's defaults themselves.
 """
 import ml_collections
 
@@ -20,9 +32,7 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.compile_cache = '~/.cache/attention-lineage/jax'  # JAX's persistent compilation cache; '' = off
   c.init_from = ''  # workdir of a run whose parameters initialise this one (fine-tuning)
 
-  c.model = ml_collections.ConfigDict()
-  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
-  c.model.dropout = 0.1
+  c.model = ml_collections.ConfigDict()  # the family's model-config fields, filled in by its get_config
 
   # Splits: a source named for a split is used whole; a split not named is carved out of `source`,
   # which trains on the rest (the rule: data/sources.py).

@@ -80,6 +80,10 @@ SIZES = {
     'base': dict(num_layers=12, num_heads=12, width=768, mlp_dim=3072, max_len=512),
     'large': dict(num_layers=24, num_heads=16, width=1024, mlp_dim=4096, max_len=512),
 }
+# BERT-base and BERT-large pretraining (Devlin et al. 2019): the 30,522-token vocabulary, the schedule.
+PRETRAINING = dict(data=dict(vocab_size=30522),
+                   train=dict(steps=1_000_000, batch_size=256, lr=1e-4, schedule='linear', warmup_steps=10_000,
+                              end_lr_fraction=0.0, eval_every=10_000, checkpoint_every=10_000))
 PRESETS = {
     'tiny': dict(model=SIZES['tiny'],
                  data=dict(vocab_size=400, seq_len=32, max_predictions=6, dupe_factor=1, max_examples=1000),
@@ -87,29 +91,23 @@ PRESETS = {
                             checkpoint_every=10, log_every=5)),
     # No dropout: 2,000 steps see each pair about twice, far from overfitting.
     'default': dict(model=dict(**SIZES['default'], dropout=0.0, attention_dropout=0.0),
-                    data=dict(vocab_size=8000, seq_len=128, max_predictions=20, dupe_factor=3),
-                    train=dict(steps=2000, batch_size=32, lr=1e-3, schedule='linear', warmup_steps=200,
+                    data=dict(dupe_factor=3),
+                    train=dict(steps=2000, lr=1e-3, schedule='linear', warmup_steps=200,
                                end_lr_fraction=0.0, eval_every=250, eval_steps=0, checkpoint_every=500,
                                log_every=25)),
     # 256 tokens (the first half of a median article); with init_from=<a default pretraining run>
     # positions 128..255 are new and learned here.
     'finetune': dict(task='classify', model={**SIZES['default'], 'max_len': 256},
-                     data=dict(vocab_size=8000, seq_len=256),
-                     train=dict(steps=340, batch_size=32, lr=5e-4, schedule='linear', warmup_steps=34,
+                     data=dict(seq_len=256),
+                     train=dict(steps=340, lr=5e-4, schedule='linear', warmup_steps=34,
                                 end_lr_fraction=0.0, eval_every=100, eval_steps=0, checkpoint_every=100,
                                 log_every=20, best_metric='eval/accuracy', best_mode='max')),
-    'base': dict(model=SIZES['base'],
-                 data=dict(vocab_size=30522, seq_len=128, max_predictions=20),
-                 train=dict(steps=1_000_000, batch_size=256, lr=1e-4, schedule='linear', warmup_steps=10_000,
-                            end_lr_fraction=0.0, eval_every=10_000, checkpoint_every=10_000)),
+    'base': dict(PRETRAINING, model=SIZES['base']),
     'bench': dict(model=dict(num_layers=6, num_heads=6, width=384, mlp_dim=1536, max_len=512, dropout=0.0,
                              attention_dropout=0.0),
-                  data=dict(vocab_size=8192, seq_len=128, max_predictions=20),
-                  train=dict(batch_size=16, lr=1e-4, weight_decay=0.01, grad_clip=0.0)),
-    'large': dict(model=SIZES['large'],
-                  data=dict(vocab_size=30522, seq_len=128, max_predictions=20),
-                  train=dict(steps=1_000_000, batch_size=256, lr=1e-4, schedule='linear', warmup_steps=10_000,
-                             end_lr_fraction=0.0, eval_every=10_000, checkpoint_every=10_000)),
+                  data=dict(vocab_size=8192),
+                  train=dict(batch_size=16, lr=1e-4, grad_clip=0.0)),
+    'large': dict(PRETRAINING, model=SIZES['large']),
 }
 
 
@@ -133,7 +131,9 @@ def get_config(preset: str = 'default'):
   # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
   # ids are never predicted. A run config without this key is unpadded (vocab_multiple=1).
   c.model.vocab_multiple = 128
+  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
   c.model.type_vocab_size = 2
+  c.model.dropout = 0.1
   c.model.attention_dropout = 0.1
   c.model.layer_norm_epsilon = 1e-12
   c.model.activation = 'gelu'
@@ -141,7 +141,6 @@ def get_config(preset: str = 'default'):
 
   c.train.b2 = 0.999  # BERT's Adam
   c.train.weight_decay = 0.01
-  c.train.best_metric = 'eval/loss'
 
   c.features = ml_collections.ConfigDict()
   c.features.layer = -1  # hidden state index: 0 = embeddings, i = block i, -1 = last

@@ -39,10 +39,9 @@ PRESETS = {
                  data=dict(vocab_size=500, seq_len=32, max_examples=256),
                  train=dict(steps=20, batch_size=8, lr=1e-3, warmup_steps=5, eval_every=10, eval_steps=2,
                             checkpoint_every=10, log_every=5)),
-    'default': dict(model=dict(num_layers=2, num_heads=2, width=64, mlp_dim=256, max_len=512, dropout=0.1),
+    'default': dict(model=dict(num_heads=2, width=64, mlp_dim=256, max_len=512),
                     data=dict(vocab_size=8000, seq_len=512),
-                    train=dict(steps=400, batch_size=32, lr=1e-3, warmup_steps=40, eval_every=100, eval_steps=0,
-                               checkpoint_every=200, log_every=20)),
+                    train=dict(steps=400, lr=1e-3, warmup_steps=40, eval_every=100, eval_steps=0, log_every=20)),
 }
 
 
@@ -53,11 +52,13 @@ def get_config(preset: str = 'default'):
   c.data.text_field = 'text'  # tfds: the feature holding the text
   c.data.label_field = 'label'  # tfds: the feature holding the label
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
+  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.width = 128
   c.model.mlp_dim = 512
   c.model.max_len = 256
+  c.model.dropout = 0.1
   c.model.attention_dropout = 0.0
   c.model.pooling = 'mean'  # 'mean' over real tokens | 'cls'
   c.model.pre_norm = True

@@ -31,45 +31,39 @@ Other data: --config.data.source=text:'/path/*.txt' or tfds:<name>[:<split>] (a 
 """
 from configs.base import apply_preset, base_config
 
+# What GPT-2 small and medium share: 1,024 positions, dropout, the 50,257-token vocabulary, the schedule.
+GPT2 = dict(model=dict(max_len=1024, dropout=0.1), data=dict(vocab_size=50257, seq_len=1024),
+            train=dict(steps=600000, batch_size=512, warmup_steps=2000, eval_every=2000, checkpoint_every=2000))
 PRESETS = {
-    'tiny': dict(model=dict(num_layers=2, num_heads=2, width=32, max_len=64, dropout=0.0),
+    'tiny': dict(model=dict(num_layers=2, num_heads=2, width=32, max_len=64),
                  data=dict(tokenizer='char', seq_len=32, max_examples=2000),
                  train=dict(steps=20, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=10, eval_steps=2,
                             checkpoint_every=10, log_every=5),
                  decode=dict(max_new_tokens=16)),
-    'default': dict(model=dict(num_layers=4, num_heads=4, width=256, max_len=256, dropout=0.0),
-                    data=dict(tokenizer='bpe', vocab_size=2048, seq_len=128),
-                    train=dict(steps=400, batch_size=32, lr=2e-3, warmup_steps=50, eval_every=200, eval_steps=20,
-                               checkpoint_every=200, log_every=20),
-                    decode=dict(max_new_tokens=96, temperature=0.7, top_k=40,
+    'default': dict(data=dict(vocab_size=2048),
+                    train=dict(steps=400, lr=2e-3, warmup_steps=50, log_every=20),
+                    decode=dict(max_new_tokens=96, temperature=0.7,
                                 prompts='def fibonacci(n):|import os\n\n\nclass |    for key, value in ')),
-    'gpt2': dict(model=dict(num_layers=12, num_heads=12, width=768, max_len=1024, dropout=0.1),
-                 data=dict(tokenizer='bpe', vocab_size=50257, seq_len=1024),
-                 train=dict(steps=600000, batch_size=512, lr=6e-4, warmup_steps=2000, eval_every=2000,
-                            checkpoint_every=2000)),
-    'gpt2-medium': dict(model=dict(num_layers=24, num_heads=16, width=1024, max_len=1024, dropout=0.1),
-                        data=dict(tokenizer='bpe', vocab_size=50257, seq_len=1024),
-                        train=dict(steps=600000, batch_size=512, lr=3e-4, warmup_steps=2000, eval_every=2000,
-                                   checkpoint_every=2000)),
-    'bench': dict(model=dict(num_layers=6, num_heads=6, width=384, max_len=256, dropout=0.0),
-                  data=dict(tokenizer='bpe', vocab_size=8192, seq_len=256),
+    'gpt2': dict(GPT2, model=dict(GPT2['model'], num_layers=12, num_heads=12, width=768),
+                 train=dict(GPT2['train'], lr=6e-4)),
+    'gpt2-medium': dict(GPT2, model=dict(GPT2['model'], num_layers=24, num_heads=16, width=1024)),
+    'bench': dict(model=dict(num_layers=6, num_heads=6, width=384),
+                  data=dict(seq_len=256),
                   train=dict(batch_size=8, weight_decay=0.0, grad_clip=0.0),
                   decode=dict(max_new_tokens=128, temperature=0.0)),
 }
 # The Llama steps (models/gpt.py); tied embeddings as in SmolLM and Llama 3.2 1B.
-LLAMA = dict(positions='rope', norm='rmsnorm', mlp='swiglu', use_bias=False, dropout=0.0)
+LLAMA = dict(positions='rope', norm='rmsnorm', mlp='swiglu', use_bias=False)
 PRESETS |= {
-    'llama': dict(model=dict(LLAMA, num_layers=4, num_heads=4, num_kv_heads=2, width=256, mlp_hidden=792, max_len=256),
-                  data=PRESETS['default']['data'], train=PRESETS['default']['train'],
-                  decode=PRESETS['default']['decode']),
+    'llama': dict(PRESETS['default'], model=dict(LLAMA, num_kv_heads=2, mlp_hidden=792)),
     'llama-bench': dict(PRESETS['bench'], model=dict(LLAMA, num_layers=6, num_heads=6, num_kv_heads=2, width=384,
-                                                       mlp_hidden=1024, max_len=256)),
+                                                       mlp_hidden=1024)),
     'smollm-135m': dict(model=dict(LLAMA, num_layers=30, num_heads=9, num_kv_heads=3, width=576, mlp_hidden=1536,
                                    max_len=2048),
-                        data=dict(tokenizer='bpe', vocab_size=49152, seq_len=2048)),
+                        data=dict(vocab_size=49152, seq_len=2048)),
     'llama-3.2-1b': dict(model=dict(LLAMA, num_layers=16, num_heads=32, num_kv_heads=8, width=2048, mlp_hidden=8192,
                                     max_len=131072, rope_theta=500000.0, rope_scaling='llama3', rope_factor=32.0),
-                         data=dict(tokenizer='bpe', vocab_size=128256, seq_len=2048)),
+                         data=dict(vocab_size=128256, seq_len=2048)),
 }
 
 
@@ -81,6 +75,8 @@ def get_config(preset: str = 'default'):
   # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
   # ids are never predicted. A run config without this key is unpadded (vocab_multiple=1).
   c.model.vocab_multiple = 128
+  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
+  c.model.dropout = 0.0
   c.model.num_layers = 4
   c.model.num_heads = 4
   c.model.width = 256

@@ -83,23 +83,19 @@ def get_config(preset: str = 'default'):
   c.model.embed = 32
   c.model.hidden = 64
   c.model.num_layers = 2
+  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
   c.model.dropout = 0.1
   c.model.attention_hidden = 0  # width of the additive attention's tanh layer; 0 = model.hidden
   c.data.source = 'numbers_en_fr'
-  c.data.tokenizer = 'bpe'
   c.data.vocab_size = 512
   c.data.seq_len = 20  # source and target positions, EOS / BOS included (numbers need at most 19)
   c.data.min_number = 0  # numbers_en_fr: keep only numbers >= this (0: all)
   c.train.steps = 4000
   c.train.batch_size = 64
   c.train.lr = 3e-3
-  c.train.schedule = 'cosine'
-  c.train.warmup_steps = 100
   c.train.weight_decay = 0.0
-  c.train.grad_clip = 1.0
   c.train.eval_every = 1000
   c.train.eval_steps = 0
   c.train.checkpoint_every = 1000
   c.train.log_every = 100
-  c.decode.beam_size = 4
   return apply_preset(c, PRESETS)

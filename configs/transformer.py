@@ -41,30 +41,29 @@ import ml_collections
 
 from configs.base import apply_preset, base_config
 
+# WMT 2014 English -> German, the paper's data for `base` and `big`.
+WMT14 = dict(source='tfds:wmt14_translate/de-en', source_lang='en', target_lang='de', vocab_size=37000,
+             lowercase=False)
 PRESETS = {
     'tiny': dict(model=dict(width=32, num_heads=2, encoder_layers=1, decoder_layers=1, mlp_dim=64, dropout=0.0),
                  data=dict(vocab_size=300, seq_len=24, max_examples=600),
                  train=dict(steps=20, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=10, eval_steps=2,
                             checkpoint_every=10, log_every=5),
                  decode=dict(beam_size=2), pictures=dict(count=1)),
-    'default': dict(model=dict(width=128, num_heads=4, encoder_layers=2, decoder_layers=2, mlp_dim=512,
-                               dropout=0.1),
+    'default': dict(model=dict(width=128, num_heads=4, encoder_layers=2, decoder_layers=2, mlp_dim=512),
                     data=dict(vocab_size=1000, seq_len=24),
-                    train=dict(steps=800, batch_size=32, lr=2e-3, warmup_steps=200, eval_every=400,
-                               eval_steps=8, checkpoint_every=400, log_every=50)),
-    'base': dict(model=dict(width=512, num_heads=8, encoder_layers=6, decoder_layers=6, mlp_dim=2048, dropout=0.1),
-                 data=dict(source='tfds:wmt14_translate/de-en', source_lang='en', target_lang='de',
-                           vocab_size=37000, seq_len=128, lowercase=False),
+                    train=dict(steps=800, lr=2e-3, warmup_steps=200, eval_every=400, eval_steps=8,
+                               checkpoint_every=400, log_every=50)),
+    'base': dict(data=WMT14,
                  # 512^-0.5 * 4000^-0.5: the paper's lrate formula at the end of warmup.
                  train=dict(steps=100_000, batch_size=256, lr=7.0e-4, warmup_steps=4000, eval_every=2000,
                             eval_steps=50, checkpoint_every=2000, log_every=100)),
     'bench': dict(model=dict(width=256, num_heads=4, encoder_layers=3, decoder_layers=3, mlp_dim=1024, dropout=0.0,
                              share_embeddings=False),
                   data=dict(vocab_size=8000, seq_len=64),
-                  train=dict(batch_size=32, optimizer='adamw', weight_decay=0.01, grad_clip=0.0, label_smoothing=0.0)),
-    'big': dict(model=dict(width=1024, num_heads=16, encoder_layers=6, decoder_layers=6, mlp_dim=4096, dropout=0.3),
-                data=dict(source='tfds:wmt14_translate/de-en', source_lang='en', target_lang='de',
-                          vocab_size=37000, seq_len=128, lowercase=False),
+                  train=dict(optimizer='adamw', weight_decay=0.01, label_smoothing=0.0)),
+    'big': dict(model=dict(width=1024, num_heads=16, mlp_dim=4096, dropout=0.3),
+                data=WMT14,
                 train=dict(steps=300_000, batch_size=256, lr=4.9e-4, warmup_steps=4000, eval_every=2000,
                            eval_steps=50, checkpoint_every=2000, log_every=100)),
 }
@@ -74,22 +73,22 @@ def get_config(preset: str = 'default'):
   c = base_config('transformer', preset, PRESETS)
   c.data.source = 'numbers_en_fr'
   c.data.source_lang = ''  # TFDS language keys; '' = from the dataset name ('de-en': de -> en)
-  c.data.target_lang = ''
-  c.data.tokenizer = 'bpe'  # one joint vocabulary for both languages
+  c.data.target_lang = ''  # both languages share one tokenizer (data.tokenizer): a joint vocabulary
   c.data.packing = True  # several pairs per row (batch_size counts rows of seq_len); False: length buckets
   c.data.min_bucket_len = 16  # unpacked batches of similar lengths padded to 16, 24, 32, 48, ... <= seq_len; 0 = off
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
+  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
   c.model.width = 512
   c.model.num_heads = 8
   c.model.encoder_layers = 6
   c.model.decoder_layers = 6
   c.model.mlp_dim = 2048
+  c.model.dropout = 0.1
   c.model.attention_dropout = 0.0
   c.model.pre_norm = False  # the paper's post-LayerNorm blocks
   c.model.share_embeddings = True  # source, target and output embeddings are one matrix
   c.model.layer_norm_epsilon = 1e-6
   c.train.optimizer = 'adam'
-  c.train.b1 = 0.9
   c.train.b2 = 0.98
   c.train.eps = 1e-9
   c.train.weight_decay = 0.0
@@ -98,9 +97,6 @@ def get_config(preset: str = 'default'):
   c.train.label_smoothing = 0.1
   c.train.best_metric = 'eval/accuracy'
   c.train.best_mode = 'max'
-  c.decode.beam_size = 4
-  c.decode.length_penalty = 0.6
-  c.decode.max_len_ratio = 1.5
   c.pictures = ml_collections.ConfigDict()
   c.pictures.count = 3  # test sentences drawn as attention heatmaps after evaluation
   c.pictures.layer = -1  # decoder layer whose heads are drawn

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionMask
-from models.layers import ACTIVATIONS, Embed, TransformerBlock, padded_vocab_size, vocab_embedding
+from models.layers import ACTIVATIONS, BlockShape, Embed, TransformerBlock, padded_vocab_size, vocab_embedding
 from models.lm_head import vocab_logits
 from models.partitioning import constrain
 
@@ -60,6 +60,10 @@ class BertConfig:
       raise ValueError(f'heads={self.heads!r} is not one of {HEADS}.')
     if self.labels and len(self.labels) != self.num_classes:
       raise ValueError(f'{len(self.labels)} label names for num_classes={self.num_classes}.')
+
+  def block_shape(self) -> BlockShape:
+    return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=self.mlp_dim,
+                      vocab=self.vocab_size, dtype=self.dtype)
 
 
 class BertOutput(NamedTuple):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionMask
-from models.layers import Embed, TransformerBlock, sinusoidal_positions
+from models.layers import BlockShape, Embed, TransformerBlock, sinusoidal_positions
 
 POOLINGS = ('mean', 'cls')
 
@@ -43,6 +43,10 @@ class ClassifierConfig:
   def __post_init__(self):
     if self.labels and len(self.labels) != self.num_classes:
       raise ValueError(f'{len(self.labels)} label names for num_classes={self.num_classes}.')
+
+  def block_shape(self) -> BlockShape:
+    return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=self.mlp_dim,
+                      vocab=self.vocab_size, dtype=self.dtype)
 
 
 class TransformerClassifier(nnx.Module):

@@ -46,7 +46,7 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import Embed, TransformerBlock, norm_layer, vocab_embedding
+from models.layers import BlockShape, Embed, TransformerBlock, norm_layer, vocab_embedding
 from models.lm_head import chunked_lm_loss, vocab_logits
 from models.rope import RopeConfig, inverse_frequencies
 
@@ -88,6 +88,10 @@ class GPT2Config:
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+  def block_shape(self) -> BlockShape:
+    return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=self.mlp_width,
+                      vocab=self.vocab_size, dtype=self.dtype, remat=self.remat)
 
   @property
   def rope(self) -> RopeConfig:

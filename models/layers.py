@@ -10,6 +10,7 @@ Shape legend: B batch, L length, E model width, F feed-forward width, V vocabula
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -28,6 +29,19 @@ ACTIVATIONS = {
     'silu': jax.nn.silu,  # x * sigmoid(x), SwiGLU's gate (Llama's "silu")
 }
 NORMS = ('layernorm', 'rmsnorm')
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+  """The sizes a model's Transformer blocks compute with, which the activations saved for the
+  backward pass scale with (train/memory.py): a model config's `block_shape()`."""
+  width: int  # E
+  heads: int  # H
+  layers: int  # blocks a training example passes through (encoder and decoder together)
+  mlp_width: int  # F, the feed-forward hidden width
+  vocab: int  # V, output logits per token
+  dtype: str  # compute dtype of the saved activations
+  remat: str = 'none'  # what the blocks recompute in the backward pass: 'none' | 'dots' | 'full'
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:

@@ -30,7 +30,7 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import Embed, TransformerBlock, sinusoidal_positions
+from models.layers import BlockShape, Embed, TransformerBlock, sinusoidal_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,10 @@ class TransformerConfig:
   pad_id: int = 0
   dtype: str = 'float32'
   attention: str = 'xla'
+
+  def block_shape(self) -> BlockShape:
+    return BlockShape(width=self.width, heads=self.num_heads, layers=self.encoder_layers + self.decoder_layers,
+                      mlp_width=self.mlp_dim, vocab=self.vocab_size, dtype=self.dtype)
 
 
 class Transformer(nnx.Module):

@@ -1,4 +1,6 @@
-"""Shared test fixtures: a tiny deterministic corpus and a subprocess runner for launch.py."""
+"""Shared test fixtures: a tiny deterministic corpus, a subprocess runner for launch.py, every preset."""
+import glob
+import importlib
 import json
 import os
 import subprocess
@@ -21,6 +23,18 @@ def write_corpus(directory, files: int = 6, lines: int = 60, seed: int = 0) -> s
         start = rng.integers(len(WORDS))
         out.write(' '.join(WORDS[(start + k) % len(WORDS)] for k in range(rng.integers(3, 9))) + '.\n')
   return f'text:{directory}/*.txt'
+
+
+def family_presets() -> list[tuple[str, str]]:
+  """(family, preset) for each preset every configs/<family>.py declares (its PRESETS; 'default'
+  for a file without)."""
+  cases = []
+  for path in sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))):
+    name = os.path.basename(path)[:-3]
+    if name in ('__init__', 'base', 'run', 'default'):  # the shared schema, a run's config.json, an alias
+      continue
+    cases += [(name, preset) for preset in getattr(importlib.import_module(f'configs.{name}'), 'PRESETS', ['default'])]
+  return cases
 
 
 def with_overrides(config, overrides: dict):

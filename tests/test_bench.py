@@ -1,6 +1,8 @@
 """Benchmark mode and the memory estimate: the JSON line's fields are present and consistent (no
 timing is asserted), every family's bench preset has the reference benchmark's shapes, and the
 estimate counts sharded parameters exactly and warns before an obvious OOM."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,8 +60,9 @@ def test_bench_presets_have_the_reference_shapes(preset, expected):
 
 
 def test_memory_estimate_counts_shards_exactly_and_warns(monkeypatch, capsys):
-  from configs import gpt
+  from configs import gpt, rnn_lm
   from train.state import TrainState
+  from train.task import task_class
   mesh = jax.make_mesh((1, 8, 1), ('data', 'fsdp', 'tensor'))
   params = {'kernel': jax.ShapeDtypeStruct((64, 256), jnp.float32), 'bias': jax.ShapeDtypeStruct((256,), jnp.float32)}
   shardings = {'kernel': NamedSharding(mesh, P(None, 'fsdp')), 'bias': NamedSharding(mesh, P())}
@@ -68,16 +71,23 @@ def test_memory_estimate_counts_shards_exactly_and_warns(monkeypatch, capsys):
                               step=NamedSharding(mesh, P()))
   config = gpt.get_config('bench')
   config.mesh.update({'data': 1, 'fsdp': 8})
-  config.model.vocab_size = 8192
-  estimate = memory.estimate(config, state, state_sharding, mesh)
+  model_config = task_class(config.family).resolve_model_config(config, None, vocab_size=8192)
+  estimate = memory.estimate(config, model_config, state, state_sharding, mesh)
   assert estimate.params == (64 * 256 // 8 + 256) * 4 and estimate.optimizer == 2 * estimate.params
   # batch 8 over 8 devices = 1 sequence of 256 tokens: 6 layers x (9E + 2F + 2HS) + 2V logits, float32
   per_token = 6 * (9 * 384 + 2 * 1536 + 2 * 6 * 256) + 2 * 8192
   assert estimate.activations == 256 * per_token * 4
-  config.model.remat = 'full'
-  assert memory.activation_bytes(config, mesh) == 256 * (6 * 384 + (9 * 384 + 2 * 1536 + 2 * 6 * 256) + 2 * 8192) * 4
+  full = dataclasses.replace(model_config, remat='full')
+  one_block = 9 * 384 + 2 * 1536 + 2 * 6 * 256  # live again during its backward pass
+  assert memory.activation_bytes(config, full, mesh) == 256 * (6 * 384 + one_block + 2 * 8192) * 4
+  # The model's own MLP width: SwiGLU's mlp_hidden, not mlp_ratio * width.
+  llama = dataclasses.replace(model_config, mlp='swiglu', mlp_hidden=1024)
+  assert memory.activation_bytes(config, llama, mesh) == 256 * (6 * (9 * 384 + 2 * 1024 + 2 * 6 * 256) + 2 * 8192) * 4
+  rnn = rnn_lm.get_config('tiny')
+  assert memory.activation_bytes(config, task_class(rnn.family).resolve_model_config(rnn, None, vocab_size=9),
+                                 mesh) is None
   monkeypatch.setattr(memory, 'available_bytes', lambda: 2**20)
-  memory.log_estimate(config, state, state_sharding, mesh)
+  memory.log_estimate(config, full, state, state_sharding, mesh)
   printed = capsys.readouterr().out
   assert 'Memory per device (estimate): parameters' in printed and 'WARNING' in printed and 'train.grad_accum' in printed
 

@@ -65,7 +65,8 @@ def compile_for_target(config, target_name: str, workdir: str) -> dict:
     decode = _compile_decoding(config, task, spec)
   hlo_text = train_step.as_text()
   sizes = _buffer_sizes(train_step)
-  estimate = memory.estimate(config, spec.abstract, spec.shardings, mesh, available=target.memory_per_device)
+  estimate = memory.estimate(config, task.model_config, spec.abstract, spec.shardings, mesh,
+                             available=target.memory_per_device)
   storage.path(workdir).mkdir(parents=True, exist_ok=True)
   hlo_path = os.path.join(workdir, HLO_FILE)
   storage.write_atomically(hlo_path, hlo_text)
@@ -73,7 +74,8 @@ def compile_for_target(config, target_name: str, workdir: str) -> dict:
       'target': target.name, 'devices': len(target.devices), 'device_kind': target.devices[0].device_kind,
       'mesh': dict(mesh.shape), 'model': f'{config.family}:{config.preset}',
       'params': int(sum(np.prod(x.shape) for x in jax.tree.leaves(spec.abstract.params))),
-      'batch': config.train.batch_size, 'seq_len': config.data.seq_len, 'dtype': config.model.get('dtype'),
+      'batch': config.train.batch_size, 'seq_len': config.data.seq_len,
+      'dtype': getattr(task.model_config, 'dtype', 'float32'),
       'attention': getattr(task.model_config, 'attention', None), 'rng_impl': spec.rng_impl,
       'attention_kernel': bench.attention_kernel(hlo_text), **hlo.summary(hlo_text), **sizes,
       'device_memory_bytes': target.memory_per_device,

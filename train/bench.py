@@ -155,8 +155,9 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   mesh = sharding.make_mesh(config.mesh)
   tx, _ = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl), tx)
-  estimate = memory.estimate(config, spec.abstract, spec.shardings, mesh)
+  estimate = memory.estimate(config, task.model_config, spec.abstract, spec.shardings, mesh)
   batch_size, seq_len = config.train.batch_size, config.data.seq_len
+  dtype = getattr(task.model_config, 'dtype', 'float32')  # models without one compute in float32
   local = task.example_batch(batch_size // jax.process_count())
   start = time.perf_counter()
   state = jax.block_until_ready(state_lib.init_state(spec, task.build_model, tx, config.seed))
@@ -167,9 +168,9 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    ceiling_before = matmul_tflops(config.model.dtype)
+    ceiling_before = matmul_tflops(dtype)
     state, scalars, times, cpu_per_step = _time_steps(compiled, state, batch, steps, warmup, profile_dir)
-    ceiling = (ceiling_before + matmul_tflops(config.model.dtype)) / 2
+    ceiling = (ceiling_before + matmul_tflops(dtype)) / 2
     model = state_lib.model_of(spec, state)
     new_tokens = decode_new_tokens(config, task.model_config)
     decode_speed = _decode_speed(task, model, new_tokens) if decode else None
@@ -179,7 +180,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   flops = task.flops_per_token()
   achieved = tokens_per_s * flops / 1e12 if flops else None
   device = jax.devices()[0]
-  peak = datasheet_tflops(device.device_kind, config.model.dtype) if device.platform != 'cpu' else None
+  peak = datasheet_tflops(device.device_kind, dtype) if device.platform != 'cpu' else None
   analysis, hlo_text = compiled.memory_analysis(), compiled.as_text()
   return {
       'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
@@ -196,7 +197,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
                  'estimate_mb': estimate.as_mb()},
-      'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': config.model.dtype,
+      'device': f'{jax.device_count()} x {device.device_kind}', 'dtype': dtype,
       'attention': getattr(task.model_config, 'attention', None),
       'compiles': {'train_step': compilation.compiled('train_step'), 'total': compilation.compiled_total()},
       'attention_kernel': attention_kernel(hlo_text), 'hlo': hlo.summary(hlo_text),

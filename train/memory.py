@@ -12,9 +12,12 @@ counted in elements instead of fp16 bytes, without dropout masks):
   -> 9E + 2F + 2HS per token and layer; model.remat='dots' keeps only the projection outputs and
   the block input (6E + F); 'full' keeps only the block input (E) and recomputes one block at a time.
 
-plus the float32 logits and their gradient (2V per token). B S tokens per device are the global
-batch over mesh data x fsdp, divided by gradient-accumulation micro-batches; the F and H terms
-are split by mesh.tensor. Families without width / heads (RNNs) get parameters and optimizer only.
+plus the float32 logits and their gradient (2V per token). E, H, F, V, the layer count, the
+compute dtype and the remat policy come from the resolved model config's `block_shape()`
+(models/layers.py BlockShape); S is data.seq_len. B S tokens per device are the global batch over
+mesh data x fsdp, divided by gradient-accumulation micro-batches; the F and H terms are split by
+mesh.tensor. Models without Transformer blocks (no `block_shape()`: the RNNs, kernel regression)
+get parameters and optimizer only.
 """
 from __future__ import annotations
 
@@ -66,27 +69,22 @@ def sharded_bytes(tree, shardings) -> int:
   return total
 
 
-def activation_bytes(config, mesh) -> int | None:
-  """Saved activations of one micro-batch per device (see the module docstring), or None."""
-  m = config.model
-  width, heads = m.get('width'), m.get('num_heads')
-  layers = m.get('num_layers') or (m.get('encoder_layers', 0) + m.get('decoder_layers', 0))
-  if not (width and heads and layers):
+def activation_bytes(config, model_config, mesh) -> int | None:
+  """Saved activations of one micro-batch per device (see the module docstring) of the model
+  `model_config` describes, trained with `config`'s batch and sequence length; None without
+  `model_config.block_shape()`."""
+  if not hasattr(model_config, 'block_shape'):
     return None
-  hidden = m.get('mlp_dim') or m.get('mlp_ratio', 4) * width
+  shape = model_config.block_shape()
   seq = config.data.seq_len
-  tensor = mesh.shape['tensor']
-  split = lambda n: n / tensor
-  per_token = {'none': 9 * width + split(2 * hidden + 2 * heads * seq),
-               'dots': 6 * width + split(hidden),
-               'full': width}[m.get('remat', 'none')]
-  one_block = 9 * width + split(2 * hidden + 2 * heads * seq)  # recomputed during the backward pass
-  vocab = m.get('vocab_size') or config.data.vocab_size
+  split = lambda n: n / mesh.shape['tensor']
+  one_block = 9 * shape.width + split(2 * shape.mlp_width + 2 * shape.heads * seq)
+  per_token = {'none': one_block, 'dots': 6 * shape.width + split(shape.mlp_width), 'full': shape.width}[shape.remat]
+  recomputed = one_block if shape.remat != 'none' else 0  # one block's, live again during its backward pass
   micro_batch = config.train.batch_size / (mesh.shape['data'] * mesh.shape['fsdp']) / config.train.grad_accum
   tokens = micro_batch * seq
-  itemsize = np.dtype(m.get('dtype', 'float32')).itemsize
-  saved = tokens * itemsize * (layers * per_token + (one_block if m.get('remat', 'none') != 'none' else 0))
-  return int(saved + tokens * 4 * split(2 * vocab))
+  saved = tokens * np.dtype(shape.dtype).itemsize * (shape.layers * per_token + recomputed)
+  return int(saved + tokens * 4 * split(2 * shape.vocab))
 
 
 def available_bytes() -> int | None:
@@ -99,18 +97,20 @@ def available_bytes() -> int | None:
   return None
 
 
-def estimate(config, abstract_state, state_sharding, mesh, available: int | None = None) -> MemoryEstimate:
-  """`abstract_state`: the trainer's TrainState (abstract or concrete) and its shardings; `available`:
-  the memory per device of the devices it is for (None: this process's, `available_bytes()`)."""
+def estimate(config, model_config, abstract_state, state_sharding, mesh,
+             available: int | None = None) -> MemoryEstimate:
+  """`model_config`: the resolved model config (the task's); `abstract_state`: the trainer's
+  TrainState (abstract or concrete) and its shardings; `available`: the memory per device of the
+  devices it is for (None: this process's, `available_bytes()`)."""
   params = sharded_bytes(abstract_state.params, state_sharding.params)
   return MemoryEstimate(params=params, optimizer=sharded_bytes(abstract_state.opt_state, state_sharding.opt_state),
-                        gradients=params, activations=activation_bytes(config, mesh),
+                        gradients=params, activations=activation_bytes(config, model_config, mesh),
                         available=available_bytes() if available is None else available)
 
 
-def log_estimate(config, abstract_state, state_sharding, mesh) -> MemoryEstimate:
+def log_estimate(config, model_config, abstract_state, state_sharding, mesh) -> MemoryEstimate:
   """Print the estimate (process 0), with a warning and the fixes when it nears the device's memory."""
-  result = estimate(config, abstract_state, state_sharding, mesh)
+  result = estimate(config, model_config, abstract_state, state_sharding, mesh)
   if jax.process_index() == 0:
     print(result.line(), flush=True)
     if result.too_big():

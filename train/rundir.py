@@ -177,11 +177,23 @@ def _model_config_before_model_json(workdir: str):
   to `model` since take the dataclass defaults (`vocab_multiple` 1: unpadded, as its checkpoints are)."""
   saved = read_config(workdir)
   family = task_class(saved.family)
+  saved = _model_fields_only(saved, family.model_config_class)
   resolved = family.resolved_from_tokenizer(saved, run_tokenizer(workdir))
   family_values = _SAVED_IN_CONFIG_V0.get(saved.family)
   if family_values:
     resolved.update(family_values(saved))
   return family.resolve_model_config(saved, **resolved)
+
+
+def _model_fields_only(saved, model_config_class: type):
+  """A copy of a saved config without the `model.*` keys that are not fields of `model_config_class`
+  (keys an older schema had, e.g. `model.attention` of families without attention)."""
+  config = saved.copy_and_resolve_references()
+  fields = {f.name for f in dataclasses.fields(model_config_class)}
+  with config.unlocked():
+    for key in [k for k in config.model if k not in fields]:
+      del config.model[key]
+  return config
 
 
 # ============================================================================ the run's config

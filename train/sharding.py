@@ -7,10 +7,12 @@ The batch is split over ('data', 'fsdp').
 Models carry no parameter annotations. A parameter's sharding follows from its path, by the first
 matching rule in `PARTITION_RULES`, the names being the ones the shared modules use
 (MultiHeadAttention: query/key/value/out; FeedForward: up/down; GatedFeedForward: gate/up/down;
-Embed: embedding). Any other array is FSDP-sharded over its largest dimension. Grouped-query
-attention's key and value projections hold K*D columns for K < H heads: 'tensor' splits them only
-when it divides K (`kv_head_counts`), so no head is cut in two. An axis that does not divide a dimension is
-dropped for that dimension (that dimension is replicated), so every model shards on any mesh.
+Embed: embedding). Any other array is FSDP-sharded over its largest dimension, a fallback that
+`explicit_rule` makes visible: tests/test_sharding_rules.py fails when a large array of any preset
+lands on it. Grouped-query attention's key and value projections hold K*D columns for K < H heads:
+'tensor' splits them only when it divides K (`kv_head_counts`), so no head is cut in two. An axis
+that does not divide a dimension is dropped for that dimension (that dimension is replicated), so
+every model shards on any mesh.
 Optimizer moments live at the same paths (below `mu/`, `nu/`), so they shard like their parameters.
 
 Activations: models name logical axes at a few points (models/partitioning.py) and
@@ -38,7 +40,9 @@ from models import partitioning
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 
-# (regex searched in the 'a/b/c' path of an array, axis name per dimension); first match wins.
+# (regex searched in the 'a/b/c' path of an array, axis name per dimension); the first rule whose
+# pattern matches and whose rank is the array's wins. A rule also covers a stack of such arrays (one
+# more, leading, dimension: the layers of `nnx.scan`, e.g. GPT's scan_layers), never split.
 PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r'(query|key|value)/kernel$', ('fsdp', 'tensor')),  # [E, H*D]: split by heads
     (r'(query|key|value)/bias$', ('tensor',)),
@@ -47,6 +51,12 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r'mlp/(up|gate)/bias$', ('tensor',)),
     (r'mlp/down/kernel$', ('tensor', 'fsdp')),  # [F, E]
     (r'embedding$', ('tensor', 'fsdp')),  # [V, E]: vocabulary split for the tied output layer
+    # FSDP alone, over the dimension the largest-dimension fallback picked for every preset:
+    (r'(norm/(scale|bias)|(attention/out|mlp/down)/bias)$', ('fsdp',)),  # [E]: large only when stacked
+    (r'(pooler|mlm/dense)/kernel$', ('fsdp', None)),  # BERT's [E, E] pooler and MLM transform
+    (r'mlm/bias$', ('fsdp',)),  # BERT's MLM output bias [V']
+    (r'output/kernel$', (None, 'fsdp')),  # untied output layers [E, V]: the vocabulary
+    (r'(input|recurrent)_kernel$', (None, 'fsdp')),  # RNN cells (models/rnn.py) [in, gates * hidden]
 )
 # Logical activation axes (models/partitioning.py) -> mesh axes. The batch is split like the input
 # batch; heads, MLP width and vocabulary over 'tensor' (Megatron: column-parallel up/query/key/value,
@@ -96,15 +106,19 @@ def use_mesh(mesh: Mesh):
 
 
 def path_to_string(path) -> str:
+  """'params/blocks/0/self_attention/value/kernel' for a pytree key path: an nnx Variable's own
+  `.value` attribute is left out, a module named 'value' (the value projection) is not."""
   parts = []
   for key in path:
+    if isinstance(key, jax.tree_util.GetAttrKey) and key.name == 'value':
+      continue
     for attribute in ('key', 'name', 'idx'):
       if hasattr(key, attribute):
         parts.append(str(getattr(key, attribute)))
         break
     else:
       parts.append(str(key))
-  return '/'.join(p for p in parts if p != 'value')
+  return '/'.join(parts)
 
 
 def kv_head_counts(model) -> dict[str, int]:
@@ -122,14 +136,12 @@ def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh, kv_heads: dict
     return P(_batch_axes_dividing(shape[0], mesh), *[None] * (len(shape) - 1))
   if int(np.prod(shape, dtype=np.int64)) < MIN_SHARDED_SIZE or not shape:
     return P()
-  axes = None
-  for pattern, rule in PARTITION_RULES:
-    if re.search(pattern, path) and len(rule) == len(shape):
-      axes = list(rule)
-      break
-  if axes is None:  # FSDP over the largest dimension
+  rule = explicit_rule(path, shape)
+  if rule is None:  # FSDP over the largest dimension
     axes = [None] * len(shape)
     axes[int(np.argmax(shape))] = 'fsdp'
+  else:
+    axes = list(rule)
   heads = next((count for prefix, count in (kv_heads or {}).items()
                 if re.search(f'(^|/){re.escape(prefix)}/(key|value)/', path)), None)
   for i, axis in enumerate(axes):
@@ -138,6 +150,18 @@ def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh, kv_heads: dict
     if axis == 'tensor' and heads is not None and heads % mesh.shape[axis]:
       axes[i] = None
   return P(*axes)
+
+
+def explicit_rule(path: str, shape: tuple[int, ...]) -> tuple[str | None, ...] | None:
+  """The axes of the first rule of PARTITION_RULES matching the array at `path` of `shape`, or None
+  when none does (`partition_spec` then falls back to FSDP over the largest dimension)."""
+  for pattern, rule in PARTITION_RULES:
+    if re.search(pattern, path):
+      if len(rule) == len(shape):
+        return rule
+      if len(rule) + 1 == len(shape):
+        return (None, *rule)
+  return None
 
 
 def _batch_axes_dividing(size: int, mesh: Mesh) -> tuple[str, ...] | None:

@@ -37,6 +37,7 @@ from flax import nnx
 
 from data import batching
 from errors import ConfigError, UserError
+from train.validation import check_model_fields
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 # Model-config fields that change how a model computes, not what it holds: a resumed or reloaded
@@ -115,10 +116,11 @@ class Task:
 
   @classmethod
   def resolve_model_config(cls, config, platform: str | None = None, **resolved) -> Any:
-    """`model_config_class` from the `config.model` keys it shares, the 'auto' attention resolved
-    for `platform` and the dtype, and `resolved` (values that come from the data) on top."""
-    fields = {f.name for f in dataclasses.fields(cls.model_config_class)}
-    values = {k: v for k, v in config.model.items() if k in fields}
+    """`model_config_class` from the `config.model` keys (ConfigError for one that is not a field),
+    the 'auto' attention resolved for `platform` and the dtype, and `resolved` (values that come
+    from the data) on top."""
+    check_model_fields(config.model.keys(), cls.model_config_class)
+    values = dict(config.model.items())
     if values.get('attention') == 'auto':
       from models.attention import default_attention_implementation
       values['attention'] = default_attention_implementation(values.get('dtype', 'float32'), platform)

@@ -76,7 +76,7 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   rng_impl = rng_impl or resume.rng_impl(config, workdir)
   tx, schedule = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
-  memory.log_estimate(config, spec.abstract, spec.shardings, mesh)
+  memory.log_estimate(config, task.model_config, spec.abstract, spec.shardings, mesh)
   state = state_lib.init_state(spec, task.build_model, tx, config.seed)
   setup = Setup(config, task, mesh, tx, schedule, spec, jax.jit(steps.make_eval_step(task, spec.graphdef)))
   evaluation.eval_batches(setup)  # an empty eval split stops here, before anything is saved
