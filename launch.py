@@ -22,6 +22,7 @@ or override) ends with one line on stderr and exit status 1.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -61,8 +62,6 @@ flags.DEFINE_integer('process_id', None, 'This process index, for manual multi-p
 FLAGS = flags.FLAGS
 
 CONFIG_HELP = 'Config file[:preset] (default: configs/default.py, or the one --mode implies).'
-# --mode=import_hf without --config: the config of the HF directory's config.json `model_type`.
-HF_IMPORT_CONFIGS = {'gpt2': 'configs/gpt.py:gpt2', 'llama': 'configs/gpt.py:llama', 'bert': 'configs/bert.py:base'}
 OVERRIDE = re.compile(r'-{1,2}(?:no)?config\.([^=]+)')  # the key of a --config.<key>=<value> argument
 
 
@@ -128,11 +127,10 @@ def import_hf_mode(workdir: str) -> None:
 def export_hf_mode(workdir: str) -> None:
   if not FLAGS.hf_dir:
     raise app.UsageError('--mode=export_hf needs --hf_dir=DIR (a new directory to write).')
-  from interop import check_export, export_run
-  from train.rundir import load_run, read_config
-  check_export(read_config(workdir).family, FLAGS.hf_dir)  # before the checkpoint loads
+  from train.rundir import check_hf_export, load_run, read_config
+  check_hf_export(read_config(workdir).family, FLAGS.hf_dir)  # before the checkpoint loads
   print_line({'mode': 'export_hf', 'workdir': workdir, 'hf_dir': FLAGS.hf_dir,
-              **export_run(load_run(workdir), FLAGS.hf_dir)})
+              **load_run(workdir).export_hf(FLAGS.hf_dir)})
 
 
 def bench_mode(workdir: str) -> None:
@@ -247,15 +245,26 @@ def hf_model_type(hf_dir: str | None) -> str | None:
     return None
 
 
+def hf_import_configs() -> dict[str, str]:
+  """{Hugging Face model_type: 'configs/<family>.py:<preset>'}, from each config file's HF_MODEL_TYPES."""
+  directory = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+  configs = {}
+  for name in sorted(file[:-3] for file in os.listdir(directory) if file.endswith('.py') and not file.startswith('_')):
+    for model_type, preset in getattr(importlib.import_module(f'configs.{name}'), 'HF_MODEL_TYPES', {}).items():
+      configs[model_type] = f'configs/{name}.py:{preset}'
+  return configs
+
+
 def check_import_family(hf_dir: str, family: str) -> None:
   """UserError unless hf_dir's model_type is one `family` imports (when config.json says)."""
   model_type = hf_model_type(hf_dir)
   if model_type is None:
     return  # no readable config.json: the importer reports what is missing
-  if model_type not in HF_IMPORT_CONFIGS:
+  configs = hf_import_configs()
+  if model_type not in configs:
     raise UserError(f'{hf_dir}/config.json has model_type={model_type!r}; import_hf reads '
-                    f'{sorted(HF_IMPORT_CONFIGS)} directories.')
-  expected = HF_IMPORT_CONFIGS[model_type].split(':')[0]
+                    f'{sorted(configs)} directories.')
+  expected = configs[model_type].split(':')[0]
   if expected != f'configs/{family}.py':
     raise UserError(f'{hf_dir} holds a {model_type!r} model, which {expected} imports, not the {family!r} '
                     f'config given; drop --config (it follows from config.json) or pass --config={expected}.')
@@ -342,7 +351,7 @@ def config_spec(given: str | None, has_overrides: bool) -> str | None:
   """The FILE[:preset] to load: --config when given, else the one the other flags imply.
 
   import_hf: the family (and full-size preset) of --hf_dir's config.json model_type
-  (HF_IMPORT_CONFIGS). eval/predict with `--config.*` overrides: configs/run.py:<workdir>, so
+  (`hf_import_configs`). eval/predict with `--config.*` overrides: configs/run.py:<workdir>, so
   that the overrides are checked against (and applied to) the run's own config.json instead of
   configs/default.py. None when nothing asks for a config and nothing uses one: eval, predict and
   export_hf rebuild the run from its own files, a sweep gives each trial its own. Otherwise
@@ -350,8 +359,10 @@ def config_spec(given: str | None, has_overrides: bool) -> str | None:
   """
   if given is not None:
     return given
-  if FLAGS.mode == 'import_hf' and hf_model_type(FLAGS.hf_dir) in HF_IMPORT_CONFIGS:
-    return HF_IMPORT_CONFIGS[hf_model_type(FLAGS.hf_dir)]
+  if FLAGS.mode == 'import_hf':
+    imported = hf_import_configs().get(hf_model_type(FLAGS.hf_dir))
+    if imported:
+      return imported
   if not has_overrides and (FLAGS.sweep or FLAGS.mode in ('eval', 'predict', 'export_hf')):
     return None
   if FLAGS.mode in ('eval', 'predict') and FLAGS.workdir:

@@ -110,6 +110,9 @@ PRESETS = {
     'large': dict(PRETRAINING, model=SIZES['large']),
 }
 
+# `--mode=import_hf` without --config: the preset a Hugging Face config.json's model_type starts from.
+HF_MODEL_TYPES = {'bert': 'base'}
+
 
 def get_config(preset: str = 'default'):
   c = base_config('bert', preset, PRESETS)

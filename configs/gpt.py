@@ -66,6 +66,9 @@ PRESETS |= {
                          data=dict(vocab_size=128256, seq_len=2048)),
 }
 
+# `--mode=import_hf` without --config: the preset a Hugging Face config.json's model_type starts from.
+HF_MODEL_TYPES = {'gpt2': 'gpt2', 'llama': 'llama'}
+
 
 def get_config(preset: str = 'default'):
   c = base_config('gpt', preset, PRESETS)

@@ -114,7 +114,6 @@ def test_launch_export_gpt2_loads_in_transformers_with_the_same_logits(gpt_run, 
 
 def test_scanned_sharded_gpt_exports_one_layer_per_block(corpus, tmp_path):
   """A run trained with scan_layers and FSDP: stacked [num_layers, ...] parameters become h.<i>."""
-  from interop import export_run
   from train.rundir import load_run
   workdir = train(support.tiny_gpt_config(corpus), str(tmp_path / 'run'),
                   **{'model.scan_layers': True, 'mesh.data': 4, 'mesh.fsdp': 2})
@@ -125,7 +124,7 @@ def test_scanned_sharded_gpt_exports_one_layer_per_block(corpus, tmp_path):
   assert not run.model.blocks.mlp.up.kernel[...].sharding.is_fully_replicated
   out = tmp_path / 'hf'
   out.mkdir()  # an existing empty directory is a fine target
-  summary = export_run(run, str(out))
+  summary = run.export_hf(str(out))
   padding = (run.model.token_embedding.embedding.shape[0] - run.model.config.vocab_size) * run.model.config.width
   assert padding > 0
   assert summary['parameters'] == sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param))) - padding
@@ -155,13 +154,12 @@ PAIRS = [('alpha beta gamma.', 'delta epsilon.'), ('omega', 'psi chi phi upsilon
 
 
 def test_bert_pretraining_run_exports_to_automodel_and_bert_for_pretraining(bert_run, tmp_path):
-  from interop import export_run
   from train.rundir import load_run
   run = load_run(bert_run)
   randomize(run.model, seed=1)
   shard_over_devices(run.model)
   out = str(tmp_path / 'hf')
-  assert export_run(run, out)['architecture'] == 'BertForPreTraining'
+  assert run.export_hf(out)['architecture'] == 'BertForPreTraining'
   assert sorted(os.listdir(out)) == HF_FILES
   tokenizer = transformers.AutoTokenizer.from_pretrained(out)
   assert tokenizer.mask_token == '[MASK]' and tokenizer.pad_token_id == run.tokenizer.pad_id
@@ -183,7 +181,6 @@ def test_bert_pretraining_run_exports_to_automodel_and_bert_for_pretraining(bert
 
 def test_bert_classifier_run_exports_with_label_names(tmp_path):
   from configs import bert
-  from interop import export_run
   from train.rundir import load_run
   data = tmp_path / 'reviews.tsv'
   words = {'good': 'pos', 'bad': 'neg', 'fine': 'meh'}
@@ -194,7 +191,7 @@ def test_bert_classifier_run_exports_with_label_names(tmp_path):
   assert sorted(labels) == ['meh', 'neg', 'pos']
   randomize(run.model, seed=2)
   out = str(tmp_path / 'hf')
-  assert export_run(run, out)['architecture'] == 'BertForSequenceClassification'
+  assert run.export_hf(out)['architecture'] == 'BertForSequenceClassification'
   tokenizer = transformers.AutoTokenizer.from_pretrained(out)
   model = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
   assert type(model).__name__ == 'BertForSequenceClassification'
@@ -296,6 +293,6 @@ def test_export_errors_through_launch_are_one_line(gpt_run, tmp_path):
   result = support.launch(['--mode=export_hf', f'--workdir={rnn_run}', f'--hf_dir={tmp_path / "out"}'])
   assert result.returncode == 1
   assert result.stderr.strip().splitlines() == [
-      "error: A 'rnn_lm' run has no Hugging Face counterpart: export_hf writes runs of the families ('gpt', 'bert'); "
+      "error: A 'rnn_lm' run has no Hugging Face counterpart: export_hf writes runs of the families ('bert', 'gpt'); "
       "pass the --workdir of one of those."]
   assert not os.path.exists(tmp_path / 'out')

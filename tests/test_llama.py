@@ -243,11 +243,10 @@ def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_lla
 def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, imported_run, tmp_path):
   from safetensors import safe_open
 
-  from interop import export_run
   from train.rundir import load_run
   directory, hf_model = hf_llama
   out = str(tmp_path / 'hf')
-  assert export_run(load_run(imported_run), out)['architecture'] == 'LlamaForCausalLM'
+  assert load_run(imported_run).export_hf(out)['architecture'] == 'LlamaForCausalLM'
   tensors = []
   for source in (directory, out):
     with safe_open(os.path.join(source, 'model.safetensors'), 'np') as f:
@@ -270,7 +269,6 @@ def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, 
 
 
 def test_trained_scanned_sharded_llama_exports_to_transformers(tmp_path):
-  from interop import export_run
   from test_interop import randomize, shard_over_devices, train
   from train.rundir import load_run
   corpus = support.write_corpus(str(tmp_path / 'corpus'), files=4, lines=30)
@@ -282,7 +280,7 @@ def test_trained_scanned_sharded_llama_exports_to_transformers(tmp_path):
   randomize(run.model)
   shard_over_devices(run.model)
   out = str(tmp_path / 'hf')
-  summary = export_run(run, out)
+  summary = run.export_hf(out)
   model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert summary['parameters'] == sum(p.numel() for p in model.parameters())
   vocab = run.model.config.vocab_size

@@ -29,9 +29,10 @@ from flax import nnx
 import storage
 from data import tokenizers
 from errors import UserError
+from interop.common import check_target
 from train import sharding, state
 from train.checkpoint import Checkpointer, CheckpointError, restore_target
-from train.task import RUNTIME_FIELDS, Prepared, task_class
+from train.task import RUNTIME_FIELDS, Prepared, Task, no_hf_counterpart, task_class
 from train.validation import flatten, reference_config, validate_config
 
 CONFIG_FILE = 'config.json'
@@ -283,6 +284,19 @@ class Run:
     for note in self.task.predict_truncation(lines):
       print(f'note: {note}', file=sys.stderr, flush=True)
     return self.task.predict(self.model, lines, self.workdir)
+
+  def export_hf(self, out_dir: str) -> dict[str, Any]:
+    """Write the run as a Hugging Face directory `out_dir` (new or empty); the exporter's summary."""
+    check_hf_export(self.config.family, out_dir)
+    return self.task.export_hf(self.model, out_dir)
+
+
+def check_hf_export(family: str, out_dir: str) -> None:
+  """A UserError unless a run of `family` can be written into `out_dir`; cheap, so that
+  `--mode=export_hf` calls it before loading the checkpoint."""
+  if task_class(family).export_hf is Task.export_hf:
+    raise no_hf_counterpart(family)
+  check_target(out_dir)
 
 
 def run_tokenizer(workdir: str):

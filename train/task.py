@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
 from typing import Any
 
 import grain
@@ -188,6 +189,11 @@ class Task:
     `rngs` initialise what the checkpoint lacks (and the dropout streams)."""
     raise UserError(f'--mode=import_hf is not available for family {config.family!r}.')
 
+  def export_hf(self, model: nnx.Module, out_dir: str) -> dict[str, Any]:
+    """`--mode=export_hf`: write `model` and the tokenizer as a Hugging Face directory `out_dir`
+    (checked by `interop.common.check_target` first); returns the exporter's summary."""
+    raise no_hf_counterpart(self.config.family)
+
   def init_from(self, model: nnx.Module, source: nnx.Module) -> None:
     """`config.init_from`: copy parameters from another run's model `source` into `model`, in place."""
     raise ConfigError(f'config.init_from is not supported by family {self.config.family!r}.')
@@ -213,6 +219,14 @@ def task_without_data(config, tokenizer, platform: str | None = None) -> Task:
   """The family's Task bound to `tokenizer` alone (reloading a run, benchmarks, compiling)."""
   cls = task_class(config.family)
   return cls(config, cls.without_data(config, tokenizer, platform))
+
+
+def no_hf_counterpart(family: str) -> UserError:
+  """The error for exporting a family whose Task writes no Hugging Face directory, naming those that do."""
+  names = sorted(info.name for info in pkgutil.iter_modules(importlib.import_module('train.tasks').__path__))
+  exporting = tuple(name for name in names if task_class(name).export_hf is not Task.export_hf)
+  return UserError(f'A {family!r} run has no Hugging Face counterpart: export_hf writes runs of the families '
+                   f'{exporting}; pass the --workdir of one of those.')
 
 
 def task_module(family: str):

@@ -221,6 +221,12 @@ class Task(task_lib.Task):
           f'({copied} parameters'
           f'{f", positions {old_rows}..{new_rows - 1} new" if old_rows < new_rows else ""}).', flush=True)
 
+  def export_hf(self, model, out_dir):
+    """BertForPreTraining (pretrain), BertForSequenceClassification with the run's label names
+    (classify) or BertModel (features)."""
+    from interop.hf_bert import export_bert
+    return export_bert(model, self.tokenizer, out_dir, labels=list(getattr(self.model_config, 'labels', ())))
+
   @classmethod
   def import_hf(cls, config, hf_dir, rngs):
     from interop.hf_bert import import_bert

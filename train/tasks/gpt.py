@@ -111,6 +111,11 @@ class Task(task_lib.Task):
     return sampling.continue_prompts(self.generate, model, self.tokenizer, lines, self.config.decode,
                                      seed=self.config.seed, max_len=self.model_config.max_len)
 
+  def export_hf(self, model, out_dir):
+    """A GPT2LMHeadModel or a LlamaForCausalLM directory, whichever architecture the model is."""
+    from interop import gpt_exporter
+    return gpt_exporter(model.config)(model, self.tokenizer, out_dir)
+
   @classmethod
   def import_hf(cls, config, hf_dir, rngs):
     """A GPT2LMHeadModel or LlamaForCausalLM directory, by its config.json's model_type."""
