@@ -16,7 +16,7 @@ import pytest
 import support
 from configs.base import base_config
 from errors import ConfigError
-from train.checkpoint import run_config
+from train.rundir import run_config
 from train.task import task_class, task_module
 from train.validation import flatten, validate_config
 
