@@ -155,7 +155,14 @@ class GatedFeedForward(nnx.Module):
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
-    hidden = self.activation(self.gate(x)) * self.up(x)
+    # gate and up as one einsum over their stacked kernels [E, 2, F]: XLA:CPU then takes both weight
+    # gradients in one dot, not the gate's through a transposed copy of its gradient.
+    kernels = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1)
+    dtype = self.gate.dtype or jnp.result_type(x.dtype, kernels.dtype)
+    gate_up = jnp.einsum('...e,ecf->...cf', x.astype(dtype), kernels.astype(dtype))  # [B, L, 2, F]
+    if self.gate.bias is not None:
+      gate_up = gate_up + jnp.stack([self.gate.bias[...], self.up.bias[...]]).astype(dtype)
+    hidden = self.activation(gate_up[..., 0, :]) * gate_up[..., 1, :]
     return self.down(self.dropout(hidden, deterministic=deterministic))
 
 
