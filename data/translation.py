@@ -26,6 +26,7 @@ Shared by the Transformer (train/tasks/transformer.py) and the RNN seq2seq famil
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import grain
 import numpy as np
@@ -239,7 +240,56 @@ def load_pairs(data_config, seed: int) -> Splits:
                               lambda source, role: _read_whole(source, role, data_config, seed))
   sources.cap_train(parts, data_config.max_examples)
   sources.report_splits(parts, 'pairs')
-  return Splits(parts['train'].examples, parts['valid'].examples, parts['test'].examples)
+  return keep_numbers_at_least(Splits(parts['train'].examples, parts['valid'].examples, parts['test'].examples),
+                               data_config)
+
+
+_SMALL = {w: i for i, w in enumerate('zero one two three four five six seven eight nine ten eleven twelve thirteen '
+                                     'fourteen fifteen sixteen seventeen eighteen nineteen'.split())}
+_TENS = {w: 10 * i for i, w in enumerate('twenty thirty forty fifty sixty seventy eighty ninety'.split(), 2)}
+_IRREGULAR_ORDINALS = {'zeroth': 'zero', 'first': 'one', 'second': 'two', 'third': 'three', 'fifth': 'five',
+                       'eighth': 'eight', 'ninth': 'nine', 'twelfth': 'twelve'}
+
+
+def english_number(text: str) -> int | None:
+  """The value of English number words (num2words style, cardinal or ordinal), None for other text.
+
+  'one hundred and twenty-three thousand, four hundred and fifty-sixth' -> 123456. Years such as
+  'nineteen ninety-nine' are not sums of their words and come out far below their value (118).
+  """
+  total = current = 0
+  for word in re.split(r'[\s,-]+', text.lower().strip()):
+    if word in ('', 'and'):
+      continue
+    word = _IRREGULAR_ORDINALS.get(word, word)
+    if word.endswith('ieth'):  # twentieth -> twenty
+      word = word[:-4] + 'y'
+    elif word.endswith('th') and word not in _SMALL:
+      word = word[:-2]
+    if word in _SMALL:
+      current += _SMALL[word]
+    elif word in _TENS:
+      current += _TENS[word]
+    elif word == 'hundred':
+      current *= 100
+    elif word == 'thousand':
+      total, current = total + current * 1000, 0
+    else:
+      return None
+  return total + current
+
+
+def keep_numbers_at_least(splits: Splits, data_config) -> Splits:
+  """`data.min_number` > 0 (a numbers_en_fr setting): only the pairs whose English number is at
+  least that large, in every split."""
+  minimum = data_config.get('min_number', 0)
+  if not minimum:
+    return splits
+  if sources.parse_source(data_config.source)[0] != 'numbers_en_fr':
+    raise sources.DataError(f'data.min_number={minimum} filters numbers_en_fr pairs only; '
+                            f'data.source is {data_config.source!r}. Set data.min_number=0.')
+  keep = lambda pairs: [(s, t) for s, t in pairs if (english_number(s) or 0) >= minimum]
+  return Splits(keep(splits.train), keep(splits.validation), keep(splits.test))
 
 
 # ----------------------------------------------------------------------------- tokens

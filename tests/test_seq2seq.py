@@ -120,7 +120,7 @@ def test_unknown_attention_type_fails_clearly():
 # ----------------------------------------------------------------------------- the translation task
 def test_english_number_reads_num2words_output():
   from num2words import num2words
-  from train.tasks.seq2seq import english_number
+  from data.translation import english_number
   rng = np.random.default_rng(0)
   numbers = [0, 1, 12, 20, 21, 100, 101, 999, 1000, 100000, 100001, 999999] + rng.integers(0, 10**6, 300).tolist()
   for n in numbers:

@@ -37,15 +37,10 @@ class TranslationTask(task_lib.Task):
 
   # ------------------------------------------------------------------ data
   @classmethod
-  def filter_pairs(cls, config, splits: translation.Splits) -> translation.Splits:
-    """Hook: keep only some pairs of every split (e.g. long inputs). Default: all."""
-    return splits
-
-  @classmethod
   def prepare(cls, config, workdir, platform=None):
     """The encoded splits; `evaluation` holds the test split's (source, reference) text pairs."""
     data = config.data
-    splits = cls.filter_pairs(config, translation.load_pairs(data, config.seed))
+    splits = translation.load_pairs(data, config.seed)
     tokenizer = translation.get_tokenizer(data, workdir, splits.train)
     encode = lambda pairs, split: translation.as_dataset(translation.encode_pairs(
         tokenizer, pairs, data.seq_len, data.seq_len, drop_long=split == 'train', split=split)[0])

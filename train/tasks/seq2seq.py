@@ -2,8 +2,8 @@
 
 Data and evaluation are shared with the Transformer family (train/translation.py).
 `data.min_number` > 0 keeps only numbers_en_fr pairs whose English number is at least that large
-(every split), the long-input setting where the fixed context vector of the plain encoder-decoder
-is the bottleneck that attention removes.
+(every split; data/translation.py), the long-input setting where the fixed context vector of the
+plain encoder-decoder is the bottleneck that attention removes.
 
 Loss: token cross-entropy over the real target positions only (target_out != pad). After the
 shared evaluation, the Bahdanau model's attention weights (output x source) of the longest test
@@ -12,13 +12,10 @@ sentences are drawn.
 from __future__ import annotations
 
 import os
-import re
 
 import jax.numpy as jnp
 import numpy as np
 
-from data import sources
-from data import translation
 from errors import ConfigError
 from models.seq2seq import ATTENTION_TYPES, Seq2Seq, Seq2SeqConfig, translate
 from train import pictures
@@ -26,45 +23,6 @@ from train.losses import example_weights, lm_loss
 from train.translation import TranslationTask
 
 HEATMAPS = 3  # test sentences drawn for the Bahdanau model
-
-_SMALL = {w: i for i, w in enumerate('zero one two three four five six seven eight nine ten eleven twelve thirteen '
-                                     'fourteen fifteen sixteen seventeen eighteen nineteen'.split())}
-_TENS = {w: 10 * i for i, w in enumerate('twenty thirty forty fifty sixty seventy eighty ninety'.split(), 2)}
-_IRREGULAR_ORDINALS = {'zeroth': 'zero', 'first': 'one', 'second': 'two', 'third': 'three', 'fifth': 'five',
-                       'eighth': 'eight', 'ninth': 'nine', 'twelfth': 'twelve'}
-
-
-def english_number(text: str) -> int | None:
-  """The value of English number words (num2words style, cardinal or ordinal), None for other text.
-
-  'one hundred and twenty-three thousand, four hundred and fifty-sixth' -> 123456. Years such as
-  'nineteen ninety-nine' are not sums of their words and come out far below their value (118).
-  """
-  total = current = 0
-  for word in re.split(r'[\s,-]+', text.lower().strip()):
-    if word in ('', 'and'):
-      continue
-    word = _IRREGULAR_ORDINALS.get(word, word)
-    if word.endswith('ieth'):  # twentieth -> twenty
-      word = word[:-4] + 'y'
-    elif word.endswith('th') and word not in _SMALL:
-      word = word[:-2]
-    if word in _SMALL:
-      current += _SMALL[word]
-    elif word in _TENS:
-      current += _TENS[word]
-    elif word == 'hundred':
-      current *= 100
-    elif word == 'thousand':
-      total, current = total + current * 1000, 0
-    else:
-      return None
-  return total + current
-
-
-def keep_numbers_at_least(pairs, minimum: int):
-  return [(s, t) for s, t in pairs if (english_number(s) or 0) >= minimum]
-
 
 def validate(config):
   if config.model.attention_type not in ATTENTION_TYPES:
@@ -75,17 +33,6 @@ def validate(config):
 
 class Task(TranslationTask):
   model_config_class = Seq2SeqConfig
-
-  @classmethod
-  def filter_pairs(cls, config, splits):
-    minimum = config.data.min_number
-    if not minimum:
-      return splits
-    if sources.parse_source(config.data.source)[0] != 'numbers_en_fr':
-      raise sources.DataError(f'data.min_number={minimum} filters numbers_en_fr pairs only; '
-                              f'data.source is {config.data.source!r}. Set data.min_number=0.')
-    return translation.Splits(*(keep_numbers_at_least(pairs, minimum)
-                                for pairs in (splits.train, splits.validation, splits.test)))
 
   @classmethod
   def resolved_from_tokenizer(cls, config, tokenizer):
