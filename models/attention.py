@@ -165,17 +165,22 @@ def dot_product_attention(
   kv_heads = key.shape[2]
   if kv_heads == num_heads:  # multi-head (K = H)
     scores = jnp.einsum('bqhd,bkhd->bhqk', query, key)
-  else:  # query heads grouped by the K/V head they read: [B, Lq, K, G, D], G = H / K, head h = k * G + g
-    grouped = query.reshape(batch, q_len, kv_heads, num_heads // kv_heads, depth)
-    scores = jnp.einsum('bqkgd,bskd->bkgqs', grouped, key).reshape(batch, num_heads, q_len, k_len)
+  else:  # query heads grouped by the K/V head they read, G = H / K, head h = k * G + g
+    # Head-major operands [B, K, G, Lq, D] and [B, K, Lk, D]: each einsum is then a plain batched
+    # matmul whose output is the [B, H, Lq, Lk] scores as laid out, where grouping [B, Lq, K, G, D]
+    # in place makes XLA:CPU copy the scores and weights through transposes (25% slower here).
+    groups = num_heads // kv_heads
+    grouped = jnp.transpose(query.reshape(batch, q_len, kv_heads, groups, depth), (0, 2, 3, 1, 4))
+    scores = jnp.einsum('bkgqd,bksd->bkgqs', grouped, jnp.swapaxes(key, 1, 2)).reshape(batch, num_heads, q_len, k_len)
   scores = scores / jnp.sqrt(depth).astype(query.dtype)
   weights = masked_softmax(scores, None if mask is None else mask.dense(q_len, k_len))
   if dropout is not None:
     weights = dropout(weights, deterministic=deterministic)
   if kv_heads == num_heads:
     return jnp.einsum('bhqk,bkhd->bqhd', weights, value), weights
-  out = jnp.einsum('bkgqs,bskd->bqkgd', weights.reshape(batch, kv_heads, -1, q_len, k_len), value)
-  return out.reshape(query.shape), weights
+  grouped_weights = weights.reshape(batch, kv_heads, groups, q_len, k_len)
+  out = jnp.einsum('bkgqs,bksd->bkgqd', grouped_weights, jnp.swapaxes(value, 1, 2))
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(query.shape), weights
 
 
 # ----------------------------------------------------------------------------- splash (TPU)

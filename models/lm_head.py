@@ -8,7 +8,7 @@ Vocabularies may be padded to V' >= V rows (models/layers.py `padded_vocab_size`
 ids' logits are masked to the lowest finite value (`mask_padded_logits`), and `vocab_size` = V
 keeps label smoothing on the real ids, so every loss equals the unpadded model's.
 
-The cross-entropy pieces (`cross_entropy_parts`, `target_distribution`, `token_weights`) are
+The cross-entropy pieces (`cross_entropy_parts`, `target_distribution`, `token_weights`, `is_argmax`) are
 shared with the losses on given logits (train/losses.py). Cross-entropies run in float32 whatever
 the logits' dtype. Losses return (mean, {'loss', 'accuracy': (sum, count)}): sums and counts, so
 averages stay exact across micro-batches, devices and evaluation batches.
@@ -26,7 +26,7 @@ import numpy as np
 from models.layers import leading_names, mask_padded_logits
 from models.partitioning import constrain, shard_count
 
-_SHARD_TABLE = ('batch', 'vocab', 'embed')  # logical axes of per-batch-shard [S, V', E] table gradients
+_SHARD_TABLE = ('batch', 'embed', 'vocab')  # logical axes of per-batch-shard [S, E, V'] table gradients
 
 
 def vocab_logits(hidden: jax.Array, matrix: jax.Array, vocab_size: int, bias: jax.Array | None = None) -> jax.Array:
@@ -106,13 +106,39 @@ def chunked_lm_loss(hidden: jax.Array, table: jax.Array, targets: jax.Array, wei
   return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': (correct, count)}
 
 
+def is_argmax(logits: jax.Array, targets: jax.Array, target_logit: jax.Array | None = None,
+              top: jax.Array | None = None) -> jax.Array:
+  """[..., V'] logits, [...] int targets -> [...] bool: jnp.argmax(logits, -1) == targets (ties go to
+  the lowest id, as in argmax and greedy decoding): the target's logit is the largest and no lower
+  id reaches it. Plain reductions, where XLA:CPU runs argmax as a (value, index) pair reduction
+  several times slower. target_logit [...] and top (the max logit) [...] are reused when given."""
+  if target_logit is None:
+    target_logit = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  if top is None:
+    top = jnp.max(logits, -1)
+  lower_ids = jnp.arange(logits.shape[-1]) < targets[..., None]
+  lower_tie = jnp.any((logits >= target_logit[..., None]) & lower_ids, -1)  # an or-reduction: 4x a count's speed
+  return (target_logit >= top) & ~lower_tie
+
+
 def _chunk_forward(h, table, t, w, label_smoothing, vocab_size):
-  """One chunk, h [chunk, E], t and w [chunk]: (loss sum, correct sum, d loss / d logits [chunk, V'] float32)."""
-  logits = vocab_logits(h, table.T, vocab_size)
-  nll, log_normalizer, target = cross_entropy_parts(logits, t, label_smoothing, vocab_size)
-  correct = (jnp.argmax(logits, -1) == t).astype(jnp.float32)
-  d_logits = (jnp.exp(logits.astype(jnp.float32) - log_normalizer[:, None]) - target) * w[:, None]
-  return (nll * w).sum(), (correct * w).sum(), d_logits
+  """One chunk, h [chunk, E], t and w [chunk]: (loss sum, correct sum, d loss / d logits [chunk, V'] float32).
+
+  The target's logit is gathered, not summed from a [chunk, V'] one-hot product, and the max
+  logit is taken once for the log-normalizer and the accuracy: on CPU these passes over the
+  logits cost as much as a third of the vocabulary matmuls."""
+  logits = vocab_logits(h, table.T, vocab_size).astype(jnp.float32)
+  top = jnp.max(logits, -1)
+  log_normalizer = top + jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), -1))
+  target_logit = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
+  expected_logit = target_logit  # sum(target distribution * logits)
+  if label_smoothing:
+    mean_logit = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, 0.0), -1) / vocab_size
+    expected_logit = (1 - label_smoothing) * target_logit + label_smoothing * mean_logit
+  correct = is_argmax(logits, t, target_logit, top).astype(jnp.float32)
+  target = target_distribution(t, logits.shape[-1], label_smoothing, vocab_size)
+  d_logits = (jnp.exp(logits - log_normalizer[:, None]) - target) * w[:, None]
+  return ((log_normalizer - expected_logit) * w).sum(), (correct * w).sum(), d_logits
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -129,9 +155,10 @@ def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoo
 
 
 def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size):
-  # The table's gradient is accumulated as one partial sum per batch shard, [S, V', E] split over S
+  # The table's gradient is accumulated as one partial sum per batch shard, [S, E, V'] split over S
   # (S = 1 without a mesh), and summed once after the loop: one reduction of the table per step,
-  # where a single [V', E] carry would be all-reduced at every chunk.
+  # where a single carry would be all-reduced at every chunk. Transposed ([E, V'], turned once at
+  # the end): h^T @ d_logits writes its output 25% faster on XLA:CPU than d_logits^T @ h.
   shards = shard_count('batch', hidden_chunks.shape[1])
   per_shard = lambda x: x.reshape(shards, x.shape[0] // shards, x.shape[1])
 
@@ -140,14 +167,14 @@ def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_
     h, t, w = chunk_inputs
     loss, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing, vocab_size)
     d_hidden = (d_logits.astype(h.dtype) @ table).astype(h.dtype)
-    d_table = d_table + jnp.einsum('sck,sce->ske', per_shard(d_logits), per_shard(h.astype(jnp.float32)))
+    d_table = d_table + jnp.einsum('sce,sck->sek', per_shard(h.astype(jnp.float32)), per_shard(d_logits))
     return (loss_sum + loss, correct_sum + correct, constrain(d_table, _SHARD_TABLE)), d_hidden
 
   zero = jnp.zeros((), jnp.float32)
-  d_table = constrain(jnp.zeros((shards, *table.shape), jnp.float32), _SHARD_TABLE)
+  d_table = constrain(jnp.zeros((shards, *table.shape[::-1]), jnp.float32), _SHARD_TABLE)
   (loss, correct, d_table), d_hidden = jax.lax.scan(
       step, (zero, zero, d_table), (hidden_chunks, target_chunks, weight_chunks))
-  return (loss, correct), (d_hidden, d_table.sum(0).astype(table.dtype), target_chunks, weight_chunks)
+  return (loss, correct), (d_hidden, d_table.sum(0).T.astype(table.dtype), target_chunks, weight_chunks)
 
 
 def _chunked_sums_bwd(label_smoothing, vocab_size, residuals, cotangents):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.lm_head import chunked_lm_loss
+from models.lm_head import chunked_lm_loss, is_argmax
 from train.losses import lm_loss
 
 
@@ -28,6 +28,19 @@ def test_chunked_cross_entropy_equals_the_plain_one(label_smoothing, chunk):
   grads_c = jax.grad(lambda h, w: chunked(h, w)[0], argnums=(0, 1))(hidden, table)
   for g, g_c in zip(grads, grads_c):
     np.testing.assert_allclose(g_c, g, atol=1e-6)
+
+
+def test_accuracy_is_argmax_equals_target_ties_included():
+  # Logits from a few levels, so most rows hold ties: the lowest tied id is argmax's (and greedy
+  # decoding's) prediction; a uniform row predicts id 0 only. Every target id is tried per row.
+  levels = jax.random.randint(jax.random.key(1), (64, 6), 0, 3).astype(jnp.float32)
+  logits = jnp.concatenate([levels, jnp.zeros((1, 6)), jnp.full((1, 6), -1.5)])  # [66, 6], two uniform rows
+  targets = jnp.broadcast_to(jnp.arange(6), logits.shape)
+  rows = jnp.broadcast_to(logits[:, None, :], (*logits.shape, 6))  # [66, 6 targets, 6 ids]
+  expected = jnp.argmax(rows, -1) == targets
+  np.testing.assert_array_equal(is_argmax(rows, targets), expected)
+  assert int(expected[64].sum()) == 1 and bool(expected[64, 0])  # uniform: id 0 only
+  assert 0 < int(expected.sum()) < expected.size
 
 
 def test_gpt_task_loss_is_the_same_chunked_or_not():

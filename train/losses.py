@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from data.batching import EXAMPLE_WEIGHT
-from models.lm_head import cross_entropy_parts, target_distribution, token_weights
+from models.lm_head import cross_entropy_parts, is_argmax, target_distribution, token_weights
 
 
 def example_weights(batch: dict, weights: jax.Array | None = None) -> jax.Array | None:
@@ -41,7 +41,7 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, label_smoothing: 
   Returns:
     (loss [...], correct [...] float32: argmax == target).
   """
-  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  correct = is_argmax(logits, targets).astype(jnp.float32)
   return _cross_entropy(logits, targets, label_smoothing, vocab_size), correct
 
 
