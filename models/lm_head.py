@@ -127,17 +127,18 @@ def _chunk_forward(h, table, t, w, label_smoothing, vocab_size):
   The target's logit is gathered, not summed from a [chunk, V'] one-hot product, and the max
   logit is taken once for the log-normalizer and the accuracy: on CPU these passes over the
   logits cost as much as a third of the vocabulary matmuls."""
-  logits = vocab_logits(h, table.T, vocab_size).astype(jnp.float32)
+  logits = vocab_logits(h, table.T, vocab_size)  # [chunk, V'], compute dtype: cast where read, never stored
   top = jnp.max(logits, -1)
-  log_normalizer = top + jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), -1))
   target_logit = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
-  expected_logit = target_logit  # sum(target distribution * logits)
-  if label_smoothing:
-    mean_logit = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, 0.0), -1) / vocab_size
-    expected_logit = (1 - label_smoothing) * target_logit + label_smoothing * mean_logit
   correct = is_argmax(logits, t, target_logit, top).astype(jnp.float32)
+  logits_32, top_32 = logits.astype(jnp.float32), top.astype(jnp.float32)
+  log_normalizer = top_32 + jnp.log(jnp.sum(jnp.exp(logits_32 - top_32[:, None]), -1))
+  expected_logit = target_logit.astype(jnp.float32)  # sum(target distribution * logits)
+  if label_smoothing:
+    mean_logit = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits_32, 0.0), -1) / vocab_size
+    expected_logit = (1 - label_smoothing) * expected_logit + label_smoothing * mean_logit
   target = target_distribution(t, logits.shape[-1], label_smoothing, vocab_size)
-  d_logits = (jnp.exp(logits - log_normalizer[:, None]) - target) * w[:, None]
+  d_logits = (jnp.exp(logits_32 - log_normalizer[:, None]) - target) * w[:, None]
   return ((log_normalizer - expected_logit) * w).sum(), (correct * w).sum(), d_logits
 
 
