@@ -136,6 +136,28 @@ class FeedForward(nnx.Module):
     return self.down(self.dropout(hidden, deterministic=deterministic))
 
 
+@jax.custom_vjp
+def stacked_projection(x: jax.Array, kernels: jax.Array) -> jax.Array:
+  """x [..., E] @ kernels [E, C, F] -> [..., C, F]: C projections of x in one matmul.
+
+  The kernels' gradient is written as x^T @ d, not autodiff's (d^T @ x)^T: XLA:CPU then
+  transposes x [N, E] for the matmul, rather than copying the C/E times larger d [N, C, F]
+  through a transpose at every step (3% of the `llama-bench` step). The same numbers either way."""
+  return jnp.einsum('...e,ecf->...cf', x, kernels)
+
+
+def _stacked_projection_fwd(x, kernels):
+  return stacked_projection(x, kernels), (x, kernels)
+
+
+def _stacked_projection_bwd(residuals, d_out):
+  x, kernels = residuals
+  return jnp.einsum('...cf,ecf->...e', d_out, kernels), jnp.einsum('...e,...cf->ecf', x, d_out)
+
+
+stacked_projection.defvjp(_stacked_projection_fwd, _stacked_projection_bwd)
+
+
 class GatedFeedForward(nnx.Module):
   """Gated FFN (GLU variants, Shazeer 2020; SwiGLU with activation 'silu', as in Llama):
   down(dropout(activation(gate(x)) * up(x))). gate, up: [E, F]; down: [F, E]. [B, L, E] -> [B, L, E].
@@ -159,7 +181,7 @@ class GatedFeedForward(nnx.Module):
     # gradients in one dot, not the gate's through a transposed copy of its gradient.
     kernels = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1)
     dtype = self.gate.dtype or jnp.result_type(x.dtype, kernels.dtype)
-    gate_up = jnp.einsum('...e,ecf->...cf', x.astype(dtype), kernels.astype(dtype))  # [B, L, 2, F]
+    gate_up = stacked_projection(x.astype(dtype), kernels.astype(dtype))  # [B, L, 2, F]
     if self.gate.bias is not None:
       gate_up = gate_up + jnp.stack([self.gate.bias[...], self.up.bias[...]]).astype(dtype)
     hidden = self.activation(gate_up[..., 0, :]) * gate_up[..., 1, :]
