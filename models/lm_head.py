@@ -57,12 +57,24 @@ def target_distribution(targets: jax.Array, padded: int, label_smoothing: float,
 
 
 def cross_entropy_parts(logits: jax.Array, targets: jax.Array, label_smoothing: float, vocab_size: int | None):
-  """logits [..., V'], targets [...] -> (loss [...], log-normalizer [...], target distribution
-  [..., V']), all float32: the loss is -sum(target * log_softmax(logits))."""
-  logits = logits.astype(jnp.float32)
-  log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-  target = target_distribution(targets, logits.shape[-1], label_smoothing, vocab_size)
-  return log_normalizer - jnp.sum(target * logits, axis=-1), log_normalizer, target
+  """logits [..., V'] (any float dtype), targets [...] int -> float32 (loss, log-normalizer, target
+  logit, max logit), each [...]. The loss is -sum(target distribution * log_softmax(logits)) =
+  log-normalizer - (1 - eps) * target logit - eps * mean logit over the ids below V (None: V').
+
+  The target's logit is gathered rather than summed from a [..., V'] one-hot product, and the max
+  is taken once (the log-normalizer's shift, and `is_argmax`'s): on CPU these passes over the
+  logits cost as much as a third of the vocabulary matmul. The logits are cast where read, so a
+  bf16 [..., V'] array is never stored again in float32."""
+  top = jnp.max(logits, -1).astype(jnp.float32)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0].astype(jnp.float32)
+  logits_32 = logits.astype(jnp.float32)
+  log_normalizer = top + jnp.log(jnp.sum(jnp.exp(logits_32 - top[..., None]), -1))
+  expected_logit = target_logit  # sum(target distribution * logits)
+  if label_smoothing:
+    vocab = logits.shape[-1] if vocab_size is None else vocab_size
+    mean_logit = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits_32, 0.0), -1) / vocab
+    expected_logit = (1 - label_smoothing) * target_logit + label_smoothing * mean_logit
+  return log_normalizer - expected_logit, log_normalizer, target_logit, top
 
 
 def chunked_lm_loss(hidden: jax.Array, table: jax.Array, targets: jax.Array, weights: jax.Array | None = None, *,
@@ -122,24 +134,13 @@ def is_argmax(logits: jax.Array, targets: jax.Array, target_logit: jax.Array | N
 
 
 def _chunk_forward(h, table, t, w, label_smoothing, vocab_size):
-  """One chunk, h [chunk, E], t and w [chunk]: (loss sum, correct sum, d loss / d logits [chunk, V'] float32).
-
-  The target's logit is gathered, not summed from a [chunk, V'] one-hot product, and the max
-  logit is taken once for the log-normalizer and the accuracy: on CPU these passes over the
-  logits cost as much as a third of the vocabulary matmuls."""
-  logits = vocab_logits(h, table.T, vocab_size)  # [chunk, V'], compute dtype: cast where read, never stored
-  top = jnp.max(logits, -1)
-  target_logit = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
+  """One chunk, h [chunk, E], t and w [chunk]: (loss sum, correct sum, d loss / d logits [chunk, V'] float32)."""
+  logits = vocab_logits(h, table.T, vocab_size)  # [chunk, V'] in the compute dtype
+  loss, log_normalizer, target_logit, top = cross_entropy_parts(logits, t, label_smoothing, vocab_size)
   correct = is_argmax(logits, t, target_logit, top).astype(jnp.float32)
-  logits_32, top_32 = logits.astype(jnp.float32), top.astype(jnp.float32)
-  log_normalizer = top_32 + jnp.log(jnp.sum(jnp.exp(logits_32 - top_32[:, None]), -1))
-  expected_logit = target_logit.astype(jnp.float32)  # sum(target distribution * logits)
-  if label_smoothing:
-    mean_logit = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits_32, 0.0), -1) / vocab_size
-    expected_logit = (1 - label_smoothing) * expected_logit + label_smoothing * mean_logit
   target = target_distribution(t, logits.shape[-1], label_smoothing, vocab_size)
-  d_logits = (jnp.exp(logits_32 - log_normalizer[:, None]) - target) * w[:, None]
-  return ((log_normalizer - expected_logit) * w).sum(), (correct * w).sum(), d_logits
+  d_logits = (jnp.exp(logits.astype(jnp.float32) - log_normalizer[:, None]) - target) * w[:, None]
+  return (loss * w).sum(), (correct * w).sum(), d_logits
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -30,6 +30,24 @@ def test_chunked_cross_entropy_equals_the_plain_one(label_smoothing, chunk):
     np.testing.assert_allclose(g_c, g, atol=1e-6)
 
 
+@pytest.mark.parametrize('label_smoothing', [0.0, 0.1])
+def test_token_cross_entropy_equals_optax(label_smoothing):
+  # An independent reference: optax's softmax cross-entropy against smoothed one-hot labels.
+  import optax
+  from train.losses import token_cross_entropy
+  keys = jax.random.split(jax.random.key(2))
+  logits = 3 * jax.random.normal(keys[0], (4, 9, 50))
+  targets = jax.random.randint(keys[1], (4, 9), 0, 50)
+  labels = optax.smooth_labels(jax.nn.one_hot(targets, 50), label_smoothing)
+  expected = optax.softmax_cross_entropy(logits, labels)
+  loss, correct = token_cross_entropy(logits, targets, label_smoothing)
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  np.testing.assert_array_equal(correct, (jnp.argmax(logits, -1) == targets).astype(jnp.float32))
+  grad = jax.grad(lambda x: token_cross_entropy(x, targets, label_smoothing)[0].sum())(logits)
+  expected_grad = jax.grad(lambda x: optax.softmax_cross_entropy(x, labels).sum())(logits)
+  np.testing.assert_allclose(grad, expected_grad, atol=1e-6)
+
+
 def test_accuracy_is_argmax_equals_target_ties_included():
   # Logits from a few levels, so most rows hold ties: the lowest tied id is argmax's (and greedy
   # decoding's) prediction; a uniform row predicts id 0 only. Every target id is tried per row.

@@ -54,7 +54,7 @@ def _cross_entropy(logits, targets, label_smoothing, vocab_size):
 
 
 def _cross_entropy_fwd(logits, targets, label_smoothing, vocab_size):
-  loss, log_normalizer, _ = cross_entropy_parts(logits, targets, label_smoothing, vocab_size)
+  loss, log_normalizer, *_ = cross_entropy_parts(logits, targets, label_smoothing, vocab_size)
   return loss, (logits, targets, log_normalizer)
 
 
