@@ -1,5 +1,6 @@
 """Layers import downward only (README, Architecture): checked on every import statement of the
-repo's packages, inside functions too, so that an upward import fails here and not in review."""
+repo's packages, inside functions too, so that an upward import fails here and not in review; and
+no two modules of the repo import each other, directly or around a longer circle."""
 import ast
 import os
 
@@ -44,3 +45,85 @@ def test_the_check_sees_an_upward_import(tmp_path):
   path = tmp_path / 'model.py'
   path.write_text('def f():\n  from train import trainer\n')
   assert repo_imports(str(path)) == {'train'}
+
+
+def module_files(root: str) -> dict[str, str]:
+  """{dotted module name: path} of every .py file under `root` (hidden folders aside); a package
+  is named by its __init__.py."""
+  modules = {}
+  for directory, folders, files in os.walk(root):
+    folders[:] = [f for f in folders if not f.startswith('.') and f != '__pycache__']
+    for file in (f for f in files if f.endswith('.py')):
+      path = os.path.join(directory, file)
+      name = os.path.relpath(path, root)[:-len('.py')].replace(os.sep, '.')
+      modules[name.removesuffix('.__init__')] = path
+  return modules
+
+
+def imported_modules(name: str, path: str, modules: dict[str, str]) -> set[str]:
+  """The modules among `modules` that module `name` (the file at `path`) imports anywhere in it.
+  `from a.b import c` names a.b.c when that is a module, else a.b; the packages above a module
+  (whose __init__ Python runs first) are no edges, or every package re-exporting its parts would
+  be a circle."""
+  package = name if path.endswith('__init__.py') else name.rpartition('.')[0]
+  found = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.Import):
+      candidates = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ''
+      if node.level:  # relative: `from . import x` in package p names p.x
+        parent = package.split('.')[:len(package.split('.')) - node.level + 1]
+        base = '.'.join(parent + ([base] if base else []))
+      candidates = [f'{base}.{alias.name}' if f'{base}.{alias.name}' in modules else base for alias in node.names]
+    else:
+      continue
+    for candidate in candidates:
+      while candidate and candidate not in modules:
+        candidate = candidate.rpartition('.')[0]
+      if candidate and candidate != name:
+        found.add(candidate)
+  return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One circle [a, b, ..., a] of `graph` (module -> the modules it imports), or None."""
+  done, path = set(), []
+
+  def visit(module):
+    if module in path:
+      return path[path.index(module):] + [module]
+    if module in done:
+      return None
+    path.append(module)
+    for imported in sorted(graph.get(module, ())):
+      cycle = visit(imported)
+      if cycle:
+        return cycle
+    path.pop()
+    done.add(module)
+    return None
+
+  return next((cycle for cycle in map(visit, sorted(graph)) if cycle), None)
+
+
+def import_graph(root: str) -> dict[str, set[str]]:
+  modules = module_files(root)
+  return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_modules_import_each_other():
+  cycle = find_cycle(import_graph(ROOT))
+  assert cycle is None, f'modules import each other: {" -> ".join(cycle)}; move what both need into one of them.'
+
+
+def test_the_check_sees_a_circle_of_imports(tmp_path):
+  package = tmp_path / 'pkg'
+  package.mkdir()
+  (package / '__init__.py').write_text('from pkg import a\n')  # a package re-exporting its part: no circle
+  (package / 'a.py').write_text('from pkg.b import f\n')
+  (package / 'b.py').write_text('def f():\n  from . import c\n')  # inside a function, relative: still an edge
+  (package / 'c.py').write_text('import pkg.a\n')
+  assert find_cycle(import_graph(str(tmp_path))) == ['pkg.a', 'pkg.b', 'pkg.c', 'pkg.a']
+  (package / 'c.py').write_text('import json\n')
+  assert find_cycle(import_graph(str(tmp_path))) is None

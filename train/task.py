@@ -27,6 +27,7 @@ Metric names, for every family:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import pkgutil
 from typing import Any
@@ -38,7 +39,6 @@ from flax import nnx
 
 from data import batching
 from errors import ConfigError, UserError
-from train.validation import check_model_fields
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 # Model-config fields that change how a model computes, not what it holds: a resumed or reloaded
@@ -197,6 +197,19 @@ class Task:
   def init_from(self, model: nnx.Module, source: nnx.Module) -> None:
     """`config.init_from`: copy parameters from another run's model `source` into `model`, in place."""
     raise ConfigError(f'config.init_from is not supported by family {self.config.family!r}.')
+
+
+def check_model_fields(keys, model_config_class: type) -> None:
+  """Raise ConfigError for the first of `keys` (a config's `model.*` keys) that is not a field of
+  `model_config_class`, naming it, the class and the valid fields."""
+  fields = [f.name for f in dataclasses.fields(model_config_class)]
+  for key in keys:
+    if key not in fields:
+      close = difflib.get_close_matches(key, fields, n=1)
+      hint = f" Did you mean '{close[0]}'?" if close else ''
+      where = model_config_class.__module__.replace('.', '/') + '.py'
+      raise ConfigError(f'config.model.{key} is not a field of {model_config_class.__name__} ({where}), so the model '
+                        f"would ignore it.{hint} Its fields: {', '.join(fields)}.")
 
 
 def eval_batch_size(config) -> int:

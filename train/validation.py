@@ -9,7 +9,6 @@ than the devices, a batch the data axes cannot split), and the family's own chec
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib
 
@@ -62,19 +61,6 @@ def check_keys_and_types(config, reference) -> None:
     if not isinstance(value, want):
       raise ConfigError(f"config.{key} must be {want.__name__}, got {value!r} ({type(value).__name__}); "
                         f'e.g. --config.{key}={expected[key]!r}.')
-
-
-def check_model_fields(keys, model_config_class: type) -> None:
-  """Raise ConfigError for the first of `keys` (a config's `model.*` keys) that is not a field of
-  `model_config_class`, naming it, the class and the valid fields."""
-  fields = [f.name for f in dataclasses.fields(model_config_class)]
-  for key in keys:
-    if key not in fields:
-      close = difflib.get_close_matches(key, fields, n=1)
-      hint = f" Did you mean '{close[0]}'?" if close else ''
-      where = model_config_class.__module__.replace('.', '/') + '.py'
-      raise ConfigError(f'config.model.{key} is not a field of {model_config_class.__name__} ({where}), so the model '
-                        f"would ignore it.{hint} Its fields: {', '.join(fields)}.")
 
 
 def check_values(config, num_devices: int | None = None) -> None:
@@ -156,7 +142,8 @@ def check_decode(config) -> None:
 def validate_config(config, num_devices: int | None = None) -> None:
   """Raise ConfigError describing the first problem found; the mesh must span `num_devices`
   (None: all of this run's devices; a compile-only target's otherwise)."""
-  from train.task import task_module
+  # Imported here: launch.py's flag check reads this module and need not load flax and grain.
+  from train.task import check_model_fields, task_module
   check_keys_and_types(config, reference_config(config))
   check_model_fields(config.model.keys(), task_module(config.family).Task.model_config_class)
   check_values(config, num_devices)
