@@ -12,7 +12,7 @@ Runs, in each round, for each benchmark: ours, then the reference (alternating, 
 machine's drift hits both alike), records the load average before each run, and prints a Markdown
 table of medians over the rounds with the ratio ours / reference per round and overall. The
 reference scripts need torch + transformers in the same Python (or pass --reference_python).
-Raw JSON lines go to --raw (default speed_raw.jsonl).
+Raw JSON lines are appended to --raw (default measurements/speed_raw.jsonl, beside the rounds before).
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def main():
   parser.add_argument('--only', default='', help='comma-separated benchmark names (default: all)')
   parser.add_argument('--bench_steps', type=int, default=12)
   parser.add_argument('--reference_args', default='', help="e.g. '--bind' (pin torch's OpenMP threads)")
-  parser.add_argument('--raw', default='speed_raw.jsonl')
+  parser.add_argument('--raw', default=os.path.join(REPO, 'measurements', 'speed_raw.jsonl'))
   args = parser.parse_args()
   benchmarks = GPU_BENCHMARKS if args.gpu else CPU_BENCHMARKS
   reference_dir = args.reference_dir or ('/work/shared/gpu-bench' if args.gpu else '/work/shared/reference-bench')
