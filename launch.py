@@ -256,11 +256,17 @@ def hf_import_configs() -> dict[str, str]:
 
 
 def check_import_family(hf_dir: str, family: str) -> None:
-  """UserError unless hf_dir's model_type is one `family` imports (when config.json says)."""
-  model_type = hf_model_type(hf_dir)
-  if model_type is None:
-    return  # no readable config.json: the importer reports what is missing
+  """UserError unless hf_dir's config.json reads and its model_type is one `family` imports (any
+  importing family when config.json names none)."""
+  from interop.common import read_hf_config
+  model_type = read_hf_config(hf_dir).get('model_type')  # HFImportError: config.json missing or not JSON
   configs = hf_import_configs()
+  if model_type is None:
+    importing = sorted({spec.split(':')[0] for spec in configs.values()})
+    if f'configs/{family}.py' not in importing:
+      raise UserError(f'{hf_dir}/config.json names no model_type; pass the config of its family, one of '
+                      f'{importing}.')
+    return
   if model_type not in configs:
     raise UserError(f'{hf_dir}/config.json has model_type={model_type!r}; import_hf reads '
                     f'{sorted(configs)} directories.')

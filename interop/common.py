@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from typing import Iterator, NamedTuple
@@ -34,6 +35,16 @@ ParamPath = tuple  # keys into a pure-dict parameter state: ('blocks', 0, 'mlp',
 
 class HFExportError(UserError):
   """An export that cannot work (the target directory is taken, the family has no HF class)."""
+
+
+class HFImportError(UserError):
+  """A Hugging Face directory that cannot be read: config.json, the weights or the tokenizer
+  missing, unreadable, incomplete, or not of one model."""
+
+
+def one_line(error: Exception) -> str:
+  """`error`'s message on one line (the `tokenizers` and `safetensors` libraries write several)."""
+  return ' '.join(str(error).split())
 
 
 class TensorName(NamedTuple):
@@ -83,23 +94,27 @@ def _check_covers(params: dict, names: list[TensorName]) -> None:
                      f'{sorted(map(str, missing))[:3]}, names of no parameter {sorted(map(str, unknown))[:3]}.')
 
 
-def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list[TensorName]) -> set[str]:
-  """Copy HF `tensors` into every parameter of `module` in place; returns the HF names used."""
+def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list[TensorName], hf_dir: str
+                 ) -> set[str]:
+  """Copy HF `tensors` (read from `hf_dir`) into every parameter of `module` in place; returns the
+  HF names used. HFImportError for a tensor missing or of another shape than config.json implies."""
   state = nnx.state(module, nnx.Param)
   params = nnx.to_pure_dict(state)
   _check_covers(params, names)
   for name in names:
     if name.hf not in tensors:
-      raise ValueError(f'The checkpoint lacks {name.hf!r}; does config.json describe this checkpoint?')
+      raise HFImportError(f'The weights in {hf_dir} lack the tensor {name.hf!r} that its config.json implies; '
+                          f'the weights and config.json are not of one model.')
     targets = [_get(params, path) for path in name.ours]
     shape = targets[0].shape[:-1] + (sum(t.shape[-1] for t in targets),)
-    value = np.asarray(tensors[name.hf])
-    if name.rows is not None:
-      value = _pad_rows(value, name.rows, shape)
     expected = shape[::-1] if name.transpose else shape
+    expected = expected if name.rows is None else (name.rows,) + expected[1:]
+    value = np.asarray(tensors[name.hf])
     if value.shape != expected:
-      raise ValueError(f'Shape mismatch for {name.hf}: checkpoint {value.shape} vs model {expected}; is config.json '
-                       f'right?')
+      raise HFImportError(f'The tensor {name.hf} in {hf_dir} is {list(value.shape)}, but its config.json implies '
+                          f'{list(expected)}; the weights and config.json are not of one model.')
+    if name.rows is not None:
+      value = _pad_rows(value, shape[0])
     value = value.T if name.transpose else value
     for path, target, part in zip(name.ours, targets, np.split(value, len(targets), axis=-1)):
       _set(params, path, jnp.asarray(part, target.dtype))
@@ -108,12 +123,16 @@ def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list
   return {name.hf for name in names}
 
 
-def _pad_rows(value: np.ndarray, rows: int, shape: tuple[int, ...]) -> np.ndarray:
-  """An HF vocabulary tensor of `rows` rows, zero-padded to our `shape` (a wrong size is left to
-  the caller's shape check)."""
-  if value.shape[:1] != (rows,) or rows > shape[0]:
-    return value
-  return np.concatenate([value, np.zeros((shape[0] - rows,) + value.shape[1:], value.dtype)])
+def reject_unused(unused: list[str], hf_dir: str) -> None:
+  """HFImportError when the weights of `hf_dir` hold tensors (`unused`) that no parameter took."""
+  if unused:
+    raise HFImportError(f'The weights in {hf_dir} hold tensors that its config.json gives no place: {unused[:5]}; '
+                        f'the weights and config.json are not of one model.')
+
+
+def _pad_rows(value: np.ndarray, rows: int) -> np.ndarray:
+  """An HF vocabulary tensor [V, ...] zero-padded to our `rows` >= V rows."""
+  return np.concatenate([value, np.zeros((rows - value.shape[0],) + value.shape[1:], value.dtype)])
 
 
 def numpy_params(model: nnx.Module) -> dict:
@@ -151,8 +170,7 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
   for index_name in ('model.safetensors.index.json', 'pytorch_model.bin.index.json'):
     index = os.path.join(hf_dir, index_name)
     if os.path.exists(index):
-      with open(index) as f:
-        shards = sorted(set(json.load(f)['weight_map'].values()))
+      shards = sorted(set(read_json(index, 'a sharded checkpoint index').get('weight_map', {}).values()))
       files.insert(0, [os.path.join(hf_dir, s) for s in shards])
   for candidate in files:
     paths = candidate if isinstance(candidate, list) else [candidate]
@@ -161,43 +179,72 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
       for path in paths:
         tensors.update(_read_tensor_file(path))
       return tensors
-  raise FileNotFoundError(f'No weights in {hf_dir}: expected model.safetensors or pytorch_model.bin '
-                          f'(or their sharded .index.json forms).')
+  raise HFImportError(f'No weights in {hf_dir}: expected model.safetensors or pytorch_model.bin (or their sharded '
+                      f'.index.json forms and every shard they name).')
 
 
 def _read_tensor_file(path: str) -> dict[str, np.ndarray]:
   if path.endswith('.safetensors'):
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
-    return {k: np.asarray(v, np.float32) for k, v in load_file(path).items()}
+    try:
+      return {k: np.asarray(v, np.float32) for k, v in load_file(path).items()}
+    except SafetensorError as e:
+      raise HFImportError(f'{path} is not a readable safetensors file ({one_line(e)}); download it again.') from e
   try:
     import torch
   except ImportError as e:
-    raise ImportError(f'{path} is a PyTorch file and reading it needs torch (pip install torch), or convert '
-                      f'the checkpoint to model.safetensors.') from e
-  state = torch.load(path, map_location='cpu', weights_only=True)
+    raise HFImportError(f'{path} is a PyTorch file and reading it needs torch (pip install torch), or convert '
+                        f'the checkpoint to model.safetensors.') from e
+  try:
+    state = torch.load(path, map_location='cpu', weights_only=True)
+  except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # what torch.load raises for a damaged file
+    raise HFImportError(f'{path} is not a readable PyTorch checkpoint ({one_line(e)}); download it again.') from e
   return {k: v.float().numpy() for k, v in state.items()}
+
+
+def read_json(path: str, what: str) -> dict:
+  """The JSON object in the file at `path` (`what` it should hold, for the error)."""
+  try:
+    with open(path) as f:
+      value = json.load(f)
+  except ValueError as e:
+    raise HFImportError(f'{path} is not valid JSON ({one_line(e)}); it should hold {what}: download it again.') from e
+  if not isinstance(value, dict):
+    raise HFImportError(f'{path} holds a JSON {type(value).__name__}, not the object of {what}.')
+  return value
 
 
 def read_hf_config(hf_dir: str, model_type: str | None = None) -> dict:
   """config.json of `hf_dir`, checked to describe a `model_type` model (None: any)."""
   path = os.path.join(hf_dir, 'config.json')
   if not os.path.exists(path):
-    raise FileNotFoundError(f'{path} not found: --hf_dir must be a Hugging Face {model_type or "model"} directory.')
-  with open(path) as f:
-    hf = json.load(f)
+    raise HFImportError(f'{path} not found: --hf_dir must be a Hugging Face {model_type or "model"} directory.')
+  hf = read_json(path, 'a Hugging Face model config')
   if model_type is not None and hf.get('model_type') not in (None, model_type):
-    raise ValueError(f"{path} describes a {hf.get('model_type')!r} model, not {model_type!r}; use that family's "
-                     f"config.")
+    raise HFImportError(f"{path} describes a {hf.get('model_type')!r} model, not {model_type!r}; use that family's "
+                        f"config.")
   return hf
 
 
-def fields_from_hf(hf: dict, keys: tuple[tuple[str, str, object], ...], what: str) -> dict:
-  """{our field: value} from HF config.json entries; `keys` holds (HF key, our field, default),
-  default None meaning the key is required."""
-  missing = [key for key, _, default in keys if default is None and key not in hf]
+def fields_from_hf(hf: dict, keys: tuple[tuple[str, str, object], ...], path: str) -> dict:
+  """{our field: value} from the entries of config.json (at `path`); `keys` holds (HF key, our
+  field, default), default None meaning the key is required."""
+  missing = [key for key, _, default in keys if default is None and hf.get(key) is None]
   if missing:
-    raise ValueError(f'{what} config.json lacks {missing}; is it a complete Hugging Face config?')
+    raise HFImportError(f"{path} lacks {', '.join(missing)}: the model's sizes. A complete Hugging Face "
+                        f'config.json has them all; download it again.')
   return {field: hf.get(key, default) for key, field, default in keys}
+
+
+@contextlib.contextmanager
+def reading_tokenizer(files: str) -> Iterator[None]:
+  """HFImportError naming `files` for what the `tokenizers` library raises while reading them: a
+  plain Exception, whose class says nothing, so every one is caught (keep the block to the read)."""
+  try:
+    yield
+  except Exception as e:
+    raise HFImportError(f'{files} does not load as a tokenizer ({one_line(e)}); download it again.') from e
 
 
 def fields_to_hf(config, keys: tuple[tuple[str, str, object], ...]) -> dict:

@@ -18,7 +18,6 @@ padded rows are zeros on import and left out on export.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import NamedTuple, Sequence
 
@@ -27,9 +26,10 @@ import tokenizers
 from flax import nnx
 
 from data.tokenizers import HFTokenizer, configure_wordpiece
-from interop.common import (TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names, load_tensors,
-                            numpy_params, output_directory, read_hf_config, read_tensors, to_hf_tensors, write_json,
-                            write_safetensors, write_tokenizer)
+from interop.common import (HFImportError, TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names,
+                            load_tensors, numpy_params, output_directory, read_hf_config, read_json, read_tensors,
+                            reading_tokenizer, reject_unused, to_hf_tensors, write_json, write_safetensors,
+                            write_tokenizer)
 from models.bert import BertClassifier, BertConfig, BertEncoder, BertForPretraining
 
 # HF `hidden_act` -> models.layers.ACTIVATIONS key, and back.
@@ -107,12 +107,12 @@ def bert_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'x
   hf = read_hf_config(hf_dir, 'bert')
   path = os.path.join(hf_dir, 'config.json')
   if hf.get('position_embedding_type', 'absolute') != 'absolute':
-    raise ValueError(f"{path}: position_embedding_type={hf['position_embedding_type']!r} is not supported "
-                     f"(only learned absolute positions).")
+    raise HFImportError(f"{path}: position_embedding_type={hf['position_embedding_type']!r} is not supported "
+                        f"(only learned absolute positions).")
   activation = hf.get('hidden_act', 'gelu')
   if activation not in HF_ACTIVATIONS:
-    raise ValueError(f'{path}: hidden_act={activation!r} is not supported; use one of {sorted(HF_ACTIVATIONS)}.')
-  return BertConfig(**fields_from_hf(hf, CONFIG_KEYS, 'BERT'), activation=HF_ACTIVATIONS[activation], dtype=dtype,
+    raise HFImportError(f'{path}: hidden_act={activation!r} is not supported; use one of {sorted(HF_ACTIVATIONS)}.')
+  return BertConfig(**fields_from_hf(hf, CONFIG_KEYS, path), activation=HF_ACTIVATIONS[activation], dtype=dtype,
                     attention=attention, vocab_multiple=vocab_multiple)
 
 
@@ -137,12 +137,13 @@ def wordpiece_from_vocab(vocab_file: str, lowercase: bool = True) -> HFTokenizer
   """BERT's tokenizer (normalise, split on whitespace and punctuation, WordPiece, [CLS]/[SEP]
   template) around an existing vocab.txt; matches `BertTokenizerFast(vocab_file, do_lower_case=lowercase)`."""
   if not os.path.exists(vocab_file):
-    raise FileNotFoundError(f'{vocab_file} not found: a WordPiece vocabulary has one token per line.')
+    raise HFImportError(f'{vocab_file} not found: a WordPiece vocabulary has one token per line.')
   wordpiece = tokenizers.models.WordPiece
-  tokenizer = tokenizers.Tokenizer(wordpiece(wordpiece.read_file(vocab_file), unk_token='[UNK]'))
+  with reading_tokenizer(vocab_file):
+    tokenizer = tokenizers.Tokenizer(wordpiece(wordpiece.read_file(vocab_file), unk_token='[UNK]'))
   for token in ('[UNK]', '[CLS]', '[SEP]', '[PAD]', '[MASK]'):
     if tokenizer.token_to_id(token) is None:
-      raise ValueError(f'{vocab_file} lacks the special token {token}; it is not a BERT vocabulary.')
+      raise HFImportError(f'{vocab_file} lacks the special token {token}; it is not a BERT vocabulary.')
   return HFTokenizer(configure_wordpiece(tokenizer, lowercase), 'wordpiece')
 
 
@@ -150,15 +151,15 @@ def read_hf_tokenizer(hf_dir: str) -> HFTokenizer:
   """tokenizer.json when present, else vocab.txt with tokenizer_config.json's do_lower_case (default True)."""
   path = os.path.join(hf_dir, 'tokenizer.json')
   if os.path.exists(path):
-    return HFTokenizer(tokenizers.Tokenizer.from_file(path), 'wordpiece')
+    with reading_tokenizer(path):
+      return HFTokenizer(tokenizers.Tokenizer.from_file(path), 'wordpiece')
   lowercase = True
   settings = os.path.join(hf_dir, 'tokenizer_config.json')
   if os.path.exists(settings):
-    with open(settings) as f:
-      lowercase = json.load(f).get('do_lower_case', True)
+    lowercase = read_json(settings, "the tokenizer's settings").get('do_lower_case', True)
   vocab = os.path.join(hf_dir, 'vocab.txt')
   if not os.path.exists(vocab):
-    raise FileNotFoundError(f'No tokenizer in {hf_dir}: expected tokenizer.json or vocab.txt.')
+    raise HFImportError(f'No tokenizer in {hf_dir}: expected tokenizer.json or vocab.txt.')
   return wordpiece_from_vocab(vocab, lowercase)
 
 
@@ -176,13 +177,12 @@ def import_bert(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', 
   model = BertForPretraining(config, rngs=rngs or nnx.Rngs(0))
   heads = has_pretraining_heads(weights)
   if heads:
-    used = load_tensors(model, weights, encoder_tensor_names(config, path=('encoder',)) + pretraining_head_names(config))
+    names = encoder_tensor_names(config, path=('encoder',)) + pretraining_head_names(config)
+    used = load_tensors(model, weights, names, hf_dir)
   else:
-    used = load_tensors(model.encoder, weights, encoder_tensor_names(config))
-  unused = sorted(k for k in weights if k not in used and not k.endswith(_IGNORED_SUFFIXES)
-                  and not k.startswith('classifier.'))
-  if unused:
-    raise ValueError(f'The checkpoint has tensors this BERT does not use: {unused[:5]}; is config.json right?')
+    used = load_tensors(model.encoder, weights, encoder_tensor_names(config), hf_dir)
+  reject_unused(sorted(k for k in weights if k not in used and not k.endswith(_IGNORED_SUFFIXES)
+                       and not k.startswith('classifier.')), hf_dir)
   return ImportedBert(model, read_hf_tokenizer(hf_dir) if tokenizer else None, config, heads)
 
 

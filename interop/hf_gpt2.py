@@ -18,9 +18,10 @@ from flax import nnx
 from tokenizers import decoders, pre_tokenizers
 
 from data.tokenizers import HFTokenizer
-from interop.common import (TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names, load_tensors,
-                            output_directory, read_hf_config, read_tensors, to_hf_tensors, unscanned_params, write_json,
-                            write_safetensors, write_tokenizer)
+from interop.common import (HFImportError, TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names,
+                            load_tensors, output_directory, read_hf_config, read_tensors, reading_tokenizer,
+                            reject_unused, to_hf_tensors, unscanned_params, write_json, write_safetensors,
+                            write_tokenizer)
 from models.gpt import GPT, GPT2Config
 
 # (config.json key, GPT2Config field, value when the key is missing: None = required).
@@ -66,11 +67,13 @@ def read_hf_tokenizer(hf_dir: str) -> HFTokenizer:
   """The directory's tokenizer.json, or vocab.json + merges.txt, as our byte-level BPE tokenizer."""
   path = os.path.join(hf_dir, 'tokenizer.json')
   if os.path.exists(path):
-    return HFTokenizer(tokenizers.Tokenizer.from_file(path), 'bpe')
+    with reading_tokenizer(path):
+      return HFTokenizer(tokenizers.Tokenizer.from_file(path), 'bpe')
   vocab, merges = os.path.join(hf_dir, 'vocab.json'), os.path.join(hf_dir, 'merges.txt')
   if not (os.path.exists(vocab) and os.path.exists(merges)):
-    raise FileNotFoundError(f'No tokenizer in {hf_dir}: expected tokenizer.json or vocab.json + merges.txt.')
-  tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(vocab, merges))
+    raise HFImportError(f'No tokenizer in {hf_dir}: expected tokenizer.json or vocab.json + merges.txt.')
+  with reading_tokenizer(f'{vocab} with {merges}'):
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(vocab, merges))
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
   return HFTokenizer(tokenizer, 'bpe')
@@ -80,11 +83,11 @@ def gpt2_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'x
                         ) -> GPT2Config:
   """GPT2Config from `hf_dir/config.json`; dtype, attention and the vocabulary padding are not stored by HF."""
   hf = read_hf_config(hf_dir, 'gpt2')
+  where = os.path.join(hf_dir, 'config.json')
   activation = hf.get('activation_function', 'gelu_new')
   if activation not in ('gelu_new', 'gelu_pytorch_tanh'):
-    raise ValueError(f'{hf_dir}/config.json: activation_function={activation!r} is not supported (GPT uses '
-                     f'tanh-GELU).')
-  fields = fields_from_hf(hf, CONFIG_KEYS, 'GPT-2')
+    raise HFImportError(f'{where}: activation_function={activation!r} is not supported (GPT uses tanh-GELU).')
+  fields = fields_from_hf(hf, CONFIG_KEYS, where)
   return GPT2Config(**fields, mlp_ratio=(hf.get('n_inner') or 4 * fields['width']) // fields['width'], dtype=dtype,
                     attention=attention, vocab_multiple=vocab_multiple)
 
@@ -100,10 +103,9 @@ def import_gpt2(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', 
   config = gpt2_config_from_hf(hf_dir, dtype, attention, vocab_multiple)
   tensors = {k.removeprefix('transformer.'): v for k, v in read_tensors(hf_dir).items()}
   model = GPT(config, rngs=rngs or nnx.Rngs(0))
-  used = load_tensors(model, tensors, tensor_names(config))
-  unused = sorted(k for k in tensors if k not in used and k not in _IGNORED and not k.endswith(_IGNORED_SUFFIXES))
-  if unused:
-    raise ValueError(f'The checkpoint has tensors this GPT does not use: {unused[:5]}; is config.json right?')
+  used = load_tensors(model, tensors, tensor_names(config), hf_dir)
+  reject_unused(sorted(k for k in tensors if k not in used and k not in _IGNORED and not k.endswith(_IGNORED_SUFFIXES)),
+                hf_dir)
   return ImportedGPT2(model, read_hf_tokenizer(hf_dir) if tokenizer else None, config)
 
 

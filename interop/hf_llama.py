@@ -20,9 +20,9 @@ from typing import NamedTuple
 from flax import nnx
 
 from data.tokenizers import HFTokenizer
-from interop.common import (HFExportError, TensorName, fields_from_hf, fields_to_hf, linear_names, load_tensors,
-                            output_directory, read_hf_config, read_tensors, to_hf_tensors, unscanned_params, write_json,
-                            write_safetensors, write_tokenizer)
+from interop.common import (HFExportError, HFImportError, TensorName, fields_from_hf, fields_to_hf, linear_names,
+                            load_tensors, output_directory, read_hf_config, read_tensors, reject_unused, to_hf_tensors,
+                            unscanned_params, write_json, write_safetensors, write_tokenizer)
 from interop.hf_gpt2 import read_hf_tokenizer
 from models.gpt import GPT, GPT2Config
 
@@ -81,7 +81,7 @@ def rope_fields_from_hf(hf: dict, where: str) -> dict:
   if kind == 'default':
     return {**fields, 'rope_scaling': 'none'}
   if kind != 'llama3':
-    raise ValueError(f"{where}: rope type {kind!r} is not supported (only the default RoPE and 'llama3').")
+    raise HFImportError(f"{where}: rope type {kind!r} is not supported (only the default RoPE and 'llama3').")
   scaling = {field: (int if field == 'rope_original_max_len' else float)(rope[key]) for key, field in LLAMA3_KEYS}
   return {**fields, 'rope_scaling': 'llama3', **scaling}
 
@@ -92,15 +92,15 @@ def llama_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = '
   vocabulary padding are not stored by HF."""
   hf = read_hf_config(hf_dir, 'llama')
   where = f'{hf_dir}/config.json'
-  fields = fields_from_hf(hf, CONFIG_KEYS, 'Llama')
+  fields = fields_from_hf(hf, CONFIG_KEYS, where)
   if hf.get('hidden_act', 'silu') != 'silu':
-    raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (Llama's SwiGLU uses 'silu').")
+    raise HFImportError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (Llama's SwiGLU uses 'silu').")
   if hf.get('head_dim') not in (None, fields['width'] // fields['num_heads']):
-    raise ValueError(f"{where}: head_dim={hf['head_dim']} is not hidden_size / num_attention_heads, which this "
-                     f'GPT assumes.')
+    raise HFImportError(f"{where}: head_dim={hf['head_dim']} is not hidden_size / num_attention_heads, which this "
+                        f'GPT assumes.')
   bias = bool(hf.get('attention_bias', False))
   if bool(hf.get('mlp_bias', False)) != bias:
-    raise ValueError(f'{where}: attention_bias and mlp_bias differ; this GPT has one use_bias for both.')
+    raise HFImportError(f'{where}: attention_bias and mlp_bias differ; this GPT has one use_bias for both.')
   return GPT2Config(**fields, **LLAMA_STEPS, **rope_fields_from_hf(hf, where), use_bias=bias, dropout=0.0,
                     num_kv_heads=hf.get('num_key_value_heads') or fields['num_heads'], dtype=dtype,
                     attention=attention, vocab_multiple=vocab_multiple)
@@ -116,11 +116,9 @@ def import_llama(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla',
   config = llama_config_from_hf(hf_dir, dtype, attention, vocab_multiple)
   tensors = read_tensors(hf_dir)
   model = GPT(config, rngs=rngs or nnx.Rngs(0))
-  used = load_tensors(model, tensors, tensor_names(config))
+  used = load_tensors(model, tensors, tensor_names(config), hf_dir)
   ignored = ('.rotary_emb.inv_freq',) + (('lm_head.weight',) if config.tie_embeddings else ())
-  unused = sorted(k for k in tensors if k not in used and not k.endswith(ignored))
-  if unused:
-    raise ValueError(f'The checkpoint has tensors this GPT does not use: {unused[:5]}; is config.json right?')
+  reject_unused(sorted(k for k in tensors if k not in used and not k.endswith(ignored)), hf_dir)
   return ImportedLlama(model, read_hf_tokenizer(hf_dir) if tokenizer else None, config)
 
 

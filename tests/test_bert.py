@@ -119,11 +119,12 @@ def test_import_encoder_only_checkpoint(tmp_path):
 
 
 def test_import_rejects_mismatched_config(tmp_path):
+  from interop.common import HFImportError
   from interop.hf_bert import import_bert
   random_hf_bert(transformers.BertModel).save_pretrained(tmp_path)
   config = (tmp_path / 'config.json').read_text().replace('"intermediate_size": 48', '"intermediate_size": 64')
   (tmp_path / 'config.json').write_text(config)
-  with pytest.raises(ValueError, match='Shape mismatch'):
+  with pytest.raises(HFImportError, match=r'is \[48, 32\], but its config.json implies \[64, 32\]'):
     import_bert(str(tmp_path), tokenizer=False)
 
 

@@ -1,0 +1,159 @@
+"""A bad Hugging Face directory given to --mode=import_hf ends with one `error:` line naming the
+file and the fix, exit status 1, and no --workdir written, whichever reader (GPT-2, Llama, BERT)
+and whichever part is bad: config.json (cut short, sizes missing, no model_type), the weights
+(missing, damaged, tensors missing, extra or of the wrong shape), the tokenizer (missing, not
+loading, not a BERT vocabulary).
+
+The directories are written by our own exporters (no torch needed) and then broken one way each."""
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import support
+
+WORDS = ' '.join(support.WORDS)
+
+
+@pytest.fixture(scope='module')
+def hf_dirs(tmp_path_factory):
+  """{'gpt2' | 'llama' | 'bert': a complete tiny Hugging Face directory of that model_type}."""
+  from data.tokenizers import train_bpe, train_wordpiece
+  from interop.hf_bert import export_bert
+  from interop.hf_gpt2 import export_gpt2
+  from interop.hf_llama import LLAMA_STEPS, export_llama
+  from models.bert import BertConfig, BertForPretraining
+  from models.gpt import GPT, GPT2Config
+  root = tmp_path_factory.mktemp('hf')
+  bpe = train_bpe([WORDS] * 4, vocab_size=300)
+  sizes = dict(vocab_size=bpe.vocab_size, max_len=16, num_layers=1, num_heads=2, width=8)
+  export_gpt2(GPT(GPT2Config(**sizes), rngs=nnx.Rngs(0)), bpe, str(root / 'gpt2'))
+  export_llama(GPT(GPT2Config(**sizes, **LLAMA_STEPS, use_bias=False), rngs=nnx.Rngs(0)), bpe, str(root / 'llama'))
+  wordpiece = train_wordpiece([WORDS] * 4, vocab_size=100)
+  bert = BertConfig(vocab_size=wordpiece.vocab_size, max_len=16, num_layers=1, num_heads=2, width=8, mlp_dim=16)
+  export_bert(BertForPretraining(bert, rngs=nnx.Rngs(0)), wordpiece, str(root / 'bert'))
+  return {name: str(root / name) for name in ('gpt2', 'llama', 'bert')}
+
+
+# Each way of breaking a directory `d`, and the error it must give ({d}: the directory, ...: the
+# words of the library that failed to read it).
+def config_with_only_model_type(d):
+  model_type = json.load(open(f'{d}/config.json'))['model_type']
+  json.dump({'model_type': model_type}, open(f'{d}/config.json', 'w'))
+
+
+def config_cut_short(d):
+  text = open(f'{d}/config.json').read()
+  open(f'{d}/config.json', 'w').write(text[:len(text) // 2])
+
+
+def config_without_model_type(d):
+  config = json.load(open(f'{d}/config.json'))
+  del config['model_type']
+  json.dump(config, open(f'{d}/config.json', 'w'))
+
+
+def without(name):
+  def remove(d):
+    os.remove(f'{d}/{name}')
+  return remove
+
+
+def weights_cut_short(d):
+  data = open(f'{d}/model.safetensors', 'rb').read()
+  open(f'{d}/model.safetensors', 'wb').write(data[:100])
+
+
+def edit_weights(edit):
+  def rewrite(d):
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(f'{d}/model.safetensors')
+    edit(tensors)
+    save_file(tensors, f'{d}/model.safetensors')
+  return rewrite
+
+
+def vocabulary_one_larger(d):
+  config = json.load(open(f'{d}/config.json'))
+  json.dump({**config, 'vocab_size': config['vocab_size'] + 1}, open(f'{d}/config.json', 'w'))
+
+
+def tokenizer_json_of_another_format(d):
+  json.dump({'version': '1.0', 'model': 3}, open(f'{d}/tokenizer.json', 'w'))
+
+
+def vocab_txt_without_special_tokens(d):
+  os.remove(f'{d}/tokenizer.json')
+  open(f'{d}/vocab.txt', 'w').write('\n'.join(support.WORDS) + '\n')
+
+
+CASES = {
+    'llama config.json with model_type alone': (
+        'llama', config_with_only_model_type,
+        "{d}/config.json lacks vocab_size, max_position_embeddings, num_hidden_layers, num_attention_heads, "
+        "hidden_size, intermediate_size: the model's sizes. A complete Hugging Face config.json has them all; "
+        "download it again."),
+    'gpt2 config.json with model_type alone': (
+        'gpt2', config_with_only_model_type,
+        "{d}/config.json lacks vocab_size, n_positions, n_layer, n_head, n_embd: the model's sizes. A complete "
+        "Hugging Face config.json has them all; download it again."),
+    'bert config.json with model_type alone': (
+        'bert', config_with_only_model_type,
+        "{d}/config.json lacks vocab_size, num_hidden_layers, num_attention_heads, hidden_size, intermediate_size: "
+        "the model's sizes. A complete Hugging Face config.json has them all; download it again."),
+    'config.json cut short': (
+        'gpt2', config_cut_short,
+        '{d}/config.json is not valid JSON (...); it should hold a Hugging Face model config: download it again.'),
+    'config.json without model_type': (
+        'bert', config_without_model_type,
+        "{d}/config.json names no model_type; pass the config of its family, one of ['configs/bert.py', "
+        "'configs/gpt.py']."),
+    'no weights file': (
+        'bert', without('model.safetensors'),
+        'No weights in {d}: expected model.safetensors or pytorch_model.bin (or their sharded .index.json forms and '
+        'every shard they name).'),
+    'weights file cut short': (
+        'llama', weights_cut_short,
+        '{d}/model.safetensors is not a readable safetensors file (...); download it again.'),
+    'a tensor missing': (
+        'gpt2', edit_weights(lambda tensors: tensors.pop('transformer.ln_f.bias')),
+        "The weights in {d} lack the tensor 'ln_f.bias' that its config.json implies; the weights and config.json "
+        "are not of one model."),
+    'a tensor too many': (
+        'bert', edit_weights(lambda tensors: tensors.update({'bert.extra.weight': np.zeros(3, np.float32)})),
+        "The weights in {d} hold tensors that its config.json gives no place: ['extra.weight']; the weights and "
+        "config.json are not of one model."),
+    'a tensor of another shape': (
+        'llama', vocabulary_one_larger,
+        'The tensor model.embed_tokens.weight in {d} is [{vocab}, 8], but its config.json implies [{vocab1}, 8]; '
+        'the weights and config.json are not of one model.'),
+    'tokenizer.json that does not load': (
+        'gpt2', tokenizer_json_of_another_format,
+        '{d}/tokenizer.json does not load as a tokenizer (...); download it again.'),
+    'vocab.txt without the special tokens': (
+        'bert', vocab_txt_without_special_tokens,
+        '{d}/vocab.txt lacks the special token [UNK]; it is not a BERT vocabulary.'),
+    'no tokenizer': (
+        'llama', without('tokenizer.json'),
+        'No tokenizer in {d}: expected tokenizer.json or vocab.json + merges.txt.'),
+}
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_a_bad_hf_directory_is_one_error_line_and_no_workdir(hf_dirs, tmp_path, case):
+  model_type, breaks, message = CASES[case]
+  directory, workdir = str(tmp_path / 'hf'), tmp_path / 'run'
+  shutil.copytree(hf_dirs[model_type], directory)
+  vocab = json.load(open(f'{directory}/config.json'))['vocab_size']
+  breaks(directory)
+  result = support.launch(['--mode=import_hf', f'--hf_dir={directory}', f'--workdir={workdir}'])
+  assert result.returncode == 1, result.stderr[-2000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr[-2000:]
+  expected = 'error: ' + message.format(d=directory, vocab=vocab, vocab1=vocab + 1)
+  assert re.fullmatch('.+'.join(map(re.escape, expected.split('...'))), lines[0]), (lines[0], expected)
+  assert not workdir.exists()
