@@ -2,13 +2,14 @@
 
   python launch.py                                            # the default main job (configs/default.py)
   python launch.py --config=configs/gpt.py:tiny --config.train.steps=50 --workdir=runs/try
+  python launch.py --config=configs/gpt.py --mode=prepare    # tokenize the data into its cache, no training
   python launch.py --mode=eval --workdir=runs/try             # metrics of the latest checkpoint
   echo 'def main():' | python launch.py --mode=predict --workdir=runs/try --input=-
   python launch.py --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2   # family from its config.json
   python launch.py --mode=export_hf --workdir=runs/try --hf_dir=hf/try   # GPT/BERT run -> transformers directory
   python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
   python launch.py --config=configs/gpt.py:gpt2 --mode=compile --compile_target=h100  # compile only: kernels, memory
-  python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep  # trials one after another
+  python launch.py --sweep=configs/sweeps/gpt_tiny_random.py --workdir=runs/rs --sweep_workers=2  # an Optuna study
 
 `--config=FILE[:preset]` names the config: by default configs/default.py, for `import_hf` the
 family of the HF directory's config.json. `train` resumes when `--workdir` holds a checkpoint.
@@ -41,7 +42,7 @@ from errors import UserError
 # `--config=FILE[:preset]` and its `--config.<key>=<value>` overrides are defined by parse_flags: the
 # override flags follow from the config, which is loaded only once the other flags say which one.
 flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config>-<preset>-<timestamp>).')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'import_hf', 'export_hf', 'bench', 'compile'],
+flags.DEFINE_enum('mode', 'train', ['train', 'prepare', 'eval', 'predict', 'import_hf', 'export_hf', 'bench', 'compile'],
                   'What to do.')
 flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - for stdin.')
 flags.DEFINE_string('output', None, 'predict: also write the outputs here, one JSON value per line.')
@@ -52,8 +53,16 @@ flags.DEFINE_bool('bench_decode', True, 'bench: also time cached decoding (gener
 flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of 3 more steps to this directory.')
 flags.DEFINE_string('compile_target', None, 'compile: the devices to compile for (cpu, cpu-8, h100, h100x8, h200, '
                     'v5e-8, v5p-16, v4-32, ...; train/targets.py). GPU and TPU targets need requirements-aot.txt.')
-flags.DEFINE_string('sweep', None, 'A sweep file (configs/sweeps/*.py): run its trials in <workdir>/<trial>/.')
+flags.DEFINE_string('sweep', None, 'A sweep file (configs/sweeps/*.py): an Optuna study whose trials run in '
+                    '<workdir>/<trial>/ (train/sweep.py).')
 flags.DEFINE_bool('sweep_dry_run', False, 'With --sweep: print one launch command per trial and stop.')
+flags.DEFINE_string('sweep_storage', None, 'With --sweep: the study\'s storage, a journal file (also on a disk several '
+                    'hosts share) or a database URL (sqlite:///FILE, postgresql://...); default <workdir>/study.journal.')
+flags.DEFINE_integer('sweep_workers', 1, 'With --sweep: trials run at once on this host.')
+flags.DEFINE_string('sweep_devices', None, 'With --sweep: accelerator ids (e.g. 0,1,2,3) split evenly among '
+                    '--sweep_workers; each trial sees its share (CUDA_VISIBLE_DEVICES).')
+flags.DEFINE_integer('sweep_heartbeat', 30, 'With --sweep: seconds between a running trial\'s heartbeats; a trial '
+                     'silent for twice as long (its host died) is failed and run again.')
 flags.DEFINE_bool('distributed', None, 'Call jax.distributed.initialize() (default: auto-detect a '
                   'multi-process launch on TPU pods, SLURM, or when --coordinator_address is set).')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for manual multi-process launches.')
@@ -91,6 +100,12 @@ def train_mode(workdir: str) -> None:
           f'  run = load_run({workdir!r})\n'
           "  run.predict(['...'])   # or call run.model(...) directly\n", flush=True)
   print_line({'mode': 'train', 'workdir': workdir, **results})
+
+
+def prepare_mode(workdir: str) -> None:
+  del workdir  # the caches live under data.cache_dir, shared by every run on the same data
+  from train import trainer
+  print_line({'mode': 'prepare', **trainer.prepare_data(FLAGS.config)})
 
 
 def eval_mode(workdir: str) -> None:
@@ -151,9 +166,9 @@ def compile_mode(workdir: str) -> None:
   print_line({'mode': 'compile', **aot.compile_for_target(FLAGS.config, FLAGS.compile_target, workdir)})
 
 
-MODES = {'train': train_mode, 'eval': eval_mode, 'predict': predict_mode, 'import_hf': import_hf_mode,
-         'export_hf': export_hf_mode, 'bench': bench_mode, 'compile': compile_mode}
-NEW_WORKDIR_MODES = ('train', 'bench', 'compile')  # the others read a run, so --workdir must name one
+MODES = {'train': train_mode, 'prepare': prepare_mode, 'eval': eval_mode, 'predict': predict_mode,
+         'import_hf': import_hf_mode, 'export_hf': export_hf_mode, 'bench': bench_mode, 'compile': compile_mode}
+NEW_WORKDIR_MODES = ('train', 'prepare', 'bench', 'compile')  # the others read a run, so --workdir must name one
 
 
 def main(invocation: Invocation) -> None:
@@ -164,7 +179,7 @@ def main(invocation: Invocation) -> None:
   logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
   if FLAGS.sweep:
     from train import sweep
-    sweep.run_sweep_from_flags(FLAGS, invocation.argv)
+    sweep.run_sweep_from_flags(FLAGS, invocation.argv, check_keys=check_sweep_keys)
     return
   if not FLAGS.workdir and FLAGS.mode not in NEW_WORKDIR_MODES:
     raise app.UsageError(f'--mode={FLAGS.mode} needs --workdir.')
@@ -408,6 +423,12 @@ def check_config_file(spec: str) -> None:
   if path == 'configs/run.py' and colon and not storage.path(os.path.join(workdir, 'config.json')).exists():
     raise UserError(f'--config.* overrides with --mode={FLAGS.mode} apply to the run\'s own config.json, and '
                     f'{os.path.join(workdir, "config.json")} was not found; pass the --workdir of a trained run.')
+
+
+def check_sweep_keys(spec: str, keys: list[str]) -> None:
+  """UserError for the first key a sweep file sets (overrides, grid, trials, space) that the config
+  of its trials lacks, before any trial starts."""
+  check_override_keys(load_config(spec), spec, [f'--config.{key}=' for key in keys])
 
 
 def check_override_keys(config, spec: str | None, args: list[str]) -> None:

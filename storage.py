@@ -82,8 +82,12 @@ def write_atomically(location: str | os.PathLike, data: str | bytes) -> None:
     target.write_bytes(data) if isinstance(data, bytes) else target.write_text(data)
     return
   aside = target.with_name(f'{target.name}.{os.getpid()}.tmp')
-  aside.write_bytes(data) if isinstance(data, bytes) else aside.write_text(data)
-  os.replace(aside, target)
+  try:
+    aside.write_bytes(data) if isinstance(data, bytes) else aside.write_text(data)
+    os.replace(aside, target)
+  except BaseException:  # a full disk or an interrupt: no half-written file left beside the target
+    aside.unlink(missing_ok=True)
+    raise
 
 
 class LocalMirror:

@@ -47,6 +47,10 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.data.vocab_size = 8192
   c.data.lowercase = True
   c.data.max_examples = 0  # 0 = all; a cap for quick runs
+  # Token caches (data/token_cache.py): corpora tokenized once, read by memory map; local or gs://,
+  # shared by every run on the same corpus and tokenizer (and, on a pod, reached by every host).
+  c.data.cache_dir = '~/.cache/attention-lineage/data'
+  c.data.cache_shard_mb = 64  # text per cache shard: the unit of parallel and resumable building
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000

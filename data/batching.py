@@ -287,30 +287,32 @@ def stream_windows(stream: np.ndarray, seq_len: int, stride: int, max_windows: i
   return stream[np.arange(count)[:, None] * stride + np.arange(window)[None, :]]
 
 
-def stream_rows(stream: np.ndarray, num_rows: int, seq_len: int) -> np.ndarray:
-  """int32 [N] -> [num_rows, N // num_rows] consecutive pieces (the `Stream` plan's examples), long
-  enough for two windows at any offset."""
+def stream_rows(stream, num_rows: int, seq_len: int) -> list:
+  """A token stream [N] (an array, or a token_cache.TokenStream) -> `num_rows` consecutive pieces of
+  N // num_rows tokens (the `Stream` plan's examples), long enough for two windows at any offset.
+  The pieces are slices: views of an array, lazy reads of a cache."""
   length = len(stream) // num_rows
   if length < 3 * seq_len:
     raise DataError(f'Sequential partitioning needs at least {3 * seq_len * num_rows} tokens for '
                     f'{num_rows} rows of data.seq_len={seq_len}; the data has {len(stream)}. Use more '
                     f'text or a smaller train.batch_size.')
-  return stream[: num_rows * length].reshape(num_rows, length)
+  return [stream[row * length:(row + 1) * length] for row in range(num_rows)]
 
 
-def sequential_batches(row_array: np.ndarray, seq_len: int, seed: int) -> grain.MapDataset:
-  """Endless batches {'tokens' [R, seq_len + 1], 'reset' [R]} walking along every row together.
+def sequential_batches(rows, seq_len: int, seed: int) -> grain.MapDataset:
+  """Endless batches {'tokens' [R, seq_len + 1], 'reset' [R]} walking along every row together
+  (`rows`: R sliceable rows of one length, e.g. `stream_rows`' pieces or a 2-D array).
 
   Pass e over the rows starts at a random offset in [0, seq_len) drawn from (seed, e), so window
   borders move between passes; its first batch has reset=True.
   """
-  num_rows, length = row_array.shape
+  num_rows, length = len(rows), len(rows[0])
   per_pass = (length - seq_len) // seq_len
 
   def batch(index, window):
     offset = np.random.default_rng([seed, index // per_pass]).integers(seq_len)
     start = offset + window * seq_len
-    return {'tokens': row_array[:, start:start + seq_len + 1],
+    return {'tokens': np.stack([np.asarray(row[start:start + seq_len + 1]) for row in rows]),
             'reset': np.full((num_rows,), window == 0)}
 
   return grain.MapDataset.range(per_pass).repeat().map_with_index(batch)
@@ -330,5 +332,5 @@ class Stream:
       raise ValueError(f'Stream batches read one example per row: {len(examples)} examples for batch_size '
                        f'{batch_size}.')
     local = batch_size // process_count
-    row_array = np.stack([examples[i]['tokens'] for i in range(process_index * local, (process_index + 1) * local)])
-    return sequential_batches(row_array, self.seq_len, seed)
+    rows = [examples[i]['tokens'] for i in range(process_index * local, (process_index + 1) * local)]
+    return sequential_batches(rows, self.seq_len, seed)

@@ -7,16 +7,21 @@ by disjoint documents.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+
 import grain
 import numpy as np
 
 import storage
-from data import batching, sources
+from data import batching, sources, token_cache
 from data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_tokenizer
 
-EVAL_FRACTION = 0.05
+EVAL_FRACTION = token_cache.EVAL_FRACTION
 # Tokenizer training reads at most this many characters: BPE merges stabilise long before.
 TOKENIZER_TRAINING_CHARS = 20_000_000
+NAMED_BY = {'train': 'data.source', 'valid': 'data.eval_source', 'test': 'data.test_source'}
 TOKENIZE_CHUNK = 256  # documents tokenized together when only the first max_tokens are needed
 
 
@@ -49,9 +54,12 @@ def _carve(documents: list[tuple[str, str]], source: str, held_out: tuple[str, .
   Part = sources.Part
   if 'valid' not in held_out:
     return {'train': Part(documents, f'{source}, whole (data.source)')}
-  if len(documents) == 1:  # one file: hold out its tail
+  if len(documents) == 1:  # one file: hold out its tail, from the token cache's cut (data/token_cache.py)
     key, text = documents[0]
-    cut = int(len(text) * (1 - EVAL_FRACTION))
+    raw = text.encode()
+    start = int(len(raw) * (1 - EVAL_FRACTION))
+    cut = len(raw[:token_cache.safe_cut(raw[start:start + token_cache.SAFE_CUT_SEARCH + 1], start, len(raw))]
+              .decode(errors='ignore'))
     return {'train': Part([(key, text[:cut])], f'{source}, the first {1 - EVAL_FRACTION:.0%} of the text'),
             'valid': Part([(key + ':eval', text[cut:])], f'{source}, the last {EVAL_FRACTION:.0%} of the text')}
   train_idx, eval_idx = sources.deterministic_split([k for k, _ in documents], [1 - EVAL_FRACTION, EVAL_FRACTION],
@@ -125,14 +133,105 @@ def pack(documents: list[tuple[str, str]], tokenizer: Tokenizer, seq_len: int, m
   return windows
 
 
-def lm_datasets(data_config, workdir: str, seed: int):
-  """(tokenizer, train, valid, test MapDatasets) of {'tokens': int32 [seq_len + 1]} examples; test
+def lm_datasets(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1):
+  """(tokenizer, train, valid, test MapDatasets of {'tokens': int32 [seq_len + 1]} windows, the
+  {split: token-cache name}), read from token caches (data/token_cache.py) built when missing; test
   is the valid dataset itself unless data.test_source names other documents."""
-  train_docs, eval_docs, test_docs = split_documents(data_config, seed)
-  tokenizer = get_tokenizer(data_config, workdir, (text for _, text in train_docs))
-  train = pack(train_docs, tokenizer, data_config.seq_len, data_config.max_examples, split='train')
-  as_dataset = lambda windows: grain.MapDataset.source(windows).map(lambda w: {'tokens': w})
-  evaluation = as_dataset(pack(eval_docs, tokenizer, data_config.seq_len, split='valid'))
-  test = evaluation if test_docs is eval_docs else as_dataset(pack(test_docs, tokenizer, data_config.seq_len,
-                                                                   split='test'))
-  return tokenizer, as_dataset(train), evaluation, test
+  tokenizer, streams, caches = lm_streams(data_config, workdir, seed, process_index, process_count)
+  window = data_config.seq_len + 1
+  train = token_cache.Windows(streams['train'], window, window, data_config.max_examples)
+  as_dataset = lambda windows: grain.MapDataset.source(windows)
+  datasets = {}
+  for role in sources.ROLES:
+    if role == 'test' and streams['test'] is streams['valid']:
+      datasets[role] = datasets['valid']
+      continue
+    windows = train if role == 'train' else token_cache.Windows(streams[role], window, window)
+    report_windows(role, windows, len(streams[role]))
+    datasets[role] = as_dataset(windows)
+  return tokenizer, datasets['train'], datasets['valid'], datasets['test'], caches
+
+
+def report_windows(split: str, windows: token_cache.Windows, tokens: int) -> None:
+  """One line: the split's windows, and the tokens of the ragged tail they leave out (a warning above
+  sources.WARN_FRACTION of the split)."""
+  whole = (tokens - windows.length) // windows.stride + 1
+  dropped = tokens - whole * windows.length
+  line = (f'{split} split: {whole} windows of {windows.length} tokens; the last {dropped} of {tokens} tokens are '
+          f'dropped (less than a window).')
+  print(f'WARNING: {line}' if dropped > sources.WARN_FRACTION * tokens else line, flush=True)
+
+
+def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1):
+  """(tokenizer, {'train', 'valid', 'test'} -> token_cache.TokenStream, {split: token-cache name}).
+
+  The split rule of data/sources.py over planned corpora: data.source carved into train and valid
+  unless data.eval_source is named; test is the valid stream itself unless data.test_source names
+  one. Each corpus is tokenized once into its cache (`data.cache_dir`), this process building its
+  share of the shards; the tokenizer is the workdir's, else the one trained for this corpus and
+  these settings before (kept in the cache directory), else trained now on a bounded sample.
+  """
+  eval_source, test_source = data_config.get('eval_source', ''), data_config.get('test_source', '')
+  plan = lambda source, carve, split='train': token_cache.plan_corpus(source, carve, seed, split,
+                                                                     shard_bytes(data_config))
+  corpora = {'train': plan(data_config.source, carve=not eval_source)}
+  if eval_source:
+    corpora['valid'] = plan(eval_source, False, sources.TFDS_SPLITS['valid'])
+  if test_source:
+    corpora['test'] = plan(test_source, False, sources.TFDS_SPLITS['test'])
+  tokenizer = cached_tokenizer(data_config, workdir, corpora['train'], seed)
+  streams, origins, caches = {}, {}, {}
+  for role, corpus in corpora.items():
+    directory = build_cache(data_config, corpus, tokenizer, seed, process_index, process_count)
+    for cached_role, origin in corpus.description.items():
+      name = {'all': role}.get(cached_role, cached_role)
+      if cached_role == 'all':
+        origin = f'{origin} ({NAMED_BY[role]})'
+      if name not in streams:
+        streams[name], origins[name] = token_cache.TokenStream(directory, cached_role), origin
+        caches[name] = os.path.basename(directory)
+  if 'test' not in streams:
+    streams['test'], caches['test'] = streams['valid'], caches['valid']
+    origins['test'] = f'the valid split ({"data.test_source is empty" if eval_source else "this family holds out one split"})'
+  for role in sources.ROLES:
+    count = streams[role].documents
+    print(f'{role} split: {count} document{"s" if count != 1 else ""} from {origins[role]}', flush=True)
+  return tokenizer, streams, caches
+
+
+def shard_bytes(data_config) -> int:
+  """The text per cache shard, data.cache_shard_mb (64 MiB for configs saved before it existed)."""
+  return data_config.get('cache_shard_mb', token_cache.SHARD_BYTES >> 20) << 20
+
+
+def cache_dir(data_config) -> str:
+  """data.cache_dir (the default for configs saved before it existed)."""
+  return data_config.get('cache_dir', token_cache.DEFAULT_CACHE_DIR)
+
+
+def build_cache(data_config, corpus: token_cache.Corpus, tokenizer: Tokenizer, seed: int, process_index: int = 0,
+                process_count: int = 1) -> str:
+  """The cache directory of `corpus` tokenized by `tokenizer`, built (this process's shards) when missing."""
+  fingerprint = token_cache.fingerprint(corpus, tokenizer.to_json(), seed, shard_bytes(data_config))
+  directory = token_cache.cache_directory(cache_dir(data_config), f'lm-{fingerprint}')
+  token_cache.build(corpus, tokenizer, directory, seed, process_index, process_count)
+  return directory
+
+
+def cached_tokenizer(data_config, workdir: str, corpus: token_cache.Corpus, seed: int) -> Tokenizer:
+  """The run's tokenizer: the workdir's; else the one trained before on this corpus with these
+  settings (shared under data.cache_dir, so runs on one corpus share its token cache); else trained
+  on the first TOKENIZER_TRAINING_CHARS of its training text. Saved in the workdir."""
+  if (storage.path(workdir) / TOKENIZER_FILE).exists():
+    return load_tokenizer(workdir)
+  settings = {'corpus': corpus.identity, 'carve': corpus.carve, 'seed': seed, 'kind': data_config.tokenizer,
+              'vocab_size': data_config.vocab_size, 'lowercase': data_config.lowercase,
+              'training_chars': TOKENIZER_TRAINING_CHARS, 'format': token_cache.FORMAT_VERSION}
+  key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
+  shared = token_cache.cache_directory(cache_dir(data_config), f'tokenizers/{key}')
+  if (storage.path(shared) / TOKENIZER_FILE).exists():
+    tokenizer = load_tokenizer(shared)
+  else:
+    tokenizer = get_tokenizer(data_config, shared, token_cache.training_text(corpus, seed))
+  tokenizer.save(workdir)
+  return tokenizer

@@ -184,20 +184,26 @@ def check_malformed(name: str, malformed: list[tuple[int, str]], lines: int, max
   print(f'{name}: skipped {len(malformed)} malformed of {lines} lines ({shown}).', flush=True)
 
 
-def pystdlib_files() -> list[tuple[str, str]]:
-  """The standard library's .py files (no test/tests/idlelib/site-packages folders), sorted."""
-  root = sysconfig.get_paths()['stdlib']
+def pystdlib_paths(root: str) -> list[str]:
+  """The standard library's .py files under `root` (no test/tests/idlelib/site-packages folders),
+  relative to it, sorted."""
   skip = {'test', 'tests', 'idle_test', 'site-packages', 'dist-packages', '__pycache__'}
-  documents = []
+  paths = []
   for directory, subdirs, files in os.walk(root):
     subdirs[:] = sorted(d for d in subdirs if d not in skip)
-    for name in sorted(files):
-      if name.endswith('.py'):
-        path = os.path.join(directory, name)
-        with open(path, 'rb') as f:
-          text = f.read().decode('utf-8', errors='replace')
-        if text.strip():
-          documents.append((os.path.relpath(path, root), text))
+    paths += [os.path.relpath(os.path.join(directory, name), root) for name in sorted(files) if name.endswith('.py')]
+  return paths
+
+
+def pystdlib_files() -> list[tuple[str, str]]:
+  """[(path, text)] of `pystdlib_paths`, the empty ones left out."""
+  root = sysconfig.get_paths()['stdlib']
+  documents = []
+  for key in pystdlib_paths(root):
+    with open(os.path.join(root, key), 'rb') as f:
+      text = f.read().decode('utf-8', errors='replace')
+    if text.strip():
+      documents.append((key, text))
   if not documents:
     raise DataError(f'No Python sources found under {root}; use --config.data.source=text:<glob>.')
   return documents

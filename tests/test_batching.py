@@ -185,7 +185,7 @@ def test_stream_windows_disjoint_or_sharing_one_token():
 def test_sequential_batches_continue_each_row():
   stream = np.arange(1000, dtype=np.int32)
   row_array = batching.stream_rows(stream, 4, 5)
-  assert row_array.shape == (4, 250)
+  assert np.shape(row_array) == (4, 250)
   batches = batching.sequential_batches(row_array, 5, seed=0)
   per_pass = (250 - 5) // 5
   for k in range(per_pass - 1):

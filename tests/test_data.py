@@ -85,7 +85,7 @@ def test_tfds_source_reads_array_record_without_tensorflow(tmp_path, monkeypatch
   config = ml_collections.ConfigDict({'source': 'tfds:tiny_stories', 'eval_source': 'tfds:tiny_stories:validation',
                                       'tokenizer': 'char', 'vocab_size': 0, 'lowercase': True, 'seq_len': 16,
                                       'max_examples': 0})
-  tokenizer, train, evaluation, test = lm.lm_datasets(config, str(tmp_path / 'run'), seed=0)
+  tokenizer, train, evaluation, test, _ = lm.lm_datasets(config, str(tmp_path / 'run'), seed=0)
   assert len(train) > len(evaluation) > 0 and train[0]['tokens'].shape == (17,)
   assert test is evaluation  # data.test_source is empty: the test split is the eval split
   assert os.path.exists(tmp_path / 'run' / 'tokenizer.json')

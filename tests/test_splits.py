@@ -72,7 +72,7 @@ def test_lm_files_named_for_every_split_are_used_whole(tmp_path, capsys):
                             f'valid split: 2 documents from {globs["valid"]}, whole (data.eval_source)',
                             f'test split: 1 document from {globs["test"]}, whole (data.test_source)']
   # Packed: characters + one EOS per document, cut into windows of seq_len + 1; the tail is reported.
-  _, _, evaluation, packed_test = lm.lm_datasets(config, str(tmp_path / 'run'), seed=0)
+  _, _, evaluation, packed_test, _ = lm.lm_datasets(config, str(tmp_path / 'run'), seed=0)
   tokens = len(test[0][1]) + 1
   assert len(packed_test) == tokens // 17 and packed_test is not evaluation
   assert capsys.readouterr().out.splitlines()[-1].endswith(

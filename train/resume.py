@@ -108,20 +108,30 @@ def restore_latest(spec: StateSpec, state: TrainState, checkpointer: ckpt.Checkp
   return state, step, Progress(**data.get('progress', {}))
 
 
-def record_data(config, workdir: str, start_step: int, progress: Progress, checkpointer: ckpt.Checkpointer
-                ) -> tuple[list[dict], Progress]:
+def record_data(config, workdir: str, start_step: int, progress: Progress, checkpointer: ckpt.Checkpointer,
+                caches: dict[str, str] | None = None) -> tuple[list[dict], Progress]:
   """(the run's data history with this run's data, the loop's progress). A resume on other data
   (`train.allow_data_change`, checked by `check_run_files`) starts a history entry at
-  `start_step` and restarts best-checkpoint tracking: validation losses of two datasets do not compare."""
+  `start_step` and restarts best-checkpoint tracking: validation losses of two datasets do not compare.
+
+  `caches` ({split: token-cache name}, data/token_cache.py) name the tokens the sources gave: a
+  resume whose sources now tokenize to other caches (a file of the corpus changed) is refused
+  like other sources. Entries written before caches existed match any."""
   current = {key: config.data[key] for key in rundir.DATA_KEYS}
+  if caches:
+    current['caches'] = caches
   history = rundir.data_history(workdir) if start_step else []
-  if history and {key: history[-1][key] for key in rundir.DATA_KEYS} == current:
+  if history and all(history[-1].get(key, value) == value for key, value in current.items()):
     return history, progress
   if history:
-    print(f'Data changed at step {start_step} (train.allow_data_change): ' +
-          ', '.join(f'data.{k}={v!r}' for k, v in current.items() if history[-1][k] != v) +
-          f'; the tokenizer stays the run\'s own; the best checkpoint is tracked again from step {start_step}.',
-          flush=True)
+    changes = ', '.join(f'data.{k}={v!r}' for k, v in current.items() if history[-1].get(k, v) != v)
+    if not config.train.allow_data_change:  # the sources are the same (check_run_files): their caches are not
+      raise ckpt.CheckpointError(
+          f'{workdir} was trained on the token caches {history[-1]["caches"]} but its data now gives '
+          f'{caches}: a file of the corpus changed since. Restore the corpus, use a fresh --workdir, or pass '
+          '--config.train.allow_data_change=True (the best checkpoint is then tracked anew).')
+    print(f'Data changed at step {start_step} (train.allow_data_change): {changes}; the tokenizer stays the run\'s '
+          f'own; the best checkpoint is tracked again from step {start_step}.', flush=True)
     progress = Progress(seconds=progress.seconds)
   checkpointer.data_since = start_step
   return history + [{'step': start_step, **current}], progress

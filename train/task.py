@@ -52,6 +52,9 @@ class Datasets:
   train: grain.MapDataset
   eval: grain.MapDataset
   test: grain.MapDataset | None = None
+  # The token caches read (data/token_cache.py), {split: cache name}; config.json's data history
+  # records them, and a resume onto other caches is refused like other data. {}: read in memory.
+  caches: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -197,7 +197,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       # -------------------------------------------------------------- 3. resume
       data_iter = train_iterator(setup)
       state, start_step, progress = resume.restore_latest(setup.spec, state, checkpointer, data_iter)
-      history, progress = resume.record_data(config, workdir, start_step, progress, checkpointer)
+      history, progress = resume.record_data(config, workdir, start_step, progress, checkpointer,
+                                             setup.task.prepared.datasets.caches)
       save_run_files(setup, workdir, history)
       writer = MetricWriter(workdir, config.train.steps, start_step, trim_after=start_step,
                             wandb=_wandb_settings(config, workdir))
@@ -286,3 +287,20 @@ def _with_model_of(config, model_config):
         config.model[field.name] = getattr(model_config, field.name)
     config.data.seq_len = min(config.data.seq_len, config.model.get('max_len', config.data.seq_len))
   return config
+
+
+def prepare_data(config) -> dict[str, Any]:
+  """`--mode=prepare`: read and tokenize the config's data into its token caches (data.cache_dir),
+  this process its share of the shards, without training. The tokenizer is kept with the caches, so
+  a later run on the same data and tokenizer settings, in any workdir, reads them as built."""
+  import tempfile
+
+  from train.task import prepare_task
+  validate_config(config)
+  started = time.time()
+  with tempfile.TemporaryDirectory(prefix='prepare-') as scratch:
+    datasets = prepare_task(config, scratch).prepared.datasets
+  sizes = {'train': len(datasets.train), 'valid': len(datasets.eval)}
+  if datasets.test is not None:
+    sizes['test'] = len(datasets.test)
+  return {'caches': datasets.caches, 'examples': sizes, 'seconds': round(time.time() - started, 1)}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from data.lm import lm_datasets
@@ -56,9 +57,11 @@ class Task(task_lib.Task):
 
   @classmethod
   def prepare(cls, config, workdir, platform=None):
-    tokenizer, train, evaluation, test = lm_datasets(config.data, workdir, config.seed)
+    tokenizer, train, evaluation, test, caches = lm_datasets(config.data, workdir, config.seed, jax.process_index(),
+                                                             jax.process_count())
     prepared = cls.without_data(config, tokenizer, platform)
-    return dataclasses.replace(prepared, datasets=task_lib.Datasets(train=train, eval=evaluation, test=test))
+    return dataclasses.replace(prepared, datasets=task_lib.Datasets(train=train, eval=evaluation, test=test,
+                                                                    caches=caches))
 
   @classmethod
   def resolved_from_tokenizer(cls, config, tokenizer):

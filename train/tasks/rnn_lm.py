@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from data import batching
-from data.lm import get_tokenizer, split_documents, token_stream
+from data import token_cache
+from data.lm import lm_streams
 from errors import ConfigError
 from models import rnn_lm as rnn_lm_model
 from models.rnn_lm import RNNLM, RNNLMConfig
@@ -46,16 +47,17 @@ def _nll_and_state(model, tokens, state):
   return metrics['loss'], state
 
 
-def stream_perplexity(model: RNNLM, stream: np.ndarray, num_rows: int, seq_len: int) -> float:
-  """exp(mean NLL) of a stream read as `num_rows` consecutive rows with the state carried throughout
+def stream_perplexity(model: RNNLM, stream, num_rows: int, seq_len: int) -> float:
+  """exp(mean NLL) of a token stream (an array, or a slice of a cached one) read as `num_rows` consecutive rows with the state carried throughout
   (fewer rows when the stream is short, so that each row holds at least one window)."""
   num_rows = max(1, min(num_rows, (len(stream) - 1) // seq_len))
   length = len(stream) // num_rows
-  data = stream[: num_rows * length].reshape(num_rows, length)
+  rows = [stream[row * length:(row + 1) * length] for row in range(num_rows)]
   state = model.initial_state(num_rows)
   total, count = 0.0, 0.0
-  for start in range(0, data.shape[1] - 1, seq_len):
-    (nll, tokens), state = _nll_and_state(model, jnp.asarray(data[:, start:start + seq_len + 1]), state)
+  for start in range(0, length - 1, seq_len):
+    window = np.stack([np.asarray(row[start:start + seq_len + 1]) for row in rows])
+    (nll, tokens), state = _nll_and_state(model, jnp.asarray(window), state)
     total, count = total + float(nll), count + float(tokens)
   return float(np.exp(total / count))
 
@@ -89,18 +91,20 @@ class Task(task_lib.Task):
     """Windows of the token streams; `evaluation` holds the held-out stream (for its perplexity
     with the state carried across windows)."""
     data, train = config.data, config.train
-    train_docs, eval_docs, _ = split_documents(data, config.seed)
-    tokenizer = get_tokenizer(data, workdir, (text for _, text in train_docs))
+    tokenizer, streams, caches = lm_streams(data, workdir, config.seed, jax.process_index(), jax.process_count())
     # data.max_examples windows of seq_len tokens (0: the whole stream, not one token)
-    train_stream = token_stream(train_docs, tokenizer, data.max_examples * data.seq_len + 1 if data.max_examples else 0)
+    train_stream = streams['train'][:data.max_examples * data.seq_len + 1 if data.max_examples else len(streams['train'])]
     eval_tokens = train.eval_steps * task_lib.eval_batch_size(config) * data.seq_len + 1 if train.eval_steps else 0
-    eval_stream = token_stream(eval_docs, tokenizer, eval_tokens)
+    eval_stream = streams['valid'][:eval_tokens or len(streams['valid'])]
     # Windows at stride seq_len: every token but the first is a target once.
-    windows = lambda stream: batching.stream_windows(stream, data.seq_len, stride=data.seq_len)
-    train_examples = batching.stream_rows(train_stream, train.batch_size, data.seq_len) if sequential(config) else \
-        windows(train_stream)
-    as_dataset = lambda array: grain.MapDataset.source(array).map(lambda w: {'tokens': w})
-    datasets = task_lib.Datasets(train=as_dataset(train_examples), eval=as_dataset(windows(eval_stream)))
+    windows = lambda stream: token_cache.Windows(stream, data.seq_len + 1, data.seq_len)
+    if sequential(config):
+      train_examples = grain.MapDataset.source(batching.stream_rows(train_stream, train.batch_size, data.seq_len)
+                                               ).map(lambda row: {'tokens': row})
+    else:
+      train_examples = grain.MapDataset.source(windows(train_stream))
+    datasets = task_lib.Datasets(train=train_examples, eval=grain.MapDataset.source(windows(eval_stream)),
+                                 caches=caches)
     return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets, family_data=eval_stream)
 
   @classmethod
