@@ -201,7 +201,7 @@ def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, pro
 
 def shard_bytes(data_config) -> int:
   """The text per cache shard, data.cache_shard_mb (64 MiB for configs saved before it existed)."""
-  return data_config.get('cache_shard_mb', token_cache.SHARD_BYTES >> 20) << 20
+  return max(1, int(data_config.get('cache_shard_mb', token_cache.SHARD_BYTES / 2**20) * 2**20))
 
 
 def cache_dir(data_config) -> str:

@@ -314,7 +314,7 @@ def build(corpus: Corpus, tokenizer, directory: str, seed: int, process_index: i
   mine = [i for i in range(len(corpus.shards)) if i % process_count == process_index
           and not _shard_done(directory, i)]
   if mine:
-    _build_shards(corpus, tokenizer, directory, seed, mine, progress)
+    _build_shards(corpus, tokenizer, directory, seed, mine, progress, process_index)
   _wait_for_shards(directory, len(corpus.shards))
 
 
@@ -337,7 +337,7 @@ def _shard_done(directory: str, index: int) -> bool:
   return storage.path(os.path.join(directory, f'{index:05d}.json')).exists()
 
 
-def _build_shards(corpus, tokenizer, directory, seed, indices: list[int], progress: bool) -> None:
+def _build_shards(corpus, tokenizer, directory, seed, indices: list[int], progress: bool, process_index: int) -> None:
   """Build the shards `indices`: a progress bar (MB/s, ETA) on a terminal, a line before and after elsewhere."""
   from tqdm import tqdm
   total = sum(corpus_bytes(corpus.shards[i]) for i in indices if not isinstance(corpus.shards[i][0], RecordRange))
@@ -350,7 +350,7 @@ def _build_shards(corpus, tokenizer, directory, seed, indices: list[int], progre
              desc='Tokenizing', mininterval=2)
   try:
     for index in indices:
-      _build_shard(corpus.shards[index], tokenizer, directory, index, seed, bar)
+      _build_shard(corpus.shards[index], tokenizer, directory, index, seed, bar, process_index)
   finally:
     bar.close()
   seconds = time.monotonic() - started
@@ -358,7 +358,7 @@ def _build_shards(corpus, tokenizer, directory, seed, indices: list[int], progre
     print(f'Tokenized {what} in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.2f} MB/s).', flush=True)
 
 
-def _build_shard(shard, tokenizer, directory, index, seed, bar) -> None:
+def _build_shard(shard, tokenizer, directory, index, seed, bar, process_index: int = 0) -> None:
   """Tokenize one shard and write its arrays, then its json (module docstring)."""
   dtype = token_dtype(tokenizer.vocab_size)
   tokens = {role: [] for role in ROLES}
@@ -388,7 +388,8 @@ def _build_shard(shard, tokenizer, directory, index, seed, bar) -> None:
       _write_array(os.path.join(directory, f'{index:05d}.{role}.npy'), array)
       counts[role] = len(array)
   storage.write_atomically(os.path.join(directory, f'{index:05d}.json'),
-                           json.dumps({'tokens': counts, 'documents': {r: n for r, n in documents.items() if n}}))
+                           json.dumps({'tokens': counts, 'documents': {r: n for r, n in documents.items() if n},
+                                       'built_by_process': process_index}))
 
 
 def _write_array(path: str, array: np.ndarray) -> None:
