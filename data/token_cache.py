@@ -64,7 +64,8 @@ _SAFE_NEWLINE = re.compile(rb'[!-~](\r?)\n[!-~]')
 # ----------------------------------------------------------------------------- the plan
 @dataclasses.dataclass(frozen=True)
 class FileRange:
-  """Bytes [start, end) of one text file, all of one split (ROLES); `last`: the file (a document) ends here."""
+  """Bytes [start, end) of one text file, all of one split (ROLES); `last`: a document (the file, or
+  the training part of a file whose tail is held out) ends here."""
   path: str
   key: str  # the document's key: its path relative to the corpus's common folder
   start: int
@@ -121,7 +122,8 @@ def plan_corpus(source: str, carve: bool, seed: int, default_split: str = 'train
   for (key, path, size), file_role in zip(files, roles):
     if carve and len(files) == 1:  # one file: its last EVAL_FRACTION (from a safe cut) is validation
       cut = _safe_cut(path, int(size * (1 - EVAL_FRACTION)), size)
-      ranges += _file_ranges(path, key, 0, cut, size, 'train', strict, shard_bytes, last=False)
+      # Each part ends with EOS, as the in-memory path (data/lm.py) holds them: two documents.
+      ranges += _file_ranges(path, key, 0, cut, size, 'train', strict, shard_bytes, last=True)
       ranges += _file_ranges(path, key, cut, size, size, 'valid', strict, shard_bytes, last=True)
     else:
       ranges += _file_ranges(path, key, 0, size, size, file_role, strict, shard_bytes, last=True)
@@ -308,7 +310,7 @@ def build(corpus: Corpus, tokenizer, directory: str, seed: int, process_index: i
   """Tokenize this process's missing shards of `corpus` into `directory`, then wait until every
   process's shards are there. Resumable: a shard with its json is complete and skipped."""
   _check_writable(directory)
-  storage.write_atomically(os.path.join(directory, 'manifest.json'), json.dumps(
+  _write(os.path.join(directory, 'manifest.json'), json.dumps(
       {'format': FORMAT_VERSION, 'source': corpus.source, 'carve': corpus.carve, 'identity': corpus.identity,
        'shards': len(corpus.shards), 'dtype': token_dtype(tokenizer.vocab_size).name}, indent=1))
   mine = [i for i in range(len(corpus.shards)) if i % process_count == process_index
@@ -387,17 +389,22 @@ def _build_shard(shard, tokenizer, directory, index, seed, bar, process_index: i
       array = np.concatenate(tokens[role])
       _write_array(os.path.join(directory, f'{index:05d}.{role}.npy'), array)
       counts[role] = len(array)
-  storage.write_atomically(os.path.join(directory, f'{index:05d}.json'),
-                           json.dumps({'tokens': counts, 'documents': {r: n for r, n in documents.items() if n},
-                                       'built_by_process': process_index}))
+  _write(os.path.join(directory, f'{index:05d}.json'),
+         json.dumps({'tokens': counts, 'documents': {r: n for r, n in documents.items() if n},
+                     'built_by_process': process_index}))
 
 
 def _write_array(path: str, array: np.ndarray) -> None:
   """An .npy file, complete under its name at once (a temporary name, then a rename)."""
   buffer = io.BytesIO()
   np.save(buffer, array, allow_pickle=False)
+  _write(path, buffer.getvalue())
+
+
+def _write(path: str, data: str | bytes) -> None:
+  """`storage.write_atomically`, a full disk one DataError line (a shard's arrays, its json, the manifest)."""
   try:
-    storage.write_atomically(path, buffer.getvalue())
+    storage.write_atomically(path, data)
   except OSError as e:
     if e.errno == 28:  # ENOSPC
       raise DataError(f'The disk of {path} is full while building the token cache: the finished shards are kept; '
@@ -546,3 +553,129 @@ class Windows(Sequence):
     if not 0 <= index < self.count:
       raise IndexError(index)
     return {'tokens': self.stream.read(index * self.stride, self.length)}
+
+
+# ----------------------------------------------------------------------------- caches of examples
+# Families whose examples are fixed-shape rows (translation pairs, labelled texts, BERT's sentence
+# pairs) cache them the same way: shard i holds, per split, one .npy per field ([rows, ...], ids
+# in the token dtype), `{i:05d}.{split}.{field}.npy`, and its json (rows per split and what the
+# family reports: dropped, truncated, malformed lines) is written last.
+def build_examples(directory: str, manifest: dict, sizes: Sequence[int], make_shard, process_index: int = 0,
+                   process_count: int = 1, progress: bool = True) -> list[dict]:
+  """Build this process's missing shards of an example cache, wait for the others', and return
+  every shard's json. `make_shard(i)` -> ({split: {field: array [rows, ...]}}, info dict) tokenizes
+  shard i, whose text is `sizes[i]` bytes (for the progress line)."""
+  _check_writable(directory)
+  storage.write_atomically(os.path.join(directory, 'manifest.json'),
+                           json.dumps({'format': FORMAT_VERSION, 'shards': len(sizes), **manifest}, indent=1))
+  mine = [i for i in range(len(sizes)) if i % process_count == process_index and not _shard_done(directory, i)]
+  if mine:
+    total = sum(sizes[i] for i in mine)
+    what = f'{len(mine)} of {len(sizes)} example-cache shards ({total / 1e6:,.1f} MB of text) into {directory}'
+    started = time.monotonic()
+    if progress:
+      print(f'Tokenizing {what} ...', flush=True)
+    for index in mine:
+      arrays, info = make_shard(index)
+      for split, fields in arrays.items():
+        for field, array in fields.items():
+          _write_array(os.path.join(directory, f'{index:05d}.{split}.{field}.npy'), array)
+      rows = {split: len(next(iter(fields.values()))) for split, fields in arrays.items() if fields}
+      storage.write_atomically(os.path.join(directory, f'{index:05d}.json'),
+                               json.dumps({'rows': rows, 'info': info, 'built_by_process': process_index}))
+    seconds = time.monotonic() - started
+    if progress:
+      print(f'Tokenized {what} in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.2f} MB/s).', flush=True)
+  _wait_for_shards(directory, len(sizes))
+  local = _local_copy(directory)
+  return [json.loads(_read(os.path.join(local, f'{i:05d}.json'), directory)) for i in range(len(sizes))]
+
+
+class CachedExamples(Sequence):
+  """The rows of one split of an example cache, read by memory map: item i is {field: row i}, ids
+  as int32 (the cache may store them narrower); `limit` keeps the first rows only (0: all)."""
+
+  def __init__(self, directory: str, split: str, fields: Sequence[str], limit: int = 0):
+    local = _local_copy(directory)
+    manifest = json.loads(_read(os.path.join(local, 'manifest.json'), directory))
+    self.fields, self.shards, counts = tuple(fields), [], [0]
+    for index in range(manifest['shards']):
+      rows = json.loads(_read(os.path.join(local, f'{index:05d}.json'), directory))['rows'].get(split, 0)
+      if rows:
+        self.shards.append({field: _open_rows(os.path.join(local, f'{index:05d}.{split}.{field}.npy'), rows,
+                                              directory) for field in self.fields})
+        counts.append(rows)
+    self.starts = np.cumsum(counts)
+    self.count = min(int(self.starts[-1]), limit) if limit else int(self.starts[-1])
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    if not 0 <= index < self.count:
+      raise IndexError(index)
+    shard = int(np.searchsorted(self.starts, index, side='right')) - 1
+    row = index - self.starts[shard]
+    return {field: _widened(self.shards[shard][field][row]) for field in self.fields}
+
+
+def _widened(value: np.ndarray) -> np.ndarray:
+  """Unsigned ids as int32, as the models take them; other fields as stored."""
+  return np.asarray(value, np.int32) if value.dtype.kind == 'u' else np.asarray(value)
+
+
+def _open_rows(path: str, rows: int, directory: str) -> np.ndarray:
+  """A shard's field, memory-mapped, checked against the rows its json recorded."""
+  try:
+    array = np.load(path, mmap_mode='r', allow_pickle=False)
+  except (OSError, ValueError, EOFError) as e:
+    raise DataError(f'Cache shard {path} is truncated or corrupt ({e}); delete {directory} and rerun '
+                    f'(or run --mode=prepare) to rebuild it.') from e
+  if array.ndim == 0 or array.shape[0] != rows:
+    raise DataError(f'Cache shard {path} holds {array.shape} where its json says {rows} rows: it is corrupt; '
+                    f'delete {directory} and rerun (or run --mode=prepare) to rebuild it.')
+  return array
+
+
+def line_ranges(path: str, shard_bytes: int) -> list[tuple[int, int]]:
+  """[start, end) byte ranges of a local text file, each ending after a newline, of ~shard_bytes."""
+  size = os.path.getsize(path)
+  cuts = [0]
+  with open(path, 'rb') as f:
+    while size - cuts[-1] > shard_bytes:
+      f.seek(cuts[-1] + shard_bytes)
+      f.readline()
+      cuts.append(min(f.tell(), size))
+  cuts.append(size)
+  return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def local_plain_file(path: str, cache_dir: str) -> str:
+  """A local, uncompressed copy of a text file to cut into shards: the file itself when it is local
+  and not gzipped; else decompressed (or downloaded) once, streaming, under data.cache_dir/raw/."""
+  location = path if storage.is_remote(path) else os.path.expanduser(path)
+  with storage.path(location).open('rb') as f:
+    gzipped = f.read(2) == sources.GZIP_MAGIC
+  if not gzipped and not storage.is_remote(location):
+    return location
+  stat = storage.path(location).stat()
+  key = hashlib.sha256(json.dumps([location, getattr(stat, 'length', None) or getattr(stat, 'st_size', None),
+                                   getattr(stat, 'mtime', None) or getattr(stat, 'st_mtime', None)],
+                                  default=str).encode()).hexdigest()[:20]
+  target = os.path.join(os.path.expanduser(cache_dir) if not storage.is_remote(cache_dir) else
+                        os.path.expanduser(LOCAL_MIRROR), 'raw', f'{key}.txt')
+  if not os.path.exists(target):
+    import gzip
+    import shutil
+    import zlib
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    aside = f'{target}.{os.getpid()}.tmp'
+    try:
+      with storage.path(location).open('rb') as raw, open(aside, 'wb') as out:
+        shutil.copyfileobj(gzip.GzipFile(fileobj=raw) if gzipped else raw, out, 16 << 20)
+      os.replace(aside, target)
+    except (OSError, EOFError, zlib.error) as e:
+      if os.path.exists(aside):
+        os.remove(aside)
+      raise DataError(f'{path} does not decompress ({e}); the file is cut short or corrupt: copy it again.') from e
+  return target

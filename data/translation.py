@@ -26,13 +26,16 @@ Shared by the Transformer (train/tasks/transformer.py) and the RNN seq2seq famil
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import re
 
 import grain
 import numpy as np
 
 import storage
-from data import sources
+from data import sources, token_cache
 from data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_tokenizer
 
 Pair = tuple[str, str]
@@ -47,6 +50,8 @@ NUMBERS_DIGITS = (0.04, 0.08, 0.22, 0.22, 0.22, 0.22)
 NUMBERS_YEARS = (1100, 2100)
 # Numbers up to this one (both as cardinals and ordinals) are the lexicon and always in training.
 NUMBERS_LEXICON = 100
+# The joint vocabulary trains on at most this many characters of training pairs (as data/lm.py's).
+TOKENIZER_TRAINING_CHARS = 20_000_000
 
 
 @dataclasses.dataclass
@@ -321,14 +326,25 @@ def encode_pairs(tokenizer: Tokenizer, pairs: list[Pair], source_len: int, targe
     ({'source': [N, S], 'target_in': [N, T], 'target_out': [N, T]} int32, [N] indices of the kept
     pairs in `pairs`).
   """
+  arrays, kept, cut = encoded_pairs(tokenizer, pairs, source_len, target_len, drop_long)
+  if split:
+    report_pair_fit(split, len(pairs), cut, drop_long, source_len, target_len)
+  return arrays, kept
+
+
+def report_pair_fit(split: str, total: int, cut: int, drop_long: bool, source_len: int, target_len: int) -> None:
+  sources.report_fit(split, 'pairs', total, cut, 'dropped' if drop_long else 'truncated',
+                     f'{source_len - 1} source / {target_len - 1} target tokens (data.seq_len)')
+
+
+def encoded_pairs(tokenizer: Tokenizer, pairs: list[Pair], source_len: int, target_len: int, drop_long: bool
+                  ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+  """`encode_pairs` without the report: (arrays, kept indices, how many pairs did not fit)."""
   pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
   source_ids = tokenizer.encode_batch([s for s, _ in pairs])
   target_ids = tokenizer.encode_batch([t for _, t in pairs])
   fits = [len(source_ids[i]) < source_len and len(target_ids[i]) < target_len for i in range(len(pairs))]
   kept = [i for i in range(len(pairs)) if fits[i] or not drop_long]
-  if split:
-    sources.report_fit(split, 'pairs', len(pairs), fits.count(False), 'dropped' if drop_long else 'truncated',
-                       f'{source_len - 1} source / {target_len - 1} target tokens (data.seq_len)')
   arrays = {name: np.full((len(kept), length), pad, np.int32)
             for name, length in (('source', source_len), ('target_in', target_len), ('target_out', target_len))}
   for row, i in enumerate(kept):
@@ -337,10 +353,272 @@ def encode_pairs(tokenizer: Tokenizer, pairs: list[Pair], source_len: int, targe
     arrays['source'][row, : len(source)] = source
     arrays['target_in'][row, : len(target) + 1] = [bos] + target
     arrays['target_out'][row, : len(target) + 1] = target + [eos]
-  return arrays, np.asarray(kept, np.int64)
+  return arrays, np.asarray(kept, np.int64), fits.count(False)
 
 
 def as_dataset(arrays: dict[str, np.ndarray]) -> grain.MapDataset:
   """Row i of every array -> one example dict."""
   count = len(next(iter(arrays.values())))
   return grain.MapDataset.source(np.arange(count)).map(lambda i: {k: v[i] for k, v in arrays.items()})
+
+
+# ----------------------------------------------------------------------------- token caches
+# tsv: and tfds: pairs of any size go through example caches (data/token_cache.py): read a shard at
+# a time (a byte range of lines, or a range of records), carved by the same hash of each line,
+# encoded as above, stored as uint16/uint32 rows, read back by memory map. numbers_en_fr is
+# generated in memory. Each cache is one source: data.source's shards hold 'train' and the roles
+# carved out of it; a source named for validation or test holds 'heldout' (truncated, not dropped).
+PAIR_FIELDS = ('source', 'target_in', 'target_out')
+BYTES_PER_RECORD = 256  # TFDS pairs per shard: shard bytes / this
+
+
+@dataclasses.dataclass(frozen=True)
+class PairCorpus:
+  """A planned pair source: its shards ('tsv', path, start, end) or ('tfds', name, split, start, end)."""
+  source: str
+  held_out: tuple[str, ...]  # roles carved out of it ('valid', 'test'); () = used whole
+  whole_role: str  # the split a source used whole fills: 'train' (data.source) or 'heldout'
+  shards: tuple[tuple, ...]
+  identity: dict
+
+
+def cacheable(data_config) -> bool:
+  """Whether every named source is a file or TFDS set (cached); a built-in one is generated in memory."""
+  named = [data_config.source, data_config.get('eval_source', ''), data_config.get('test_source', '')]
+  return all(sources.parse_source(s)[0] in ('tsv', 'tfds') for s in named if s)
+
+
+def plan_pairs(source: str, held_out: tuple[str, ...], whole_role: str, data_config, default_split: str,
+               shard_bytes: int) -> PairCorpus:
+  kind, argument = sources.parse_source(source)
+  if kind == 'tsv':
+    path = token_cache.local_plain_file(argument, data_config.cache_dir)
+    if os.path.isdir(path) or not os.path.isfile(path):
+      raise sources.DataError(f'tsv:{argument} is not a file; give the path of a file of source<TAB>target lines.')
+    shards = tuple(('tsv', path, a, b) for a, b in token_cache.line_ranges(path, shard_bytes))
+    stat = os.stat(path)
+    identity = {'kind': 'tsv', 'path': os.path.abspath(path), 'size': stat.st_size, 'mtime': stat.st_mtime_ns,
+                'header': data_config.get('tsv_header', False)}
+  elif kind == 'tfds':
+    name, split = sources.split_tfds_source(argument, default_split)
+    count = len(sources.tfds_records(name, split))
+    step = max(1, shard_bytes // BYTES_PER_RECORD)
+    shards = tuple(('tfds', name, split, a, min(a + step, count)) for a in range(0, count, step))
+    identity = {'kind': 'tfds', 'name': name, 'split': split, 'records': count,
+                'languages': language_pair(name, data_config)}
+  else:
+    raise _unknown(source)
+  if not shards:
+    raise sources.DataError(f'{source} is empty.')
+  return PairCorpus(source, held_out, whole_role, shards, identity)
+
+
+def _shard_pairs(corpus: PairCorpus, index: int, data_config, seed: int):
+  """(the pairs of shard `index` by split, info: lines, malformed, header warning)."""
+  shard = corpus.shards[index]
+  info = {'lines': 0, 'line_count': 0, 'malformed': [], 'malformed_count': 0}
+  if shard[0] == 'tfds':
+    _, name, split, start, end = shard
+    records = sources.tfds_records(name, split)
+    languages = language_pair(name, data_config)
+    pairs = []
+    for i in range(start, end):
+      record = records[i]
+      if any(lang not in record for lang in languages):
+        raise sources.DataError(f'tfds:{name}:{split} has features {sorted(record)}, not {languages[0]!r} and '
+                                f'{languages[1]!r}; set data.source_lang and data.target_lang.')
+      text = lambda value: (value.decode('utf-8') if isinstance(value, bytes) else str(value)).strip()
+      pairs.append((text(record[languages[0]]), text(record[languages[1]])))
+    return _carve_pairs(corpus, pairs, seed), info
+  _, path, start, end = shard
+  with open(path, 'rb') as f:
+    f.seek(start)
+    raw = f.read(end - start)
+  try:
+    text = raw.decode('utf-8')
+  except UnicodeDecodeError as e:
+    with open(path, 'rb') as f:
+      sources.decode_utf8(f.read(start) + raw[:e.start + 1], path)  # raises naming the line
+    raise
+  if start == 0:
+    text = text.removeprefix('\ufeff')
+  lines = text.split('\n')
+  info['line_count'] = len(lines) - (1 if text.endswith('\n') else 0)
+  numbered = [(number, line.removesuffix('\r')) for number, line in enumerate(lines, 1) if line.strip()]
+  if start == 0 and numbered:
+    if data_config.get('tsv_header', False):
+      numbered = numbered[1:]
+    elif sources.looks_like_header(numbered[0][1]):
+      info['header_warning'] = numbered[0][1].strip()
+  pairs = []
+  for number, line in numbered:
+    fields = sources.tsv_fields(line)
+    if len(fields) != 2:
+      info['malformed'].append((number, f'{len(fields)} tab-separated fields, not source<TAB>target'))
+    elif not fields[0] or not fields[1]:
+      info['malformed'].append((number, f'empty {"source" if not fields[0] else "target"}'))
+    else:
+      pairs.append((fields[0], fields[1]))
+  info['lines'] = len(numbered)
+  info['malformed_count'] = len(info['malformed'])
+  info['malformed'] = info['malformed'][:3]
+  return _carve_pairs(corpus, pairs, seed), info
+
+
+def _carve_pairs(corpus: PairCorpus, pairs: list[Pair], seed: int) -> dict[str, list[Pair]]:
+  """The pairs of a shard by split: the tsv 90/5/5 hash split of each line for the roles carved
+  out, the rest 'train' (as `_carve`); all of them `whole_role` when nothing is carved."""
+  if not corpus.held_out or sources.parse_source(corpus.source)[0] == 'tfds':
+    return {corpus.whole_role: pairs}
+  parts = dict(zip(sources.ROLES, sources.deterministic_split([f'{s}\t{t}' for s, t in pairs], TSV_FRACTIONS, seed)))
+  result = {'train': [pairs[i] for i in sorted(i for role in sources.ROLES
+                                               if role == 'train' or role not in corpus.held_out for i in parts[role])]}
+  for role in corpus.held_out:
+    result[role] = [pairs[i] for i in parts[role]]
+  return result
+
+
+def _encode_shard(corpus: PairCorpus, index: int, tokenizer: Tokenizer, data_config, seed: int):
+  """make_shard for token_cache.build_examples: the shard's pairs encoded per split (training drops
+  pairs longer than data.seq_len, held-out splits truncate them), held-out pairs' text kept."""
+  by_split, info = _shard_pairs(corpus, index, data_config, seed)
+  dtype = token_cache.token_dtype(tokenizer.vocab_size)
+  arrays, info['pairs'], info['cut'], info['text'] = {}, {}, {}, {}
+  for split, pairs in by_split.items():
+    encoded, _, cut = encoded_pairs(tokenizer, pairs, data_config.seq_len, data_config.seq_len, split == 'train')
+    arrays[split] = {name: encoded[name].astype(dtype) for name in PAIR_FIELDS}
+    info['pairs'][split], info['cut'][split] = len(pairs), cut
+    if split != 'train':
+      info['text'][split] = pairs  # references for BLEU
+  return arrays, info
+
+
+def cached_pairs(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1):
+  """(tokenizer, {'train', 'valid', 'test'} -> token_cache.CachedExamples, the test split's text
+  pairs, {split: cache name}) for tsv:/tfds: sources, by the split rule of data/sources.py. The
+  tokenizer is the workdir's, else the one trained before for this data (under data.cache_dir),
+  else trained on the first TOKENIZER_TRAINING_CHARS of the training pairs."""
+  shard_bytes = max(1, int(data_config.get('cache_shard_mb', 64.0) * 2**20))
+  eval_source, test_source = data_config.get('eval_source', ''), data_config.get('test_source', '')
+  named = {'valid': eval_source, 'test': test_source or eval_source}
+  held_out = tuple(role for role in ('valid', 'test') if not named[role])
+  kind = sources.parse_source(data_config.source)[0]
+  corpora = {'train': plan_pairs(data_config.source, () if kind == 'tfds' else held_out, 'train', data_config,
+                                 'train', shard_bytes)}
+  for role in ('valid', 'test'):
+    source = named[role] or (data_config.source if kind == 'tfds' else '')
+    if source and not (role == 'test' and not test_source and eval_source):
+      default = sources.TFDS_SPLITS[role]
+      if not named[role]:  # tfds data.source: its own validation / test split
+        source = f'tfds:{sources.split_tfds_source(sources.parse_source(source)[1], "train")[0]}:{default}'
+      corpora[role] = plan_pairs(source, (), 'heldout', data_config, default, shard_bytes)
+  tokenizer = _cached_pair_tokenizer(data_config, workdir, corpora['train'], seed)
+  splits, texts, caches, infos = {}, {}, {}, {}
+  for role, corpus in corpora.items():
+    identity = {'corpus': corpus.identity, 'held_out': corpus.held_out, 'whole': corpus.whole_role, 'seed': seed,
+                'seq_len': data_config.seq_len, 'shard_bytes': shard_bytes, 'format': token_cache.FORMAT_VERSION,
+                'tokenizer': hashlib.sha256(tokenizer.to_json().encode()).hexdigest()}
+    name = 'pairs-' + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    directory = token_cache.cache_directory(data_config.cache_dir, name)
+    infos[role] = token_cache.build_examples(
+        directory, {'source': corpus.source, 'identity': identity}, [_shard_size(s) for s in corpus.shards],
+        lambda index, corpus=corpus: _encode_shard(corpus, index, tokenizer, data_config, seed),
+        process_index, process_count)
+    for split in ((corpus.whole_role,) if not corpus.held_out else ('train', *corpus.held_out)):
+      target = role if split == 'heldout' else split
+      splits[target] = token_cache.CachedExamples(directory, split, PAIR_FIELDS,
+                                                  data_config.max_examples if target == 'train' else 0)
+      texts[target] = [tuple(pair) for info in infos[role] for pair in info['info']['text'].get(split, [])]
+      caches[target] = name
+  if 'test' not in splits:
+    splits['test'], texts['test'], caches['test'] = splits['valid'], texts['valid'], caches['valid']
+  _report_pairs(data_config, corpora, infos)
+  return tokenizer, splits, texts['test'], caches
+
+
+def _shard_size(shard: tuple) -> int:
+  return shard[3] - shard[2] if shard[0] == 'tsv' else (shard[4] - shard[3]) * BYTES_PER_RECORD
+
+
+def _report_pairs(data_config, corpora: dict[str, PairCorpus], infos: dict[str, list[dict]]) -> None:
+  """The lines the in-memory path prints: header warnings, malformed lines (an error above
+  data.max_malformed_fraction), each split's size and origin, and the pairs data.seq_len cut."""
+  max_fraction = sources.max_malformed_fraction(data_config)
+  for role, corpus in corpora.items():
+    shards = [entry['info'] for entry in infos[role]]
+    name = f'tsv:{sources.parse_source(corpus.source)[1]}'
+    if shards and shards[0].get('header_warning'):
+      print(f'WARNING: {name}: the first line ({shards[0]["header_warning"]!r}) looks like a header of column names '
+            f'and is read as data; pass --config.data.tsv_header=True to skip it.', flush=True)
+    offset, malformed, lines = 0, [], 0
+    for info in shards:
+      malformed += [(offset + number, reason) for number, reason in info['malformed']]
+      offset, lines = offset + info['line_count'], lines + info['lines']
+    count = sum(info['malformed_count'] for info in shards)
+    if count:
+      malformed += [(0, '')] * (count - len(malformed))  # counted, not kept: check_malformed shows the first 3
+      sources.check_malformed(name, malformed, lines, max_fraction)
+  seq_len = data_config.seq_len
+  for split, (total, cut) in _split_totals(corpora, infos).items():
+    if split == 'train' and not total - cut:
+      raise sources.DataError(f'No training pair fits in data.seq_len={seq_len} tokens; raise data.seq_len.')
+    report_pair_fit(split, total, cut, split == 'train', seq_len, seq_len)
+
+
+def _split_totals(corpora, infos) -> dict[str, tuple[int, int]]:
+  """{split: (pairs, pairs cut by data.seq_len)}, and one line per split: its size and origin."""
+  totals = {}
+  for role, corpus in corpora.items():
+    for entry in infos[role]:
+      for split, count in entry['info']['pairs'].items():
+        target = role if split == 'heldout' else split
+        previous = totals.get(target, (0, 0))
+        totals[target] = (previous[0] + count, previous[1] + entry['info']['cut'][split])
+  for role in sources.ROLES:
+    origin = _origin(role, corpora)
+    count = totals.get(role, totals.get('valid'))[0]
+    print(f'{role} split: {count} pair{"s" if count != 1 else ""} from {origin}', flush=True)
+  return totals
+
+
+def _origin(role: str, corpora: dict[str, PairCorpus]) -> str:
+  if role in corpora:
+    corpus = corpora[role]
+    if role == 'train':
+      return f'{corpus.source}, the pairs not held out' if corpus.held_out else f'{corpus.source}, whole (data.source)'
+    if sources.parse_source(corpus.source)[0] == 'tfds' and corpus.source != corpora['train'].source:
+      return corpus.source.replace('tfds:', 'tfds:', 1)
+    return f'{corpus.source}, whole (data.{"eval_source" if role == "valid" else "test_source"})'
+  if role in corpora['train'].held_out:
+    return f'{corpora["train"].source}, a {dict(zip(sources.ROLES, TSV_FRACTIONS))[role]:.0%} hash split'
+  return 'the valid split (data.test_source is empty)'
+
+
+def _cached_pair_tokenizer(data_config, workdir: str, corpus: PairCorpus, seed: int) -> Tokenizer:
+  """The workdir's tokenizer; else the one trained before for this corpus and settings (kept under
+  data.cache_dir); else trained on the first TOKENIZER_TRAINING_CHARS of the training pairs."""
+  if (storage.path(workdir) / TOKENIZER_FILE).exists():
+    return load_tokenizer(workdir)
+  settings = {'corpus': corpus.identity, 'held_out': corpus.held_out, 'seed': seed, 'kind': data_config.tokenizer,
+              'vocab_size': data_config.vocab_size, 'lowercase': data_config.lowercase,
+              'training_chars': TOKENIZER_TRAINING_CHARS, 'format': token_cache.FORMAT_VERSION}
+  key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
+  shared = token_cache.cache_directory(data_config.cache_dir, f'tokenizers/{key}')
+  if (storage.path(shared) / TOKENIZER_FILE).exists():
+    tokenizer = load_tokenizer(shared)
+  else:
+    tokenizer = get_tokenizer(data_config, shared, _training_sample(corpus, data_config, seed))
+  tokenizer.save(workdir)
+  return tokenizer
+
+
+def _training_sample(corpus: PairCorpus, data_config, seed: int) -> list[Pair]:
+  """The first training pairs, up to TOKENIZER_TRAINING_CHARS characters of text."""
+  sample, chars = [], 0
+  for index in range(len(corpus.shards)):
+    for pair in _shard_pairs(corpus, index, data_config, seed)[0].get('train', []):
+      sample.append(pair)
+      chars += len(pair[0]) + len(pair[1])
+      if chars >= TOKENIZER_TRAINING_CHARS:
+        return sample
+  return sample

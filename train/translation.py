@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,8 +39,18 @@ class TranslationTask(task_lib.Task):
   # ------------------------------------------------------------------ data
   @classmethod
   def prepare(cls, config, workdir, platform=None):
-    """The encoded splits; `evaluation` holds the test split's (source, reference) text pairs."""
+    """The encoded splits; `family_data` holds the test split's (source, reference) text pairs.
+    tsv: and tfds: pairs are read from token caches (data/translation.py, cached_pairs), built
+    when missing; the generated numbers_en_fr is encoded in memory."""
     data = config.data
+    if translation.cacheable(data):
+      tokenizer, splits, test_pairs, caches = translation.cached_pairs(data, workdir, config.seed,
+                                                                       jax.process_index(), jax.process_count())
+      datasets = task_lib.Datasets(train=grain.MapDataset.source(splits['train']),
+                                   eval=grain.MapDataset.source(splits['valid']),
+                                   test=grain.MapDataset.source(splits['test']), caches=caches)
+      return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets,
+                                 family_data=tuple(test_pairs))
     splits = translation.load_pairs(data, config.seed)
     tokenizer = translation.get_tokenizer(data, workdir, splits.train)
     encode = lambda pairs, split: translation.as_dataset(translation.encode_pairs(
