@@ -136,3 +136,25 @@ def test_missing_gcsfs_is_a_storage_error(monkeypatch):
   monkeypatch.setitem(sys.modules, 'gcsfs', None)  # import gcsfs raises ImportError
   with pytest.raises(storage.StorageError, match='needs gcsfs'):
     storage._check_gcs_access.__wrapped__()
+
+
+def test_a_gs_token_cache_is_built_in_the_bucket_and_read_through_a_local_mirror(emulator, tmp_path, monkeypatch):
+  """data.cache_dir=gs://...: the shards and the shared tokenizer land in the bucket; a reader maps a
+  local mirror of them, and its windows equal a local cache's."""
+  from configs import gpt
+  from data import lm, token_cache
+  monkeypatch.setattr(token_cache, 'LOCAL_MIRROR', str(tmp_path / 'mirror'))
+  config = gpt.get_config('tiny').data
+  config.source = support.write_corpus(str(tmp_path / 'corpus'), files=4, lines=40)
+  config.cache_shard_mb = 0.002  # several shards
+  windows = {}
+  for where, cache_dir in (('local', str(tmp_path / 'cache')), ('gs', f'gs://{BUCKET}/cache')):
+    config.cache_dir = cache_dir
+    _, train, valid, _, caches = lm.lm_datasets(config, str(tmp_path / f'run-{where}'), seed=0)
+    windows[where] = [np.stack([split[i]['tokens'] for i in range(len(split))]) for split in (train, valid)]
+  bucket = storage.path(f'gs://{BUCKET}/cache/{caches["train"]}')
+  names = {p.name for p in bucket.iterdir()}
+  assert 'manifest.json' in names and '00000.json' in names and '00001.train.npy' in names, names
+  assert any(storage.path(f'gs://{BUCKET}/cache/tokenizers').iterdir())
+  for local, remote in zip(windows['local'], windows['gs']):
+    np.testing.assert_array_equal(local, remote)
