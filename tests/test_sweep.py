@@ -1,17 +1,25 @@
-"""Sweeps: grid expansion, dry run, and a real 4-trial sweep that survives a failing trial and
-writes sweep.csv, sweep.md and the eval-loss plot."""
+"""Sweeps as Optuna studies (train/sweep.py): a grid gives today's trials and table, two hosts share
+one study without running a trial twice, a study killed midway resumes without repeating finished
+trials (the interrupted one from its checkpoint), a pruned trial stops early with a checkpoint that
+reloads, per-slot seeds, and one line for each bad input."""
 import csv
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import matplotlib.image
+import optuna
 import pytest
 
 import support
 from train import sweep as sweep_lib
+from train import sweep_study
 
+ENV = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1', JAX_PLATFORMS='cpu')
 SWEEP_FILE = '''
 def get_sweep():
   return {{
@@ -22,27 +30,147 @@ def get_sweep():
       'trials': [{{'model.width': 16}}, {{'model.num_heads': 3}}],  # the last one fails: 3 heads, width 32
   }}
 '''
+# Trial 1 is long enough to be killed midway; trial 2 (a learning rate that learns nothing) is
+# pruned at its first evaluation, once trials 0 and 1 have finished (n_startup_trials=2).
+KILL_FILE = '''
+def get_sweep():
+  return {{
+      'config': 'configs/gpt.py:tiny',
+      'overrides': {{'data.source': {source!r}, 'train.steps': 30, 'train.eval_every': 10, 'train.checkpoint_every': 10,
+                    'train.eval_steps': 1, 'train.log_every': 10}},
+      'trials': [{{'train.lr': 0.01}}, {{'train.lr': 0.01, 'train.steps': 200}}, {{'train.lr': 1e-7}}],
+      'pruner': {{'name': 'median', 'n_startup_trials': 2}},
+  }}
+'''
+
+
+def sweep_process(sweep_file: str, workdir: str, *args: str, **popen) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, 'launch.py', f'--sweep={sweep_file}', f'--workdir={workdir}', *args],
+                          cwd=support.REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          **popen)
+
+
+def load_study(workdir: str) -> optuna.Study:
+  return optuna.load_study(study_name=sweep_lib.study_name(workdir),
+                           storage=sweep_study.open_storage(os.path.join(workdir, 'study.journal')))
+
+
+def started(stdout: str) -> list[str]:
+  return re.findall(r'^\[\d+/\d+\] (\S+) \.\.\.$', stdout, re.MULTILINE)
 
 
 @pytest.fixture(scope='module')
-def sweep_file(tmp_path_factory):
-  root = tmp_path_factory.mktemp('sweep')
-  path = root / 'tiny.py'
-  path.write_text(SWEEP_FILE.format(source=support.write_corpus(str(root / 'corpus'), files=3, lines=30)))
+def corpus(tmp_path_factory):
+  return support.write_corpus(str(tmp_path_factory.mktemp('corpus')), files=3, lines=30)
+
+
+@pytest.fixture(scope='module')
+def sweep_file(corpus, tmp_path_factory):
+  path = tmp_path_factory.mktemp('sweep') / 'tiny.py'
+  path.write_text(SWEEP_FILE.format(source=corpus))
   return str(path)
 
 
-def test_grid_and_trials_expand_in_order(sweep_file):
-  sweep = sweep_lib.load_sweep(sweep_file)
-  assert [t.own for t in sweep.trials] == [{'train.lr': 0.001, 'train.warmup_steps': 1},
-                                           {'train.lr': 0.003, 'train.warmup_steps': 1},
-                                           {'model.width': 16}, {'model.num_heads': 3}]
-  assert [t.name for t in sweep.trials] == ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1',
-                                            '02-width=16', '03-num_heads=3']
-  with pytest.raises(sweep_lib.SweepError, match='non-empty list'):
-    sweep_lib.expand({'grid': {'train.lr': 0.1}})
-  with pytest.raises(sweep_lib.SweepError, match='Unknown sweep keys'):
-    sweep_lib.expand({'grids': {}})
+@pytest.fixture(scope='module')
+def two_hosts(sweep_file, tmp_path_factory):
+  """Today's grid sweep, run by two sweep commands started at once on one study (one of them
+  with two workers): (workdir, [(returncode, stdout, stderr)] per host)."""
+  workdir = str(tmp_path_factory.mktemp('hosts') / 'sweep')
+  hosts = [sweep_process(sweep_file, workdir, '--sweep_workers=2'), sweep_process(sweep_file, workdir)]
+  outputs = [h.communicate(timeout=600) for h in hosts]
+  return workdir, [(h.returncode, *output) for h, output in zip(hosts, outputs)]
+
+
+@pytest.fixture(scope='module')
+def killed_and_rerun(corpus, tmp_path_factory):
+  """A sweep killed (with its trial, as when a host dies) while trial 1 trains, then rerun."""
+  root = tmp_path_factory.mktemp('killed')
+  (root / 'kill.py').write_text(KILL_FILE.format(source=corpus))
+  workdir = str(root / 'sweep')
+  first = sweep_process(str(root / 'kill.py'), workdir, '--sweep_heartbeat=1', start_new_session=True)
+  checkpoints = os.path.join(workdir, '01-lr=0.01-steps=200', 'checkpoints')
+  deadline = time.time() + 300
+  while not (os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))):
+    assert first.poll() is None and time.time() < deadline, first.communicate()
+    time.sleep(0.05)
+  os.killpg(first.pid, signal.SIGKILL)
+  first_out = first.communicate()[0]
+  before = {name: open(os.path.join(workdir, name, 'metrics.jsonl')).read() for name in ['00-lr=0.01']}
+  states = [t.state for t in load_study(workdir).get_trials()]
+  time.sleep(2.5)  # the dead worker's trial goes stale after 2 heartbeats of 1 s
+  rerun = sweep_process(str(root / 'kill.py'), workdir, '--sweep_heartbeat=1')
+  out, err = rerun.communicate(timeout=600)
+  return workdir, first_out, states, before, (rerun.returncode, out, err)
+
+
+def test_a_grid_gives_the_trials_and_table_of_before(two_hosts):
+  workdir, hosts = two_hosts
+  assert [h[0] for h in hosts] == [0, 0], [h[2][-2000:] for h in hosts]
+  with open(os.path.join(workdir, 'sweep.csv')) as f:
+    rows = list(csv.DictReader(f))
+  assert [r['trial'] for r in rows] == ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1', '02-width=16',
+                                        '03-num_heads=3']
+  assert [r['status'] for r in rows] == ['ok', 'ok', 'ok', 'failed'] and rows[0]['train.lr'] == '0.001'
+  assert list(rows[0])[:6] == ['trial', 'status', 'train.lr', 'train.warmup_steps', 'model.width', 'model.num_heads']
+  for row in rows[:3]:
+    with open(os.path.join(workdir, row['trial'], 'metrics.jsonl')) as f:
+      best_eval = min(m['eval/loss'] for m in map(json.loads, f) if 'eval/loss' in m)
+    # The trial's final line: the best checkpoint's loss over the whole validation split (eval_steps=0).
+    assert float(row['eval/loss']) == pytest.approx(best_eval, rel=1e-6) and row['step'] == '4'
+  assert rows[3]['eval/loss'] == '' and 'num_heads=3 does not divide' in rows[3]['error']
+  table = open(os.path.join(workdir, 'sweep.md')).read()
+  assert '3 of 4 trials ok' in table and table.count('\n| 0') == 4
+  best = min(rows[:3], key=lambda r: float(r['eval/loss']))['trial']
+  assert f'`{best}`' in table and f'--workdir={workdir}/{best}' in table  # the best trial's command line
+  for plot in ('eval_loss.png', 'history.png', 'importance.png'):
+    image = matplotlib.image.imread(os.path.join(workdir, plot))
+    assert image.ndim == 3 and image.shape[1] > 300
+  assert 'does not divide' in open(os.path.join(workdir, 'logs', '03-num_heads=3.log')).read()
+
+
+def test_two_hosts_on_one_study_run_disjoint_trials_and_the_budget_once(two_hosts):
+  workdir, hosts = two_hosts
+  ran = [started(stdout) for _, stdout, _ in hosts]
+  assert all(ran) and not set(ran[0]) & set(ran[1]), ran  # both took part, never the same trial
+  assert sorted(ran[0] + ran[1]) == ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1', '02-width=16',
+                                     '03-num_heads=3']
+  trials = load_study(workdir).get_trials()
+  named = [t for t in trials if 'name' in t.user_attrs]
+  assert sorted(t.user_attrs['slot'] for t in named) == [0, 1, 2, 3]  # each slot once, none retried
+  # A trial opened past the budget when both hosts asked for the last slot at once never ran.
+  assert all(t.user_attrs.get('over_budget') for t in trials if t not in named)
+  for name in ran[0] + ran[1]:
+    assert '--- the next attempt' not in open(os.path.join(workdir, 'logs', f'{name}.log')).read()
+
+
+def test_a_killed_study_resumes_without_repeating_finished_trials(killed_and_rerun):
+  workdir, first_out, states, before, (returncode, out, err) = killed_and_rerun
+  assert started(first_out) == ['00-lr=0.01', '01-lr=0.01-steps=200']
+  assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING]
+  assert returncode == 0, err[-2000:]
+  assert started(out) == ['01-lr=0.01-steps=200', '02-lr=1e-07']  # trial 0 is not run again
+  assert open(os.path.join(workdir, '00-lr=0.01', 'metrics.jsonl')).read() == before['00-lr=0.01']
+  log = open(os.path.join(workdir, 'logs', '01-lr=0.01-steps=200.log')).read()
+  resumed = int(re.search(r'Resumed from the checkpoint at step (\d+)', log).group(1))
+  assert 10 <= resumed < 200  # the interrupted trial went on from its checkpoint
+  with open(os.path.join(workdir, 'sweep.csv')) as f:
+    rows = list(csv.DictReader(f))
+  assert [(r['status'], r['step']) for r in rows] == [('ok', '30'), ('ok', '200'), ('pruned', '10')]
+  retry = [t for t in load_study(workdir).get_trials() if t.user_attrs.get('slot') == 1][-1]
+  assert retry.system_attrs['failed_trial'] == 1 and retry.state == optuna.trial.TrialState.COMPLETE
+
+
+def test_a_pruned_trial_stops_early_and_its_checkpoint_reloads(killed_and_rerun):
+  from train.rundir import load_run
+  workdir = killed_and_rerun[0]
+  pruned = [t for t in load_study(workdir).get_trials() if t.user_attrs.get('slot') == 2][-1]
+  assert pruned.state == optuna.trial.TrialState.PRUNED and pruned.user_attrs['pruned_at'] == 10
+  assert pruned.intermediate_values.keys() == {10}
+  run_dir = os.path.join(workdir, '02-lr=1e-07')
+  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    assert max(m['step'] for m in map(json.loads, f)) == 10  # of 30 steps
+  assert load_run(run_dir).step == 10
+  assert '1 pruned' in open(os.path.join(workdir, 'sweep.md')).read()
 
 
 def test_dry_run_prints_one_launch_command_per_trial(sweep_file, tmp_path):
@@ -59,23 +187,78 @@ def test_dry_run_prints_one_launch_command_per_trial(sweep_file, tmp_path):
   assert f'--workdir={tmp_path}/dry/03-num_heads=3' in commands[3]
 
 
-def test_sweep_survives_a_failing_trial_and_writes_table_and_plot(sweep_file, tmp_path):
-  workdir = str(tmp_path / 'sweep')
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  trials = sweep_lib.run_sweep(sweep_lib.load_sweep(sweep_file), workdir, env=env)
-  assert [t.status for t in trials] == ['ok', 'ok', 'ok', 'failed']
-  assert 'num_heads=3 does not divide' in trials[3].error
-  with open(os.path.join(workdir, 'sweep.csv')) as f:
-    rows = list(csv.DictReader(f))
-  assert [r['status'] for r in rows] == ['ok', 'ok', 'ok', 'failed'] and rows[0]['train.lr'] == '0.001'
-  for trial, row in zip(trials[:3], rows):
-    with open(os.path.join(workdir, trial.name, 'metrics.jsonl')) as f:
-      best_eval = min(m['eval/loss'] for m in map(json.loads, f) if 'eval/loss' in m)
-    # The trial's final line: the best checkpoint's loss over the whole validation split (eval_steps=0).
-    assert float(row['eval/loss']) == pytest.approx(best_eval, rel=1e-6) and row['step'] == '4'
-  assert rows[3]['eval/loss'] == '' and 'does not divide' in rows[3]['error']
-  table = open(os.path.join(workdir, 'sweep.md')).read()
-  assert '3 of 4 trials ok' in table and table.count('\n| 0') == 4
-  image = matplotlib.image.imread(os.path.join(workdir, 'eval_loss.png'))
-  assert image.ndim == 3 and image.shape[1] > 300
-  assert os.path.exists(os.path.join(workdir, 'logs', '03-num_heads=3.log'))
+SPACE = {'train.lr': {'low': 1e-4, 'high': 3e-2, 'log': True}, 'model.num_layers': {'low': 1, 'high': 3},
+         'model.width': [32, 64]}
+
+
+@pytest.mark.parametrize('sampler', ['random', 'qmc', 'tpe'])
+def test_hosts_with_one_seed_propose_different_trials_each_slot_its_own(sampler, tmp_path):
+  sweep = sweep_lib.parse({'space': SPACE, 'sampler': sampler, 'n_trials': 6}, 'configs/gpt.py:tiny')
+  proposals = lambda study, n: [sweep_lib.propose(sweep, t, sweep_study.take_slot(study, t, 6))
+                                for t in (study.ask() for _ in range(n))]
+  make = lambda storage: optuna.create_study(
+      storage=storage, study_name='s', load_if_exists=True,
+      sampler=sweep_study.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space))
+  alone = proposals(make(None), 6)
+  storage = sweep_study.open_storage(str(tmp_path / 'study.journal'))
+  host_a, host_b = make(storage), make(storage)
+  shared = [p for _ in range(3) for p in proposals(host_a, 1) + proposals(host_b, 1)]
+  assert shared == alone  # slot k's proposal, whichever host asks
+  assert len({json.dumps(p, sort_keys=True) for p in alone}) == 6
+  for p in alone:
+    assert 1e-4 <= p['train.lr'] <= 3e-2 and p['model.num_layers'] in (1, 2, 3) and p['model.width'] in (32, 64)
+
+
+def test_each_worker_gets_its_own_accelerators():
+  pool = sweep_lib.DevicePool('0,1,2,3', workers=2)
+  with pool.take() as first, pool.take() as second:
+    assert {first['CUDA_VISIBLE_DEVICES'], second['CUDA_VISIBLE_DEVICES']} == {'0,1', '2,3'}
+  with sweep_lib.DevicePool(None, workers=2).take() as env:
+    assert env == {}
+  with pytest.raises(sweep_lib.SweepError, match='multiple of the workers'):
+    sweep_lib.DevicePool('0,1,2', workers=2)
+
+
+@pytest.mark.parametrize('spec, message', [
+    ({'space': {'train.lr': {'low': 0.0, 'high': 1.0, 'log': True}}, 'n_trials': 2}, "a log range needs 'low' > 0"),
+    ({'space': {'train.lr': {'low': 0.1, 'high': 0.01}}, 'n_trials': 2}, "must be below 'high'"),
+    ({'space': {'train.lr': {'lo': 0.1, 'high': 1.0}}, 'n_trials': 2}, "unknown keys"),
+    ({'space': {'train.lr': 'big'}, 'n_trials': 2}, 'give a non-empty list of choices'),
+    ({'space': {'model.width': []}, 'n_trials': 2}, 'give a non-empty list of choices'),
+    ({'space': {'train.lr': [0.1]}}, 'needs a budget'),
+    ({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'grid': {'train.lr': [1]}}, 'not both'),
+    ({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'sampler': 'cmaes'}, "Unknown sampler 'cmaes'"),
+    ({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'sampler': {'name': 'tpe', 'bogus': 1}}, 'does not take'),
+    ({'space': {'train.lr': {'low': 0.1, 'high': 1.0}}, 'n_trials': 2, 'sampler': 'grid'}, 'choices only'),
+    ({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'pruner': 'asha'}, "Unknown pruner 'asha'"),
+    ({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'metric': 'loss'}, 'is not a result of a trial'),
+    ({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'metric': 'test/bleu', 'pruner': 'median'}, 'scored only at'),
+    ({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'direction': 'down'}, "'minimize' or 'maximize'"),
+    ({'grid': {'train.lr': 0.1}}, 'non-empty list'),
+    ({'grids': {}}, 'Unknown sweep keys'),
+])
+def test_bad_sweep_files_stop_with_one_line(spec, message):
+  with pytest.raises(sweep_lib.SweepError, match=re.escape(message)):
+    sweep_lib.parse(spec, 'configs/gpt.py:tiny')
+
+
+def test_bad_storage_unknown_key_and_missing_metric_stop_before_trials(tmp_path):
+  path = tmp_path / 'bad.py'
+  path.write_text("def get_sweep():\n  return {'config': 'configs/gpt.py:tiny', 'space': {'train.lrr': [0.1]}, "
+                  "'n_trials': 2}\n")
+  for args, message in [([], "Unknown config key 'train.lrr'. Did you mean 'train.lr'?"),
+                        (['--sweep_storage=sqlite:////nonexistent/x.db'], 'cannot be opened')]:
+    if args:
+      path.write_text(path.read_text().replace('train.lrr', 'train.lr'))
+    result = sweep_process(str(path), str(tmp_path / 'run'), *args)
+    stdout, stderr = result.communicate(timeout=120)
+    assert result.returncode == 1 and stderr.count('\n') == 1 and message in stderr, stderr
+    assert not os.path.exists(tmp_path / 'run') and not started(stdout)
+  with pytest.raises(sweep_study.SweepError, match='--sweep_storage=postgresql://u:\\*\\*\\*@'):
+    sweep_study.open_storage('postgresql://u:secret@127.0.0.1:1/db')
+  # A metric the trials do not log stops the sweep at the first trial that finishes, naming theirs.
+  sweep = sweep_lib.parse({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'metric': 'eval/bleu'}, 'configs/gpt.py:tiny')
+  study = optuna.create_study()
+  runner = sweep_lib.Runner(sweep, study, '', str(tmp_path))
+  with pytest.raises(sweep_lib.SweepError, match='eval/bleu.* not among the results of trial t: eval/loss, step'):
+    runner._finished(study.ask(), 't', {'mode': 'train', 'eval/loss': 1.0, 'step': 4}, 1.0)

@@ -1,69 +1,101 @@
-"""Sweeps: run a grid or a list of config overrides as trials, one after another, and tabulate them.
+"""Sweeps: an Optuna study whose trials are `launch.py` processes, each in its own workdir.
 
-  python launch.py --sweep=configs/sweeps/gpt_lr.py --workdir=runs/sweep
-  python launch.py --sweep=configs/sweeps/gpt_lr.py --sweep_dry_run      # print the commands only
-  python launch.py --sweep=configs/sweeps/gpt_lr.py --config.train.steps=100   # applies to every trial
+  python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep
+  python launch.py --sweep=configs/sweeps/gpt_tiny_random.py --workdir=runs/rs --sweep_workers=2
+  python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --sweep_dry_run      # print the commands only
+  python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --config.train.steps=100   # applies to every trial
 
 A sweep file defines `get_sweep()` returning a dict:
   config     the --config argument of every trial, e.g. 'configs/gpt.py:tiny' (a --config flag given
              with --sweep replaces it)
   overrides  {key: value} for every trial (optional)
-  grid       {key: [values, ...]}: one trial per combination (optional)
+  grid       {key: [values, ...]}: one trial per combination, in order (optional)
   trials     [{key: value, ...}, ...]: further trials, each its own overrides (optional)
+  space      instead of grid/trials, a search space {key: entry}: {'low': 1e-4, 'high': 3e-2, 'log': True}
+             (a float range; 'log' optional), {'low': 1, 'high': 3} (integer bounds: an integer range;
+             'step' optional), or [32, 64] (a choice)
+  sampler    with a space: 'random' (default) | 'qmc' (scrambled Sobol) | 'tpe' | 'gp' (needs torch) |
+             'grid' (every combination of a space of choices); a dict {'name': 'tpe', 'n_startup_trials': 5}
+             passes options to Optuna's sampler
+  seed       the sampler's seed (default 0); each trial's proposal depends on (seed, its slot) only
+  n_trials   with a space: the budget, met exactly once however many workers and hosts take part
+  pruner     'none' (default) | 'median' | 'successive_halving' | 'hyperband', or {'name': 'median',
+             'n_startup_trials': 3, ...} with Optuna's options; it needs an eval/ metric
+  metric     what the study optimizes (default 'eval/loss'): an eval/<name> (scored during training, so
+             prunable; the final value is the best checkpoint's over the whole validation split) or a
+             test/<name> of the trial's final JSON line
+  direction  'minimize' (default) or 'maximize'
 
 Each trial is `python launch.py --config=... --workdir=<workdir>/<trial> --config.<key>=<value> ...`
 in its own process (a crash, OOM or bad config ends that trial only; its log is in
 <workdir>/logs/<trial>.log). Overrides apply in the order: the sweep's `overrides`, --config.*
-flags of the sweep command, the trial's own values. Rerunning a sweep resumes every trial from
-its checkpoints. Results, rewritten after every trial:
-  sweep.csv     one row per trial: status, overrides, final metrics, error, seconds
-  sweep.md      the same as a Markdown table
-  eval_loss.png eval/loss against step for every trial (from each trial's metrics.jsonl)
+flags of the sweep command, the trial's own values.
+
+The study lives in --sweep_storage (default <workdir>/study.journal, an Optuna journal file; a file
+path on a disk several hosts share, or a database URL, lets hosts running the same command with
+the same --workdir join it). --sweep_workers=N runs N trials at once; --sweep_devices=0,1,...
+gives each its share of the accelerators. Rerunning the command resumes the study: finished
+trials are not rerun, a trial interrupted by Ctrl-C or SIGTERM resumes from its checkpoint, and a
+trial whose worker died (no heartbeat for 2 x --sweep_heartbeat seconds) is failed and run again
+from its checkpoint. Results (train/sweep_report.py), rewritten after every trial: sweep.csv,
+sweep.md (with the best trial's command), eval_loss.png; at the end history.png, importance.png.
 """
 from __future__ import annotations
 
-import csv
+import contextlib
 import dataclasses
 import importlib.util
-import io
 import itertools
 import json
-import math
 import os
+import queue
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from typing import Any
 
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
 import storage
-from errors import UserError
+from train import sweep_report, sweep_study, sweep_trial
+from train.sweep_study import SweepError
 
 LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'launch.py')
+SPEC_KEYS = ('config', 'overrides', 'grid', 'trials', 'space', 'sampler', 'seed', 'n_trials', 'pruner', 'metric',
+             'direction')
+POLL_S = 2  # how often a host with no trial left looks whether the others' trials have finished
+CHOICE_TYPES = (str, int, float, bool, type(None))  # what Optuna stores as a categorical value
+SPACE_EXAMPLE = "{'train.lr': {'low': 1e-4, 'high': 3e-2, 'log': True}, 'model.num_layers': {'low': 1, 'high': 3}, " \
+                "'model.width': [32, 64]}"
 
 
-class SweepError(UserError):
-  """A malformed sweep file; the message names the fix."""
-
-
-@dataclasses.dataclass
-class Trial:
-  name: str
-  own: dict[str, Any]  # this trial's values (the table's columns)
-  common: dict[str, Any]  # the sweep's `overrides`, for every trial
-  status: str = 'pending'  # 'ok' | 'failed'
-  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-  error: str = ''
-  seconds: float = 0.0
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Sweep:
   config: str
-  trials: list[Trial]
+  common: dict[str, Any]  # the sweep's `overrides`, for every trial
+  keys: list[str]  # the swept keys, in the file's order (the table's columns)
+  points: list[dict[str, Any]] | None  # grid + trials, each a trial's own overrides; None for a space
+  space: dict[str, dict[str, Any]] | None  # checked entries (parse_space)
+  sampler: tuple[str, dict]
+  seed: int
+  n_trials: int
+  pruner: tuple[str, dict]
+  metric: str
+  direction: str
+
+  def record(self, extra_args: list[str]) -> dict[str, Any]:
+    """What makes a study this sweep's: hosts joining it and reruns must agree (the budget may grow)."""
+    fields = {k: v for k, v in dataclasses.asdict(self).items() if k != 'n_trials'}
+    return json.loads(json.dumps({**fields, 'extra_args': list(extra_args)}))
 
 
+# ---------------------------------------------------------------------------------------------- the sweep file
 def trial_name(index: int, overrides: dict[str, Any]) -> str:
   """'03-lr=0.001-width=64': the index keeps names unique, the last key component keeps them short."""
   parts = [f'{key.split(".")[-1]}={value}' for key, value in overrides.items()]
@@ -72,9 +104,9 @@ def trial_name(index: int, overrides: dict[str, Any]) -> str:
 
 def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
   """The trials' own overrides: every combination of `grid`, then each entry of `trials`."""
-  unknown = set(spec) - {'config', 'overrides', 'grid', 'trials'}
+  unknown = set(spec) - set(SPEC_KEYS)
   if unknown:
-    raise SweepError(f'Unknown sweep keys {sorted(unknown)}; use config, overrides, grid, trials.')
+    raise SweepError(f'Unknown sweep keys {sorted(unknown)}; use {", ".join(SPEC_KEYS)}.')
   grid = spec.get('grid') or {}
   for key, values in grid.items():
     if not isinstance(values, (list, tuple)) or not values:
@@ -85,12 +117,63 @@ def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
     raise SweepError('`trials` must be a list of dicts of overrides, e.g. [{"train.lr": 1e-3}].')
   trials = combos + [dict(t) for t in extra]
   if not trials:
-    raise SweepError('The sweep defines no trials: give a non-empty `grid` or `trials`.')
+    raise SweepError('The sweep defines no trials: give a non-empty `grid`, `trials` or `space`.')
+  for point in trials:
+    for key, value in point.items():
+      if not isinstance(value, CHOICE_TYPES):
+        raise SweepError(f'{key}={value!r}: swept values must be numbers, strings, booleans or None.')
   return trials
 
 
+def parse_space(space: Any) -> dict[str, dict[str, Any]]:
+  """The checked `space`: {key: {'choices': [...]}} or {key: {'low', 'high', 'log', 'step', 'int'}}."""
+  if not isinstance(space, dict) or not space:
+    raise SweepError(f'`space` must be a non-empty dict of config keys, e.g. {SPACE_EXAMPLE}.')
+  checked = {}
+  for key, entry in space.items():
+    if isinstance(entry, (list, tuple)) and entry and all(isinstance(v, CHOICE_TYPES) for v in entry):
+      checked[key] = {'choices': list(entry)}
+    elif isinstance(entry, dict):
+      checked[key] = _check_range(key, entry)
+    else:
+      raise SweepError(f"space[{key!r}] = {entry!r}: give a non-empty list of choices (numbers, strings), or "
+                       f"{{'low': ..., 'high': ...}} with 'log': True for a log scale.")
+  return checked
+
+
+def _check_range(key: str, entry: dict) -> dict[str, Any]:
+  unknown = set(entry) - {'low', 'high', 'log', 'step'}
+  low, high, log, step = entry.get('low'), entry.get('high'), entry.get('log', False), entry.get('step')
+  number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  problem = (f'unknown keys {sorted(unknown)}' if unknown else
+             "needs numbers 'low' and 'high'" if not (number(low) and number(high)) else
+             f"'low' ({low}) must be below 'high' ({high})" if low >= high else
+             "'log' must be True or False" if not isinstance(log, bool) else
+             f"a log range needs 'low' > 0 (got {low})" if log and low <= 0 else
+             "'step' must be a positive number, without 'log'" if step is not None and (
+                 not number(step) or step <= 0 or log) else None)
+  if problem:
+    raise SweepError(f"space[{key!r}] = {entry!r}: {problem}; e.g. {{'low': 1e-4, 'high': 3e-2, 'log': True}}.")
+  is_int = all(isinstance(v, int) for v in (low, high) + ((step,) if step is not None else ()))
+  return {'low': low, 'high': high, 'log': log, 'step': step, 'int': is_int}
+
+
+def _named(value: Any, what: str, names) -> tuple[str, dict]:
+  """('median', {options}) from 'median' or {'name': 'median', option: value}."""
+  if isinstance(value, dict) and isinstance(value.get('name'), str):
+    options = dict(value)
+    name = options.pop('name')
+  elif isinstance(value, str):
+    name, options = value, {}
+  else:
+    raise SweepError(f"`{what}` must be a name or {{'name': ..., option: value}}, got {value!r}.")
+  if name not in names:
+    raise SweepError(f'Unknown {what} {name!r}; use one of {", ".join(names)}.')
+  return name, options
+
+
 def load_sweep(path: str, config: str | None = None) -> Sweep:
-  """Read a sweep file; `config` (the --config flag) replaces the file's `config`."""
+  """Read and check a sweep file; `config` (the --config flag) replaces the file's `config`."""
   if not os.path.exists(path):
     raise SweepError(f'--sweep={path} does not exist; sweep files live in configs/sweeps/.')
   spec_loader = importlib.util.spec_from_file_location('_sweep', path)
@@ -102,15 +185,82 @@ def load_sweep(path: str, config: str | None = None) -> Sweep:
   config = config or spec.get('config')
   if not config:
     raise SweepError(f"{path}: get_sweep() has no 'config' (e.g. 'configs/gpt.py:tiny') and no --config was given.")
-  common = dict(spec.get('overrides') or {})
-  return Sweep(config=config, trials=[Trial(trial_name(i, own), own, common) for i, own in enumerate(expand(spec))])
+  return parse(spec, config)
 
 
-def trial_command(sweep: Sweep, trial: Trial, workdir: str, extra_args: list[str] = ()) -> list[str]:
-  common = [f'--config.{k}={v}' for k, v in trial.common.items()]
-  own = [f'--config.{k}={v}' for k, v in trial.own.items()]
-  return [sys.executable, LAUNCH, f'--config={sweep.config}', f'--workdir={os.path.join(workdir, trial.name)}',
-          *common, *extra_args, *own]
+def parse(spec: dict[str, Any], config: str) -> Sweep:
+  """The Sweep of a get_sweep() dict; one SweepError per mistake, before anything runs."""
+  points, space = _points_or_space(spec)
+  sampler = _named(spec.get('sampler', 'grid' if points else 'random'), 'sampler', sweep_study.SAMPLERS)
+  if points is None and sampler[0] == 'grid':
+    if not all('choices' in entry for entry in space.values()):
+      raise SweepError("sampler 'grid' takes a space of choices only (lists); use 'random' or 'qmc' for ranges.")
+    points = [dict(zip(space, values)) for values in itertools.product(*(e['choices'] for e in space.values()))]
+  elif points is not None and sampler[0] != 'grid':
+    raise SweepError(f"`grid` and `trials` run as listed; sampler {sampler[0]!r} needs a `space` instead.")
+  n_trials = spec.get('n_trials', len(points) if points else None)
+  if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1 or (points and n_trials > len(points)):
+    raise SweepError(f'n_trials={n_trials!r}: ' + (f'the grid has {len(points)} points.' if points else
+                                                   'a search over a `space` needs a budget, e.g. n_trials=12.'))
+  metric, direction = spec.get('metric', 'eval/loss'), spec.get('direction', 'minimize')
+  pruner = _named(spec.get('pruner', 'none'), 'pruner', sorted(sweep_study.PRUNERS))
+  _check_objective(metric, direction, pruner[0])
+  seed = spec.get('seed', 0)
+  if not isinstance(seed, int) or isinstance(seed, bool):
+    raise SweepError(f'seed={seed!r} must be an integer.')
+  keys = list(dict.fromkeys(k for p in points for k in p)) if points else list(space)
+  sweep = Sweep(config, dict(spec.get('overrides') or {}), keys, points, None if points else space, sampler, seed,
+                n_trials, pruner, metric, direction)
+  sweep_study.make_sampler(*sampler, seed, sweep.points, sweep.space)  # its options are checked now
+  sweep_study.make_pruner(*pruner)
+  return sweep
+
+
+def _points_or_space(spec: dict[str, Any]) -> tuple[list[dict] | None, dict | None]:
+  unknown = set(spec) - set(SPEC_KEYS)
+  if unknown:
+    raise SweepError(f'Unknown sweep keys {sorted(unknown)}; use {", ".join(SPEC_KEYS)}.')
+  if not isinstance(spec.get('overrides') or {}, dict):
+    raise SweepError('`overrides` must be a dict {config key: value}, e.g. {"train.steps": 60}.')
+  if 'space' not in spec:
+    return expand(spec), None
+  if spec.get('grid') or spec.get('trials'):
+    raise SweepError('Give either a `space` to search or a `grid`/`trials` to run as listed, not both.')
+  return None, parse_space(spec['space'])
+
+
+def _check_objective(metric: Any, direction: Any, pruner: str) -> None:
+  if not isinstance(metric, str) or not re.fullmatch(r'(eval|test)/\S+', metric):
+    raise SweepError(f'metric={metric!r} is not a result of a trial: use eval/<name> (e.g. eval/loss, scored '
+                     f'during training) or test/<name> (e.g. test/bleu, scored once at the end).')
+  if direction not in ('minimize', 'maximize'):
+    raise SweepError(f"direction={direction!r}: use 'minimize' or 'maximize'.")
+  if pruner != 'none' and not metric.startswith('eval/'):
+    raise SweepError(f"pruner {pruner!r} reads the metric during training, and {metric} is scored only at the "
+                     f"end: use an eval/ metric or 'pruner': 'none'.")
+
+
+def propose(sweep: Sweep, trial: optuna.Trial, slot: int) -> dict[str, Any]:
+  """The trial's own overrides, through the study's sampler (a retry gets back the values it had)."""
+  if sweep.points is not None:
+    choices = {k: list(dict.fromkeys(p[k] for p in sweep.points if k in p)) for k in sweep.keys}
+    return {key: trial.suggest_categorical(key, choices[key]) for key in sweep.points[slot]}
+  return {key: sweep_study.suggest(trial, key, entry) for key, entry in sweep.space.items()}
+
+
+def name_of(sweep: Sweep, slot: int, own: dict[str, Any]) -> str:
+  """A grid's trials keep their exact values in their names, a search's are rounded to 4 digits."""
+  if sweep.points is None:
+    own = {k: f'{v:.4g}' if isinstance(v, float) else v for k, v in own.items()}
+  return trial_name(slot, own)
+
+
+def trial_command(sweep: Sweep, name: str, own: dict[str, Any], workdir: str, extra_args: list[str] = (),
+                  program: tuple[str, str] = (sys.executable, LAUNCH)) -> list[str]:
+  common = [f'--config.{k}={v}' for k, v in sweep.common.items()]
+  own = [f'--config.{k}={v}' for k, v in own.items()]
+  return [*program, f'--config={sweep.config}', f'--workdir={os.path.join(workdir, name)}', *common, *extra_args,
+          *own]
 
 
 def _error_line(stderr: str, returncode: int) -> str:
@@ -129,109 +279,280 @@ def _last_json(stdout: str) -> dict | None:
     return None
 
 
-def run_trial(sweep: Sweep, trial: Trial, workdir: str, extra_args: list[str] = (), env: dict | None = None) -> None:
-  """Run one trial to completion in its own process; fills trial.status/metrics/error."""
-  start = time.time()
-  result = subprocess.run(trial_command(sweep, trial, workdir, extra_args), capture_output=True, text=True, env=env)
-  trial.seconds = time.time() - start
-  log = storage.path(os.path.join(workdir, 'logs', f'{trial.name}.log'))
-  log.parent.mkdir(parents=True, exist_ok=True)
-  log.write_text(result.stdout + '\n--- stderr ---\n' + result.stderr)
-  final = _last_json(result.stdout) if result.returncode == 0 else None
-  if final is None:
-    trial.status = 'failed'
-    trial.error = _error_line(result.stderr, result.returncode) if result.returncode else 'no final JSON line'
-    return
-  trial.status = 'ok'
-  trial.metrics = {k: v for k, v in final.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'mode'}
+# ---------------------------------------------------------------------------------------------- running trials
+class TrialError(Exception):
+  """A trial that ended without a result (the study records it as failed)."""
 
 
-def run_sweep(sweep: Sweep, workdir: str, *, dry_run: bool = False, extra_args: list[str] = (),
-              env: dict | None = None) -> list[Trial]:
-  """Run (or with `dry_run` print) every trial; writes sweep.csv, sweep.md and eval_loss.png."""
+class TrialFailed(TrialError):
+  """The trial's process failed: its error line is the trial's `error`."""
+
+
+class TrialInterrupted(TrialError):
+  """Ctrl-C or SIGTERM stopped the trial after it saved a checkpoint; it is queued to resume."""
+
+
+class DevicePool:
+  """--sweep_devices split evenly among the workers: a running trial holds one group and sees only
+  it (CUDA_VISIBLE_DEVICES), so trials never share an accelerator."""
+
+  def __init__(self, devices: str | None, workers: int):
+    ids = [d.strip() for d in (devices or '').split(',') if d.strip()]
+    if len(ids) % workers:
+      raise SweepError(f'--sweep_devices={devices} has {len(ids)} devices for --sweep_workers={workers}; give a '
+                       f'multiple of the workers (e.g. 8 GPUs for 8 or 4 workers).')
+    size = len(ids) // workers
+    self.free: queue.Queue = queue.Queue()
+    for worker in range(workers):
+      self.free.put(ids[worker * size:(worker + 1) * size] if ids else None)
+
+  @contextlib.contextmanager
+  def take(self):
+    group = self.free.get()
+    try:
+      yield {} if group is None else {'CUDA_VISIBLE_DEVICES': ','.join(group)}
+    finally:
+      self.free.put(group)
+
+
+class Runner:
+  """Runs a study's trials as launch.py processes, `workers` at a time, until its budget is done."""
+
+  def __init__(self, sweep: Sweep, study: optuna.Study, location: str, workdir: str, *, workers: int = 1,
+               devices: DevicePool | None = None, heartbeat: int = 30, extra_args=(), env: dict | None = None):
+    self.sweep, self.study, self.location, self.workdir = sweep, study, location, workdir
+    self.workers, self.devices, self.heartbeat = workers, devices or DevicePool(None, workers), heartbeat
+    self.extra_args, self.env = list(extra_args), env
+    self.interrupted = False
+    self.children: set[subprocess.Popen] = set()
+    self.lock = threading.Lock()  # the workers' threads share the children, the result files and stdout
+
+  def run(self) -> None:
+    """Take trials until every slot of the budget is finished, here or on other hosts."""
+    waiting_said = False
+    with self._signals():
+      while not self.interrupted:
+        free = sweep_study.unclaimed(self.study, self.sweep.n_trials)
+        if free:  # more threads than trials left would open trials past the budget
+          self.study.optimize(self.objective, n_jobs=min(self.workers, free), callbacks=[self.after_trial],
+                              catch=(TrialError, sweep_study.OverBudget))
+        elif sweep_study.running(self.study):  # on other hosts, or left by a worker that died
+          if not waiting_said:
+            self._say(f'Waiting for {sweep_study.running(self.study)} trial(s) running elsewhere (a dead worker\'s '
+                      f'are run again after {2 * self.heartbeat} s without a heartbeat).')
+            waiting_said = True
+          time.sleep(min(self.heartbeat, POLL_S))
+          sweep_study.fail_stale_trials(self.study)
+        else:
+          return
+
+  def objective(self, trial: optuna.Trial) -> float:
+    slot = sweep_study.take_slot(self.study, trial, self.sweep.n_trials)
+    own = propose(self.sweep, trial, slot)
+    if 'name' in trial.user_attrs:  # a retry: clear what its last attempt recorded
+      trial.set_user_attr('interrupted', False)
+      trial.set_user_attr('error', '')
+    else:
+      trial.set_user_attr('name', name_of(self.sweep, slot, own))
+    name = trial.user_attrs['name']
+    if self.interrupted:
+      raise TrialInterrupted('the sweep is stopping')
+    self._say(f'[{slot + 1}/{self.sweep.n_trials}] {name} ...')
+    command = trial_command(self.sweep, name, own, self.workdir, self.extra_args)
+    returncode, stdout, stderr, seconds = self._launch(trial, command)
+    self._write_log(name, stdout + '\n--- stderr ---\n' + stderr)
+    trial.set_user_attr('seconds', seconds)
+    return self._outcome(trial, name, returncode, stdout, stderr, seconds)
+
+  def _write_log(self, name: str, text: str) -> None:
+    """logs/<trial>.log: the trial's stdout and stderr, after those of its earlier attempts."""
+    log = storage.path(os.path.join(self.workdir, 'logs', f'{name}.log'))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    earlier = log.read_text() + '\n--- the next attempt (resumed) ---\n' if log.exists() else ''
+    log.write_text(earlier + text)
+
+  def _launch(self, trial: optuna.Trial, command: list[str]) -> tuple[int, str, str, float]:
+    """Run the trial's process, reporting to the study (train/sweep_trial.py), on its accelerators."""
+    env = {**(self.env or os.environ), **sweep_trial.environment(
+        self.location, self.study.study_name, trial._trial_id, self.sweep.metric, self.sweep.pruner)}
+    with self.devices.take() as device_env:
+      started = time.time()
+      process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**env, **device_env})
+      with self.lock:
+        self.children.add(process)
+      if self.interrupted:  # a SIGTERM that came while it started
+        process.terminate()
+      try:
+        stdout, stderr = process.communicate()
+      finally:
+        with self.lock:
+          self.children.discard(process)
+    return process.returncode, stdout, stderr, time.time() - started
+
+  def _outcome(self, trial: optuna.Trial, name: str, returncode: int, stdout: str, stderr: str,
+               seconds: float) -> float:
+    """The trial's metric; TrialPruned, TrialInterrupted or TrialFailed when it has none."""
+    final = _last_json(stdout) if returncode == 0 else None
+    if final is not None and not final.get('preempted'):
+      return self._finished(trial, name, final, seconds)
+    if self.interrupted or final is not None or returncode in (130, -signal.SIGINT, -signal.SIGTERM):
+      trial.set_user_attr('interrupted', True)
+      self._say(f'    {name}: interrupted ({seconds:.0f} s); it resumes from its checkpoint when the sweep reruns')
+      raise TrialInterrupted(name)
+    error = _error_line(stderr, returncode) if returncode else 'no final JSON line'
+    trial.set_user_attr('error', error)
+    self._say(f'    {name}: FAILED: {error} ({seconds:.0f} s)')
+    raise TrialFailed(error)
+
+  def _finished(self, trial: optuna.Trial, name: str, final: dict, seconds: float) -> float:
+    metrics = {k: v for k, v in final.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    trial.set_user_attr('metrics', metrics)
+    metric = self.sweep.metric
+    if metric not in metrics:  # every trial of a family logs the same names: no trial would have it
+      self.interrupt(forward=True)
+      raise SweepError(f'metric={metric!r} is not among the results of trial {name}: '
+                       f'{", ".join(sorted(metrics))}; set the sweep\'s metric to one of them and use a new --workdir.')
+    pruned_at = next(t for t in self.study.get_trials(deepcopy=False) if t.number == trial.number
+                     ).user_attrs.get('pruned_at')  # written by the trial's process
+    outcome = f'pruned at step {pruned_at}, ' if pruned_at is not None else ''
+    self._say(f'    {name}: {outcome}{metric}={metrics[metric]:.4f} ({seconds:.0f} s)')
+    if pruned_at is not None:
+      raise optuna.TrialPruned(f'pruned at step {pruned_at}')
+    return metrics[metric]
+
+  def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+    """Optuna's callback after each trial: queue an interrupted trial again, rewrite the results,
+    stop taking trials when none is left (or the sweep is stopping)."""
+    if trial.state == TrialState.FAIL and trial.user_attrs.get('interrupted'):
+      sweep_study.retry(study, trial)
+    with self.lock:
+      self.write_results()
+    if self.interrupted or not sweep_study.unclaimed(study, self.sweep.n_trials):
+      study.stop()
+
+  def write_results(self, final: bool = False) -> None:
+    command = lambda t: trial_command(self.sweep, t.user_attrs['name'], {k: t.params[k] for k in self.sweep.keys
+                                                                         if k in t.params}, self.workdir,
+                                      self.extra_args, program=('python', 'launch.py'))
+    sweep_report.write_results(self.sweep, self.study, self.workdir, command, final)
+
+  def interrupt(self, forward: bool) -> None:
+    """Stop taking trials; with `forward`, SIGTERM the running ones (each saves and stops)."""
+    self.interrupted = True
+    if forward:
+      with self.lock:
+        for child in self.children:
+          with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGTERM)
+
+  @contextlib.contextmanager
+  def _signals(self):
+    """Ctrl-C reaches the trials from the terminal (one process group) and SIGTERM is passed on to
+    them: each saves a checkpoint and stops, and the sweep ends once they have. A second Ctrl-C
+    aborts them without saving (launch.py's rule). Rerunning the command resumes them."""
+    if threading.current_thread() is not threading.main_thread():
+      yield
+      return
+    handler = lambda signum, frame: self.interrupt(forward=signum == signal.SIGTERM)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+      yield
+    finally:
+      for signum, old in previous.items():
+        signal.signal(signum, old)
+
+  def _say(self, line: str) -> None:
+    with self.lock:
+      print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+def study_name(workdir: str) -> str:
+  return workdir.rstrip('/') or '/'
+
+
+def open_study(sweep: Sweep, workdir: str, location: str, heartbeat: int, extra_args=()) -> optuna.Study:
+  """The sweep's study in `location`, created by the first host (or run) and joined by the others;
+  SweepError when it holds another sweep."""
+  study = optuna.create_study(storage=sweep_study.open_storage(location, heartbeat), study_name=study_name(workdir),
+                              sampler=sweep_study.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space),
+                              pruner=sweep_study.make_pruner(*sweep.pruner), direction=sweep.direction,
+                              load_if_exists=True)
+  record, started = sweep.record(extra_args), study.user_attrs.get('sweep')
+  if started is None:
+    study.set_user_attr('sweep', record)
+  elif started != record:
+    differ = sorted(k for k in record if started.get(k) != record[k])
+    raise SweepError(f'{location} holds the study of another sweep for {workdir} (it differs in {", ".join(differ)}); '
+                     f'rerun that sweep as it was, or pass a new --workdir.')
+  return study
+
+
+def print_commands(sweep: Sweep, workdir: str, extra_args=()) -> None:
+  """--sweep_dry_run: the first n_trials proposals, from an in-memory study with no results (TPE
+  and GP proposals after their first trials depend on the results)."""
+  study = optuna.create_study(sampler=sweep_study.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space),
+                              direction=sweep.direction)
+  for _ in range(sweep.n_trials):
+    trial = study.ask()
+    slot = sweep_study.take_slot(study, trial, sweep.n_trials)
+    own = propose(sweep, trial, slot)
+    print(shlex.join(trial_command(sweep, name_of(sweep, slot, own), own, workdir, extra_args)), flush=True)
+
+
+def run_sweep(sweep: Sweep, workdir: str, *, storage_location: str | None = None, workers: int = 1,
+              devices: str | None = None, heartbeat: int = 30, dry_run: bool = False, extra_args=(),
+              env: dict | None = None) -> optuna.Study | None:
+  """Run (or with `dry_run` print) the sweep's trials; write the results. KeyboardInterrupt after a
+  Ctrl-C or SIGTERM, once the running trials have saved."""
+  warnings.filterwarnings('ignore', category=optuna.exceptions.ExperimentalWarning)
+  optuna.logging.set_verbosity(optuna.logging.ERROR)  # the sweep prints one line per trial itself
   if dry_run:
-    for trial in sweep.trials:
-      print(shlex.join(trial_command(sweep, trial, workdir, extra_args)), flush=True)
-    return sweep.trials
+    return print_commands(sweep, workdir, extra_args)
+  if workers < 1 or heartbeat < 1:
+    raise SweepError(f'--sweep_workers={workers} and --sweep_heartbeat={heartbeat} must be at least 1.')
+  if storage_location is None and storage.is_remote(workdir):
+    raise SweepError(f'--workdir={workdir}: the default study file needs a local disk; pass --sweep_storage (a '
+                     f'journal file on a shared disk, or a database URL).')
+  pool = DevicePool(devices, workers)
+  if storage_location is None:
+    storage.path(workdir).mkdir(parents=True, exist_ok=True)
+  location = storage_location or os.path.join(workdir, 'study.journal')
+  study = open_study(sweep, workdir, location, heartbeat, extra_args)  # a storage that fails leaves no workdir
   storage.path(workdir).mkdir(parents=True, exist_ok=True)
-  for i, trial in enumerate(sweep.trials):
-    print(f'[{i + 1}/{len(sweep.trials)}] {trial.name} ...', flush=True)
-    run_trial(sweep, trial, workdir, extra_args, env)
-    outcome = (f'eval/loss={trial.metrics["eval/loss"]:.4f}' if 'eval/loss' in trial.metrics else
-               trial.status if trial.status == 'ok' else f'FAILED: {trial.error}')
-    print(f'    {outcome} ({trial.seconds:.0f} s)', flush=True)
-    write_results(sweep, workdir)
-  print(f'Results: {os.path.join(workdir, "sweep.md")}, sweep.csv, eval_loss.png', flush=True)
-  return sweep.trials
+  runner = Runner(sweep, study, location, workdir, workers=workers, devices=pool, heartbeat=heartbeat,
+                  extra_args=extra_args, env=env)
+  try:
+    runner.run()
+  finally:
+    runner.write_results(final=True)
+  _summary(runner, location)
+  if runner.interrupted:
+    raise KeyboardInterrupt
+  return study
 
 
-def _columns(sweep: Sweep) -> tuple[list[str], list[str]]:
-  override_keys = list(dict.fromkeys(k for t in sweep.trials for k in t.own))
-  metric_keys = sorted({k for t in sweep.trials for k in t.metrics}, key=lambda k: (k != 'step', k))
-  return override_keys, metric_keys
+def _summary(runner: Runner, location: str) -> None:
+  best = sweep_report.best_trial(runner.study)
+  if best is not None:
+    print(f'Best: {best.user_attrs["name"]} ({runner.sweep.metric}={best.value:.4f})', flush=True)
+  print(f'Results: {os.path.join(runner.workdir, "sweep.md")}, sweep.csv, eval_loss.png, history.png, '
+        f'importance.png; study: {location} (optuna-dashboard {location})', flush=True)
 
 
-def _format(value) -> str:
-  if isinstance(value, float):
-    return f'{value:.4g}' if math.isfinite(value) else str(value)
-  return '' if value is None else str(value)
-
-
-def write_results(sweep: Sweep, workdir: str) -> None:
-  overrides, metrics = _columns(sweep)
-  header = ['trial', 'status', *overrides, *metrics, 'seconds', 'error']
-  rows = [[t.name, t.status, *(t.own.get(k, '') for k in overrides), *(t.metrics.get(k) for k in metrics),
-           round(t.seconds, 1), t.error] for t in sweep.trials]
-  table = io.StringIO(newline='')  # csv ends rows with \r\n itself; epath's gs:// files take no newline=
-  writer = csv.writer(table)
-  writer.writerow(header)
-  writer.writerows([['' if v is None else v for v in row] for row in rows])
-  storage.path(os.path.join(workdir, 'sweep.csv')).write_bytes(table.getvalue().encode())
-  escape = lambda text: _format(text).replace('|', '\\|').replace('\n', ' ')
-  lines = [f'Sweep of `{sweep.config}` ({sum(t.status == "ok" for t in sweep.trials)} of {len(sweep.trials)} '
-           f'trials ok)', '', '| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
-  lines += ['| ' + ' | '.join(escape(v) for v in row) + ' |' for row in rows]
-  storage.path(os.path.join(workdir, 'sweep.md')).write_text('\n'.join(lines) + '\n')
-  plot_eval_loss(sweep, workdir)
-
-
-def read_curve(trial_dir: str, metric: str = 'eval/loss') -> tuple[list[int], list[float]]:
-  path = storage.path(os.path.join(trial_dir, 'metrics.jsonl'))
-  if not path.exists():
-    return [], []
-  points = {m['step']: m[metric] for m in map(json.loads, path.read_text().splitlines()) if metric in m}
-  steps = sorted(points)
-  return steps, [points[s] for s in steps]
-
-
-def plot_eval_loss(sweep: Sweep, workdir: str) -> str:
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  figure, axis = plt.subplots(figsize=(7, 4.5))
-  for trial in sweep.trials:
-    steps, losses = read_curve(os.path.join(workdir, trial.name))
-    if steps:
-      axis.plot(steps, losses, marker='o', markersize=3, label=trial.name)
-  axis.set_xlabel('step')
-  axis.set_ylabel('eval/loss')
-  axis.set_title(f'Sweep of {sweep.config}')
-  if axis.lines:
-    axis.legend(fontsize=7)
-  axis.grid(alpha=0.3)
-  figure.tight_layout()
-  path = os.path.join(workdir, 'eval_loss.png')
-  storage.save_png(figure, path, dpi=110)
-  plt.close(figure)
-  return path
-
-
-def run_sweep_from_flags(flags, argv: list[str]) -> list[Trial]:
-  """launch.py --sweep: the sweep file, --workdir, --sweep_dry_run, and --config / --config.* flags."""
+def run_sweep_from_flags(flags, argv: list[str], check_keys=None) -> optuna.Study | None:
+  """launch.py --sweep: the sweep file, --workdir, the --sweep_* flags, and --config / --config.*
+  flags. `check_keys(config, keys)` raises for a key the trials' config lacks."""
   config = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), None)
   extra = [a for a in argv if a.startswith('--config.')]
   sweep = load_sweep(flags.sweep, config)
+  if check_keys:
+    check_keys(sweep.config, [*sweep.common, *sweep.keys])
+  if flags.sweep_storage and not flags.workdir:
+    raise SweepError('--sweep_storage needs --workdir: every host of a study writes its trials under the same one.')
   name = os.path.splitext(os.path.basename(flags.sweep))[0]
   workdir = flags.workdir or os.path.join('runs', f'sweep-{name}-{time.strftime("%Y%m%d-%H%M%S")}')
-  return run_sweep(sweep, workdir, dry_run=flags.sweep_dry_run, extra_args=extra)
+  return run_sweep(sweep, workdir, storage_location=flags.sweep_storage, workers=flags.sweep_workers,
+                   devices=flags.sweep_devices, heartbeat=flags.sweep_heartbeat, dry_run=flags.sweep_dry_run,
+                   extra_args=extra)

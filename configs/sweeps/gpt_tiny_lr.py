@@ -3,7 +3,9 @@
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/sweep-lr
   python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --sweep_dry_run     # the 4 commands
 
-About a minute per trial on 2 CPU cores; writes runs/sweep-lr/sweep.md, sweep.csv, eval_loss.png.
+A grid is a study too (runs/sweep-lr/study.journal): its trials run in the grid's order, rerunning
+the command resumes it, and --sweep_workers=2 runs two at once. About a minute per trial on 2 CPU
+cores; writes runs/sweep-lr/sweep.md, sweep.csv, eval_loss.png, history.png, importance.png.
 """
 
 
