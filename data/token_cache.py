@@ -309,12 +309,14 @@ def build(corpus: Corpus, tokenizer, directory: str, seed: int, process_index: i
           progress: bool = True) -> None:
   """Tokenize this process's missing shards of `corpus` into `directory`, then wait until every
   process's shards are there. Resumable: a shard with its json is complete and skipped."""
+  if len(_done_shards(directory)) == len(corpus.shards):  # complete: nothing to write (it may be read-only)
+    return
   _check_writable(directory)
   _write(os.path.join(directory, 'manifest.json'), json.dumps(
       {'format': FORMAT_VERSION, 'source': corpus.source, 'carve': corpus.carve, 'identity': corpus.identity,
        'shards': len(corpus.shards), 'dtype': token_dtype(tokenizer.vocab_size).name}, indent=1))
-  mine = [i for i in range(len(corpus.shards)) if i % process_count == process_index
-          and not _shard_done(directory, i)]
+  done = _done_shards(directory)
+  mine = [i for i in range(len(corpus.shards)) if i % process_count == process_index and i not in done]
   if mine:
     _build_shards(corpus, tokenizer, directory, seed, mine, progress, process_index)
   _wait_for_shards(directory, len(corpus.shards))
@@ -335,8 +337,12 @@ def _check_writable(directory: str) -> None:
                     f'--config.data.cache_dir to a directory this user can write.') from e
 
 
-def _shard_done(directory: str, index: int) -> bool:
-  return storage.path(os.path.join(directory, f'{index:05d}.json')).exists()
+def _done_shards(directory: str) -> set[int]:
+  """The shards whose json is written (complete), from one listing of the directory."""
+  folder = storage.path(directory)
+  if not folder.exists():
+    return set()
+  return {int(p.name[:5]) for p in folder.iterdir() if re.fullmatch(r'\d{5}\.json', p.name)}
 
 
 def _build_shards(corpus, tokenizer, directory, seed, indices: list[int], progress: bool, process_index: int) -> None:
@@ -416,7 +422,8 @@ def _wait_for_shards(directory: str, count: int) -> None:
   """Until every shard's json exists: the shards of the other processes (a shared cache_dir)."""
   deadline, announced = time.monotonic() + WAIT_SECONDS, False
   while True:
-    missing = [i for i in range(count) if not _shard_done(directory, i)]
+    done = _done_shards(directory)
+    missing = [i for i in range(count) if i not in done]
     if not missing:
       return
     if time.monotonic() > deadline:
@@ -436,11 +443,11 @@ class TokenStream:
 
   def __init__(self, directory: str, role: str):
     local = _local_copy(directory)
-    manifest = json.loads(_read(os.path.join(local, 'manifest.json'), directory))
+    manifest = _read_json(os.path.join(local, 'manifest.json'), directory)
     dtype = np.dtype(manifest['dtype'])
     self.arrays, self.documents = [], 0
     for index in range(manifest['shards']):
-      counts = json.loads(_read(os.path.join(local, f'{index:05d}.json'), directory))
+      counts = _read_json(os.path.join(local, f'{index:05d}.json'), directory)
       count = counts['tokens'].get(role, 0)
       self.documents += counts['documents'].get(role, 0)
       if count:
@@ -499,6 +506,16 @@ def _read(path: str, directory: str) -> str:
     with open(path) as f:
       return f.read()
   except (OSError, ValueError) as e:
+    raise DataError(f'The token cache {directory} is incomplete or corrupt ({os.path.basename(path)}: {e}); '
+                    f'delete that directory and rerun (or run --mode=prepare) to rebuild it.') from e
+
+
+def _read_json(path: str, directory: str):
+  """A cache's json file, parsed; one cut short or damaged is `_read`'s DataError."""
+  text = _read(path, directory)
+  try:
+    return json.loads(text)
+  except ValueError as e:
     raise DataError(f'The token cache {directory} is incomplete or corrupt ({os.path.basename(path)}: {e}); '
                     f'delete that directory and rerun (or run --mode=prepare) to rebuild it.') from e
 
@@ -563,12 +580,15 @@ class Windows(Sequence):
 def build_examples(directory: str, manifest: dict, sizes: Sequence[int], make_shard, process_index: int = 0,
                    process_count: int = 1, progress: bool = True) -> list[dict]:
   """Build this process's missing shards of an example cache, wait for the others', and return
-  every shard's json. `make_shard(i)` -> ({split: {field: array [rows, ...]}}, info dict) tokenizes
-  shard i, whose text is `sizes[i]` bytes (for the progress line)."""
-  _check_writable(directory)
-  storage.write_atomically(os.path.join(directory, 'manifest.json'),
-                           json.dumps({'format': FORMAT_VERSION, 'shards': len(sizes), **manifest}, indent=1))
-  mine = [i for i in range(len(sizes)) if i % process_count == process_index and not _shard_done(directory, i)]
+  every shard's json. `make_shard(i)` -> ({split: {field: array [rows, ...]}}, info dict, {split:
+  JSON-able texts}) tokenizes shard i, whose text is `sizes[i]` bytes (for the progress line); the
+  texts (e.g. references to score against) are kept beside its arrays, read by `read_texts`."""
+  done = _done_shards(directory)
+  mine = [i for i in range(len(sizes)) if i % process_count == process_index and i not in done]
+  if len(done) < len(sizes):  # else complete: nothing to write (it may be read-only)
+    _check_writable(directory)
+    storage.write_atomically(os.path.join(directory, 'manifest.json'),
+                             json.dumps({'format': FORMAT_VERSION, 'shards': len(sizes), **manifest}, indent=1))
   if mine:
     total = sum(sizes[i] for i in mine)
     what = f'{len(mine)} of {len(sizes)} example-cache shards ({total / 1e6:,.1f} MB of text) into {directory}'
@@ -576,10 +596,12 @@ def build_examples(directory: str, manifest: dict, sizes: Sequence[int], make_sh
     if progress:
       print(f'Tokenizing {what} ...', flush=True)
     for index in mine:
-      arrays, info = make_shard(index)
+      arrays, info, texts = make_shard(index)
       for split, fields in arrays.items():
         for field, array in fields.items():
           _write_array(os.path.join(directory, f'{index:05d}.{split}.{field}.npy'), array)
+      for split, text in texts.items():
+        _write(os.path.join(directory, f'{index:05d}.{split}.text.json'), json.dumps(text, ensure_ascii=False))
       rows = {split: len(next(iter(fields.values()))) for split, fields in arrays.items() if fields}
       storage.write_atomically(os.path.join(directory, f'{index:05d}.json'),
                                json.dumps({'rows': rows, 'info': info, 'built_by_process': process_index}))
@@ -589,6 +611,17 @@ def build_examples(directory: str, manifest: dict, sizes: Sequence[int], make_sh
   _wait_for_shards(directory, len(sizes))
   local = _local_copy(directory)
   return [json.loads(_read(os.path.join(local, f'{i:05d}.json'), directory)) for i in range(len(sizes))]
+
+
+def read_texts(directory: str, split: str) -> list:
+  """The texts `build_examples` kept for `split`, every shard's in order."""
+  local = _local_copy(directory)
+  texts = []
+  for index in range(_read_json(os.path.join(local, 'manifest.json'), directory)['shards']):
+    path = os.path.join(local, f'{index:05d}.{split}.text.json')
+    if os.path.exists(path):
+      texts += _read_json(path, directory)
+  return texts
 
 
 class CachedExamples(Sequence):

@@ -370,6 +370,9 @@ def as_dataset(arrays: dict[str, np.ndarray]) -> grain.MapDataset:
 # carved out of it; a source named for validation or test holds 'heldout' (truncated, not dropped).
 PAIR_FIELDS = ('source', 'target_in', 'target_out')
 BYTES_PER_RECORD = 256  # TFDS pairs per shard: shard bytes / this
+# Pairs grow ~8x when padded to rows: a shard reads a quarter of data.cache_shard_mb of text.
+PAIR_SHARD_FRACTION = 0.25
+PAIRS_PER_BATCH = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,17 +483,24 @@ def _carve_pairs(corpus: PairCorpus, pairs: list[Pair], seed: int) -> dict[str, 
 
 def _encode_shard(corpus: PairCorpus, index: int, tokenizer: Tokenizer, data_config, seed: int):
   """make_shard for token_cache.build_examples: the shard's pairs encoded per split (training drops
-  pairs longer than data.seq_len, held-out splits truncate them), held-out pairs' text kept."""
+  pairs longer than data.seq_len, held-out splits truncate them), PAIRS_PER_BATCH at a time (HF
+  tokenizers holds ~100 bytes per token until it returns); held-out pairs' text kept for BLEU."""
   by_split, info = _shard_pairs(corpus, index, data_config, seed)
-  dtype = token_cache.token_dtype(tokenizer.vocab_size)
-  arrays, info['pairs'], info['cut'], info['text'] = {}, {}, {}, {}
+  dtype, seq_len = token_cache.token_dtype(tokenizer.vocab_size), data_config.seq_len
+  arrays, texts, info['pairs'], info['cut'] = {}, {}, {}, {}
   for split, pairs in by_split.items():
-    encoded, _, cut = encoded_pairs(tokenizer, pairs, data_config.seq_len, data_config.seq_len, split == 'train')
-    arrays[split] = {name: encoded[name].astype(dtype) for name in PAIR_FIELDS}
+    parts, cut = [], 0
+    for start in range(0, len(pairs), PAIRS_PER_BATCH):
+      encoded, _, batch_cut = encoded_pairs(tokenizer, pairs[start:start + PAIRS_PER_BATCH], seq_len, seq_len,
+                                            split == 'train')
+      parts.append({name: encoded[name].astype(dtype) for name in PAIR_FIELDS})
+      cut += batch_cut
+    arrays[split] = {name: np.concatenate([part[name] for part in parts]) if parts else
+                     np.zeros((0, seq_len), dtype) for name in PAIR_FIELDS}
     info['pairs'][split], info['cut'][split] = len(pairs), cut
     if split != 'train':
-      info['text'][split] = pairs  # references for BLEU
-  return arrays, info
+      texts[split] = pairs
+  return arrays, info, texts
 
 
 def cached_pairs(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1):
@@ -498,7 +508,7 @@ def cached_pairs(data_config, workdir: str, seed: int, process_index: int = 0, p
   pairs, {split: cache name}) for tsv:/tfds: sources, by the split rule of data/sources.py. The
   tokenizer is the workdir's, else the one trained before for this data (under data.cache_dir),
   else trained on the first TOKENIZER_TRAINING_CHARS of the training pairs."""
-  shard_bytes = max(1, int(data_config.get('cache_shard_mb', 64.0) * 2**20))
+  shard_bytes = max(1, int(data_config.get('cache_shard_mb', 64.0) * 2**20 * PAIR_SHARD_FRACTION))
   eval_source, test_source = data_config.get('eval_source', ''), data_config.get('test_source', '')
   named = {'valid': eval_source, 'test': test_source or eval_source}
   held_out = tuple(role for role in ('valid', 'test') if not named[role])
@@ -528,10 +538,13 @@ def cached_pairs(data_config, workdir: str, seed: int, process_index: int = 0, p
       target = role if split == 'heldout' else split
       splits[target] = token_cache.CachedExamples(directory, split, PAIR_FIELDS,
                                                   data_config.max_examples if target == 'train' else 0)
-      texts[target] = [tuple(pair) for info in infos[role] for pair in info['info']['text'].get(split, [])]
+      if target == 'test':
+        texts[target] = [tuple(pair) for pair in token_cache.read_texts(directory, split)]
       caches[target] = name
-  if 'test' not in splits:
-    splits['test'], texts['test'], caches['test'] = splits['valid'], texts['valid'], caches['valid']
+  if 'test' not in splits:  # the valid split, named by data.eval_source
+    splits['test'], caches['test'] = splits['valid'], caches['valid']
+    texts['test'] = [tuple(pair) for pair in token_cache.read_texts(
+        token_cache.cache_directory(data_config.cache_dir, caches['valid']), 'heldout')]
   _report_pairs(data_config, corpora, infos)
   return tokenizer, splits, texts['test'], caches
 
