@@ -7,8 +7,6 @@ by disjoint documents.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 
 import grain
@@ -219,19 +217,8 @@ def build_cache(data_config, corpus: token_cache.Corpus, tokenizer: Tokenizer, s
 
 
 def cached_tokenizer(data_config, workdir: str, corpus: token_cache.Corpus, seed: int) -> Tokenizer:
-  """The run's tokenizer: the workdir's; else the one trained before on this corpus with these
-  settings (shared under data.cache_dir, so runs on one corpus share its token cache); else trained
-  on the first TOKENIZER_TRAINING_CHARS of its training text. Saved in the workdir."""
-  if (storage.path(workdir) / TOKENIZER_FILE).exists():
-    return load_tokenizer(workdir)
-  settings = {'corpus': corpus.identity, 'carve': corpus.carve, 'seed': seed, 'kind': data_config.tokenizer,
-              'vocab_size': data_config.vocab_size, 'lowercase': data_config.lowercase,
-              'training_chars': TOKENIZER_TRAINING_CHARS, 'format': token_cache.FORMAT_VERSION}
-  key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
-  shared = token_cache.cache_directory(cache_dir(data_config), f'tokenizers/{key}')
-  if (storage.path(shared) / TOKENIZER_FILE).exists():
-    tokenizer = load_tokenizer(shared)
-  else:
-    tokenizer = get_tokenizer(data_config, shared, token_cache.training_text(corpus, seed))
-  tokenizer.save(workdir)
-  return tokenizer
+  """The run's tokenizer (token_cache.shared_tokenizer), trained when new on the first
+  TOKENIZER_TRAINING_CHARS of the corpus's training text."""
+  identity = {'corpus': corpus.identity, 'carve': corpus.carve, 'seed': seed, 'chars': TOKENIZER_TRAINING_CHARS}
+  return token_cache.shared_tokenizer(data_config, workdir, identity, lambda directory: get_tokenizer(
+      data_config, directory, token_cache.training_text(corpus, seed)))

@@ -572,6 +572,28 @@ class Windows(Sequence):
     return {'tokens': self.stream.read(index * self.stride, self.length)}
 
 
+# ----------------------------------------------------------------------------- the tokenizer
+def shared_tokenizer(data_config, workdir: str, identity: dict, train):
+  """The run's tokenizer, saved in `workdir`: the workdir's own; else the one trained before for
+  the same data (`identity`: what identifies the corpus and the split) and tokenizer settings, kept
+  under data.cache_dir/tokenizers/ so that runs on one corpus share it and therefore its caches;
+  else `train(directory)`, which trains one on a bounded sample and saves it in `directory`."""
+  from data.tokenizers import TOKENIZER_FILE, load_tokenizer
+  if (storage.path(workdir) / TOKENIZER_FILE).exists():
+    return load_tokenizer(workdir)
+  settings = {'data': identity, 'kind': data_config.tokenizer, 'vocab_size': data_config.vocab_size,
+              'lowercase': data_config.lowercase, 'format': FORMAT_VERSION}
+  key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:20]
+  shared = cache_directory(data_config.get('cache_dir', DEFAULT_CACHE_DIR), f'tokenizers/{key}')
+  if (storage.path(shared) / TOKENIZER_FILE).exists():
+    tokenizer = load_tokenizer(shared)
+  else:
+    _check_writable(shared)  # one line now, not an OSError after training
+    tokenizer = train(shared)
+  tokenizer.save(workdir)
+  return tokenizer
+
+
 # ----------------------------------------------------------------------------- caches of examples
 # Families whose examples are fixed-shape rows (translation pairs, labelled texts, BERT's sentence
 # pairs) cache them the same way: shard i holds, per split, one .npy per field ([rows, ...], ids

@@ -608,21 +608,11 @@ def _origin(role: str, corpora: dict[str, PairCorpus]) -> str:
 
 
 def _cached_pair_tokenizer(data_config, workdir: str, corpus: PairCorpus, seed: int) -> Tokenizer:
-  """The workdir's tokenizer; else the one trained before for this corpus and settings (kept under
-  data.cache_dir); else trained on the first TOKENIZER_TRAINING_CHARS of the training pairs."""
-  if (storage.path(workdir) / TOKENIZER_FILE).exists():
-    return load_tokenizer(workdir)
-  settings = {'corpus': corpus.identity, 'held_out': corpus.held_out, 'seed': seed, 'kind': data_config.tokenizer,
-              'vocab_size': data_config.vocab_size, 'lowercase': data_config.lowercase,
-              'training_chars': TOKENIZER_TRAINING_CHARS, 'format': token_cache.FORMAT_VERSION}
-  key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
-  shared = token_cache.cache_directory(data_config.cache_dir, f'tokenizers/{key}')
-  if (storage.path(shared) / TOKENIZER_FILE).exists():
-    tokenizer = load_tokenizer(shared)
-  else:
-    tokenizer = get_tokenizer(data_config, shared, _training_sample(corpus, data_config, seed))
-  tokenizer.save(workdir)
-  return tokenizer
+  """The run's joint vocabulary (token_cache.shared_tokenizer), trained when new on the first
+  TOKENIZER_TRAINING_CHARS of the training pairs."""
+  identity = {'corpus': corpus.identity, 'held_out': corpus.held_out, 'seed': seed, 'chars': TOKENIZER_TRAINING_CHARS}
+  return token_cache.shared_tokenizer(data_config, workdir, identity, lambda directory: get_tokenizer(
+      data_config, directory, _training_sample(corpus, data_config, seed)))
 
 
 def _training_sample(corpus: PairCorpus, data_config, seed: int) -> list[Pair]:
