@@ -3,8 +3,14 @@
 Each example is {'tokens': int32 [seq_len + 1]}: inputs are tokens[:-1], targets tokens[1:].
 Documents are joined with the tokenizer's EOS id so a window may span a document boundary, as in
 GPT-2 training. Splits follow the rule of data/sources.py; validation is held out of data.source
-by disjoint documents.
-"""
+by disjoint documents (a single file: its last EVAL_FRACTION, from a safe cut).
+
+Training and evaluation read the stream from token caches (data/token_cache.py, `lm_datasets`,
+`lm_streams`): every source is tokenized once, in shards, and read back by memory map, so a run
+holds the windows it reads whatever the corpus's size, and a restart tokenizes nothing. The
+in-memory path (`split_documents`, `token_stream`, `pack`) reads small document lists whole: the
+held-out scoring of scripts/bits_per_byte.py, and the reference the cache is tested against.
+""""""
 from __future__ import annotations
 
 import os
