@@ -10,7 +10,7 @@ Training and evaluation read the stream from token caches (data/token_cache.py, 
 holds the windows it reads whatever the corpus's size, and a restart tokenizes nothing. The
 in-memory path (`split_documents`, `token_stream`, `pack`) reads small document lists whole: the
 held-out scoring of scripts/bits_per_byte.py, and the reference the cache is tested against.
-""""""
+"""
 from __future__ import annotations
 
 import os
