@@ -1,5 +1,7 @@
 """Two processes on localhost (jax.distributed, CPU collectives over gloo), 4 fake devices each,
-train the same losses as one process with 8 devices; their checkpoint restores in one process."""
+train the same losses as one process with 8 devices; their checkpoint restores in one process;
+both built shards of the token cache they read."""
+import glob
 import json
 import os
 import socket
@@ -10,7 +12,8 @@ import pytest
 import support
 
 OVERRIDES = {'train.steps': 6, 'train.eval_every': 6, 'train.checkpoint_every': 6, 'train.log_every': 1,
-             'train.eval_steps': 2, 'mesh.data': 4, 'mesh.fsdp': 2, 'train.async_checkpoints': False}
+             'train.eval_steps': 2, 'mesh.data': 4, 'mesh.fsdp': 2, 'train.async_checkpoints': False,
+             'data.cache_shard_mb': 0.001}  # ~1 KB token-cache shards: each process builds several
 
 
 def free_port() -> int:
@@ -29,11 +32,14 @@ def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp('multiprocess')
   corpus = support.write_corpus(str(root / 'corpus'), files=4, lines=40)
   args = ['--config=configs/gpt.py:tiny', *support.override_args({'data.source': corpus, **OVERRIDES})]
-  single = support.launch(args + [f'--workdir={root}/single'], devices=8, timeout=240)
+  # Each run its own token cache (a shared one would be built by the single process alone).
+  single = support.launch(args + [f'--workdir={root}/single', f'--config.data.cache_dir={root}/single-cache'],
+                          devices=8, timeout=240)
   assert single.returncode == 0, single.stderr[-3000:]
   address = f'localhost:{free_port()}'
-  processes = [support.launch(args + [f'--workdir={root}/multi', f'--coordinator_address={address}',
-                                      '--num_processes=2', f'--process_id={i}'], devices=4, start_new_session=True)
+  processes = [support.launch(args + [f'--workdir={root}/multi', f'--config.data.cache_dir={root}/multi-cache',
+                                      f'--coordinator_address={address}', '--num_processes=2', f'--process_id={i}'],
+                              devices=4, start_new_session=True)
                for i in range(2)]
   outputs = [p.communicate(timeout=240) for p in processes]
   for p, (_, stderr) in zip(processes, outputs):
@@ -57,3 +63,11 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
   result = support.last_json(evaluation.stdout)
   assert result['step'] == 6
   np.testing.assert_allclose(result['eval/loss'], multi['eval/loss'], rtol=1e-5)
+
+
+def test_both_processes_built_shards_of_the_token_cache(runs):
+  _, _, multi_dir, _ = runs
+  [cache] = glob.glob(os.path.join(os.path.dirname(multi_dir), 'multi-cache', 'lm-*'))
+  shards = sorted(glob.glob(os.path.join(cache, '[0-9]*[0-9].json')))
+  built_by = [json.load(open(path))['built_by_process'] for path in shards]
+  assert len(built_by) >= 4 and built_by == [i % 2 for i in range(len(built_by))]

@@ -1,0 +1,423 @@
+"""Token caches (data/token_cache.py): an interrupted build resumes to the cache built in one go,
+the cache's batches are the in-memory path's batches, a restart tokenizes nothing, two processes
+build one cache and draw the global batches, and every bad input is one DataError line."""
+import errno
+import glob
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import grain
+import numpy as np
+import pytest
+
+import storage
+import support
+from configs.base import base_config
+from data import batching, lm, token_cache, tokenizers
+from data.sources import DataError
+
+SEED = 0
+SHARD_BYTES = 1500  # a few lines of support.write_corpus: every file is cut into shards
+
+
+def data_config(source, cache_dir, **overrides):
+  """configs/base.py's data schema on `source`, caching under `cache_dir` in ~2 KB shards."""
+  config = base_config('test').data
+  config.update({'source': source, 'cache_dir': str(cache_dir), 'cache_shard_mb': 0.002, 'tokenizer': 'char',
+                 'vocab_size': 300, 'seq_len': 32, 'max_examples': 0, **overrides})
+  return config
+
+
+def cache_files(directory) -> dict[str, bytes]:
+  """{name: bytes} of a cache's files, temporary files left out."""
+  return {name: open(os.path.join(directory, name), 'rb').read() for name in sorted(os.listdir(directory))
+          if not name.endswith('.tmp')}
+
+
+def shard_jsons(directory) -> list[dict]:
+  return [json.load(open(path)) for path in sorted(glob.glob(os.path.join(directory, '[0-9]*[0-9].json')))]
+
+
+def all_tokens(directory, role) -> np.ndarray:
+  stream = token_cache.TokenStream(str(directory), role)
+  return stream.read(0, len(stream))
+
+
+def as_examples(windows) -> grain.MapDataset:
+  """An int32 [N, L] array of windows as the examples lm_datasets gives ({'tokens': [L]} each)."""
+  return grain.MapDataset.source([{'tokens': row} for row in windows])
+
+
+def draw(examples, batch_size=8, seed=5, batches=6, process_index=0, process_count=1) -> np.ndarray:
+  """The first `batches` training batches (this process's rows) of the default plan: int32 [batches, B, L]."""
+  plan = batching.Shuffled().global_batches(examples, batch_size, seed, process_index, process_count)
+  return np.stack([plan[b]['tokens'] for b in range(batches)])
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  """8 files of ~2.4 KB: 16 shards of SHARD_BYTES, the held-out files' among them."""
+  return support.write_corpus(str(tmp_path_factory.mktemp('corpus')), files=8, lines=60)
+
+
+@pytest.fixture(scope='module')
+def bpe(corpus):
+  plan = token_cache.plan_corpus(corpus, True, SEED, shard_bytes=SHARD_BYTES)
+  return tokenizers.train_tokenizer('bpe', list(token_cache.training_text(plan, SEED)), 300)
+
+
+# ----------------------------------------------------------------------------- resumable building
+def test_an_interrupted_build_resumes_at_its_first_unfinished_shard_and_equals_a_build_in_one_go(
+    corpus, bpe, tmp_path, monkeypatch):
+  plan = token_cache.plan_corpus(corpus, True, SEED, shard_bytes=SHARD_BYTES)
+  count = len(plan.shards)
+  assert count >= 10
+  whole = tmp_path / 'whole'
+  token_cache.build(plan, bpe, str(whole), SEED, progress=False)
+  expected = cache_files(whole)
+  assert len([name for name in expected if name.endswith('.npy')]) == count  # one role per shard here
+
+  built = []
+  real_build_shard, real_write = token_cache._build_shard, storage.write_atomically
+
+  def counted(shard, tokenizer, directory, index, *args, **kwargs):
+    built.append(index)
+    return real_build_shard(shard, tokenizer, directory, index, *args, **kwargs)
+
+  def interrupted_before_the_json_of_shard_2(location, data):
+    if os.path.basename(str(location)) == '00002.json':
+      raise KeyboardInterrupt  # Ctrl-C after shard 2's tokens were written, before the json that completes it
+    return real_write(location, data)
+
+  monkeypatch.setattr(token_cache, '_build_shard', counted)
+  monkeypatch.setattr(storage, 'write_atomically', interrupted_before_the_json_of_shard_2)
+  resumed = tmp_path / 'resumed'
+  with pytest.raises(KeyboardInterrupt):
+    token_cache.build(plan, bpe, str(resumed), SEED, progress=False)
+  assert built == [0, 1, 2]
+  assert sorted(os.listdir(resumed)) == ['00000.json', '00000.train.npy', '00001.json', '00001.train.npy',
+                                         '00002.train.npy', 'manifest.json']
+  # What a killed build leaves: a shard's arrays without its json (made garbage here) and a
+  # temporary file. Neither is read: the cache is incomplete, and the build redoes shard 2.
+  (resumed / '00002.train.npy').write_bytes(b'not an array')
+  (resumed / '00003.json.4242.tmp').write_text(json.dumps({'tokens': {'train': 1}, 'documents': {}}))
+  with pytest.raises(DataError, match=re.escape(f'The token cache {resumed} is incomplete or corrupt (00002.json: ')):
+    token_cache.TokenStream(str(resumed), 'train')
+
+  monkeypatch.setattr(storage, 'write_atomically', real_write)
+  built.clear()
+  token_cache.build(plan, bpe, str(resumed), SEED, progress=False)
+  assert built == list(range(2, count))  # shards 0 and 1 were complete: not tokenized again
+  assert cache_files(resumed) == expected  # every .npy, every json and the manifest, byte for byte
+  np.testing.assert_array_equal(all_tokens(resumed, 'train'), all_tokens(whole, 'train'))
+
+
+# ----------------------------------------------------------------------------- the same batches as in memory
+def write_one_file(path, lines=700) -> str:
+  """One ~20 KB file of `lines` lines: in 4 KB shards, the held-out tail in the last."""
+  support.write_corpus(str(path.parent / 'scratch'), files=1, lines=lines, seed=3)
+  os.replace(path.parent / 'scratch' / 'doc0.txt', path)
+  return f'text:{path}'
+
+
+@pytest.mark.parametrize('kind', ['bpe', 'char'])
+@pytest.mark.parametrize('layout', ['several files', 'one large file', 'named eval and test sources'])
+def test_batches_from_the_cache_equal_the_in_memory_path(layout, kind, tmp_path, monkeypatch):
+  # Small pieces: a shard's text reaches the tokenizer in several items, cut at safe places.
+  monkeypatch.setattr(token_cache, 'PIECE_BYTES', 300)
+  monkeypatch.setattr(token_cache, 'SAFE_CUT_SEARCH', 200)
+  monkeypatch.setattr(token_cache, 'LOOKAHEAD', 100, raising=False)
+  overrides = {'tokenizer': kind, 'cache_shard_mb': 0.004}
+  if layout == 'several files':
+    source = support.write_corpus(str(tmp_path / 'corpus'), files=8, lines=60)
+  elif layout == 'one large file':
+    source = write_one_file(tmp_path / 'corpus.txt')
+  else:
+    source = support.write_corpus(str(tmp_path / 'corpus'), files=5, lines=60)
+    overrides['eval_source'] = write_one_file(tmp_path / 'valid.txt', lines=150)
+    overrides['test_source'] = support.write_corpus(str(tmp_path / 'test'), files=3, lines=30, seed=2)
+  config = data_config(source, tmp_path / 'cache', **overrides)
+  tokenizer, train, valid, test, caches = lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
+  directory = tmp_path / 'cache' / caches['train']
+  if layout == 'one large file':
+    jsons = shard_jsons(directory)
+    assert len(jsons) >= 4 and all(set(j['tokens']) == {'train'} for j in jsons[:-1])
+    assert set(jsons[-1]['tokens']) == {'train', 'valid'}  # the tail, held out
+    assert sum(j['documents'].get('train', 0) for j in jsons) == 1  # the training text: one document, as in memory
+
+  train_documents, valid_documents, test_documents = lm.split_documents(config, SEED)
+  reference = {'train': train_documents, 'valid': valid_documents, 'test': test_documents}
+  cached = {'train': train, 'valid': valid, 'test': test}
+  streams = lm.lm_streams(config, str(tmp_path / 'run'), SEED)[1]
+  for split in ('train', 'valid', 'test'):
+    stream = streams[split]
+    np.testing.assert_array_equal(stream.read(0, len(stream)), lm.token_stream(reference[split], tokenizer))
+    windows = lm.pack(reference[split], tokenizer, config.seq_len)
+    assert len(cached[split]) == len(windows) > 8
+    np.testing.assert_array_equal(np.stack([cached[split][i]['tokens'] for i in range(len(windows))]), windows)
+  windows = lm.pack(train_documents, tokenizer, config.seq_len)
+  for seed in (5, 6):
+    np.testing.assert_array_equal(draw(train, seed=seed), draw(as_examples(windows), seed=seed))
+
+
+TRICKY_LINES = [
+    'alpha beta gamma\r\n',  # CRLF lines
+    'delta epsilon\r\n',
+    '    def indented(self):\n',
+    '\treturn zeta + eta\n',
+    'theta iota\u00a0\n',  # a non-breaking space before a newline
+    '\u00a0kappa lambda\n',  # and after one
+    '\n',
+    '\n',
+    'mu nu.  \n',  # trailing spaces
+    "it's xi's omicron; don't\n",
+    'pi caf\u00e9 na\u00efve \u6771\u4eac \U0001f642\n',
+    '\u6771\u4eac\n',
+    '12345 67.89 rho\n',
+    '  sigma(tau, upsilon)\r\n',
+]
+
+
+def tricky_text() -> str:
+  """~7 KB of the lines above in a seeded order, a very long line (~500 bytes) in the middle."""
+  rng = np.random.default_rng(0)
+  lines = [TRICKY_LINES[i] for i in rng.integers(len(TRICKY_LINES), size=400)]
+  lines.insert(200, ' '.join(f'{w}{i}' for i, w in enumerate(support.WORDS * 3)) + '\n')
+  return ''.join(lines)
+
+
+@pytest.mark.parametrize('kind', ['bpe', 'wordpiece', 'char'])
+def test_text_tokenized_in_pieces_gives_the_tokens_of_the_whole_document(kind, tmp_path, monkeypatch):
+  monkeypatch.setattr(token_cache, 'PIECE_BYTES', 48)
+  monkeypatch.setattr(token_cache, 'SAFE_CUT_SEARCH', 600)  # more than the long line
+  monkeypatch.setattr(token_cache, 'LOOKAHEAD', 100, raising=False)  # less than it
+  text = tricky_text()
+  path = tmp_path / 'tricky.txt'
+  path.write_bytes(('\ufeff' + text).encode())  # a byte-order mark: not text
+  tokenizer = tokenizers.train_tokenizer(kind, [text], 400)
+  plan = token_cache.plan_corpus(f'text:{path}', False, SEED, shard_bytes=1600)
+  pieces = [text for shard in plan.shards for piece in shard for _, text, _ in token_cache._texts(piece, SEED)]
+  assert len(plan.shards) >= 4 and len(pieces) >= 40  # cut into shards, and shards into pieces
+  assert ''.join(pieces) == text
+  token_cache.build(plan, tokenizer, str(tmp_path / 'cache'), SEED, progress=False)
+  expected = tokenizer.encode(text) + [tokenizer.eos_id]
+  np.testing.assert_array_equal(all_tokens(tmp_path / 'cache', 'all'), expected)
+  cuts = np.cumsum([len(piece) for piece in pieces])[:-1]
+  assert any('\r\n' in text[cut - 2:cut + 2] for cut in cuts)  # some cuts fell at a CRLF
+
+
+def test_a_stretch_without_a_safe_newline_is_cut_at_a_character_boundary(tmp_path, monkeypatch):
+  """No byte lost, no character split: the characters' tokens are the whole text's."""
+  monkeypatch.setattr(token_cache, 'PIECE_BYTES', 50)
+  monkeypatch.setattr(token_cache, 'SAFE_CUT_SEARCH', 30)
+  monkeypatch.setattr(token_cache, 'LOOKAHEAD', 20, raising=False)
+  text = ('caf\u00e9 \u6771\u4eac\U0001f642 x' * 200 + '\n') * 3
+  path = tmp_path / 'long.txt'
+  path.write_text(text, encoding='utf-8')
+  plan = token_cache.plan_corpus(f'text:{path}', False, SEED, shard_bytes=1000)
+  pieces = [text for shard in plan.shards for piece in shard for _, text, _ in token_cache._texts(piece, SEED)]
+  assert len(plan.shards) >= 10 and ''.join(pieces) == text
+  tokenizer = tokenizers.train_tokenizer('char', [text], 0)
+  token_cache.build(plan, tokenizer, str(tmp_path / 'cache'), SEED, progress=False)
+  np.testing.assert_array_equal(all_tokens(tmp_path / 'cache', 'all'), tokenizer.encode(text) + [tokenizer.eos_id])
+
+
+# ----------------------------------------------------------------------------- a restart tokenizes nothing
+def test_a_restart_and_another_workdir_reuse_the_tokenizer_and_the_cache_without_tokenizing(
+    corpus, tmp_path, monkeypatch):
+  encoded, trained = [], []
+  real_encode_batch, real_train = tokenizers.HFTokenizer.encode_batch, lm.train_tokenizer
+
+  def counted_encode_batch(self, texts):
+    encoded.append(len(texts))
+    return real_encode_batch(self, texts)
+
+  def counted_train(*args, **kwargs):
+    trained.append(args[0])
+    return real_train(*args, **kwargs)
+
+  monkeypatch.setattr(tokenizers.HFTokenizer, 'encode_batch', counted_encode_batch)
+  monkeypatch.setattr(lm, 'train_tokenizer', counted_train)
+  config = data_config(corpus, tmp_path / 'cache', tokenizer='bpe')
+  first = lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
+  assert trained == ['bpe'] and sum(encoded) >= 8  # every file's text
+  rows = lambda datasets: [np.stack([d[i]['tokens'] for i in range(len(d))]) for d in datasets[1:4]]
+  for workdir in ('run', 'other-run'):  # a restart; a new run on the same corpus
+    encoded.clear()
+    again = lm.lm_datasets(config, str(tmp_path / workdir), SEED)
+    assert encoded == [] and trained == ['bpe'], workdir
+    assert again[4] == first[4]  # the same caches
+    assert again[0].to_json() == first[0].to_json()
+    for a, b in zip(rows(again), rows(first)):
+      np.testing.assert_array_equal(a, b)
+  assert (tmp_path / 'other-run' / tokenizers.TOKENIZER_FILE).read_text() == first[0].to_json()
+  [shared] = glob.glob(str(tmp_path / 'cache' / 'tokenizers' / '*' / tokenizers.TOKENIZER_FILE))
+  assert open(shared).read() == first[0].to_json()
+  # Other tokenizer settings: another tokenizer, another cache.
+  other = lm.lm_datasets(data_config(corpus, tmp_path / 'cache', tokenizer='bpe', vocab_size=280),
+                         str(tmp_path / 'third-run'), SEED)
+  assert trained == ['bpe', 'bpe'] and other[4]['train'] != first[4]['train']
+  assert len(os.listdir(tmp_path / 'cache' / 'tokenizers')) == 2
+
+
+# ----------------------------------------------------------------------------- bad input: one line each
+def one_line(error) -> str:
+  message = str(error.value)
+  assert '\n' not in message, message
+  return message
+
+
+def test_a_truncated_or_resized_shard_is_one_error_naming_it_and_how_to_rebuild(corpus, tmp_path):
+  config = data_config(corpus, tmp_path / 'cache')
+  caches = lm.lm_datasets(config, str(tmp_path / 'run'), SEED)[4]
+  directory = tmp_path / 'cache' / caches['train']
+  shard = directory / '00003.train.npy'
+  original = shard.read_bytes()
+  shard.write_bytes(original[:len(original) // 2])  # a copy cut short
+  with pytest.raises(DataError) as error:
+    lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
+  assert one_line(error).startswith(f'Token-cache shard {shard} is truncated or corrupt (')
+  assert one_line(error).endswith(f'delete {directory} and rerun (or run --mode=prepare) to rebuild it.')
+  tokens = np.load(io.BytesIO(original))
+  np.save(shard, tokens[:-1])  # a whole array, one token short of what its json says
+  with pytest.raises(DataError) as error:
+    lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
+  assert one_line(error) == (
+      f'Token-cache shard {shard} holds {len(tokens) - 1} uint16 tokens where its json says {len(tokens)} uint16: '
+      f'it is corrupt; delete {directory} and rerun (or run --mode=prepare) to rebuild it.')
+  (directory / '00003.json').write_text('{"tokens": ')  # a json cut short
+  with pytest.raises(DataError) as error:
+    lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
+  assert one_line(error).startswith(f'The token cache {directory} is incomplete or corrupt (00003.json: ')
+  assert one_line(error).endswith('delete that directory and rerun (or run --mode=prepare) to rebuild it.')
+
+
+def test_a_corrupt_shard_ends_launch_with_one_error_line(corpus, tmp_path):
+  overrides = {'data.source': corpus, 'data.cache_dir': str(tmp_path / 'cache'), 'data.cache_shard_mb': 0.002}
+  config = support.tiny_gpt_config(corpus, **overrides)
+  caches = lm.lm_datasets(config.data, str(tmp_path / 'run'), config.seed)[4]
+  shard = tmp_path / 'cache' / caches['train'] / '00001.train.npy'
+  shard.write_bytes(shard.read_bytes()[:100])
+  result = support.launch(['--mode=prepare', '--config=configs/gpt.py:tiny', *support.override_args(overrides)])
+  assert result.returncode == 1, result.stderr[-3000:]
+  [line] = result.stderr.strip().splitlines()
+  assert line.startswith(f'error: Token-cache shard {shard} is truncated or corrupt ('), line
+  assert line.endswith('(or run --mode=prepare) to rebuild it.'), line
+
+
+def test_a_cache_dir_that_cannot_be_written_or_is_empty_is_one_error(corpus, tmp_path):
+  blocker = tmp_path / 'a-file'
+  blocker.write_text('')
+  for cache_dir in (blocker, blocker / 'cache'):  # tests run as root: a mode bit would not stop them
+    with pytest.raises(DataError) as error:
+      lm.lm_datasets(data_config(corpus, cache_dir), str(tmp_path / 'run'), SEED)
+    message = one_line(error)
+    assert re.fullmatch(rf'The token cache directory {re.escape(str(cache_dir))}/\S+ is not writable \([^)]+\); '
+                        r'set --config.data.cache_dir to a directory this user can write\.', message), message
+  with pytest.raises(DataError) as error:
+    lm.lm_datasets(data_config(corpus, ''), str(tmp_path / 'run'), SEED)
+  assert one_line(error) == ('data.cache_dir is empty: token caches need a directory; set --config.data.cache_dir '
+                             f'(default {token_cache.DEFAULT_CACHE_DIR}).')
+
+
+@pytest.mark.parametrize('full_at', ['00002.train.npy', '00002.json'])
+def test_a_full_disk_is_one_error_and_the_finished_shards_survive(full_at, corpus, bpe, tmp_path, monkeypatch):
+  plan = token_cache.plan_corpus(corpus, True, SEED, shard_bytes=SHARD_BYTES)
+  whole = tmp_path / 'whole'
+  token_cache.build(plan, bpe, str(whole), SEED, progress=False)
+  real_write = storage.write_atomically
+
+  def disk_full_at_shard_2(location, data):
+    if os.path.basename(str(location)) == full_at:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(location))
+    return real_write(location, data)
+
+  monkeypatch.setattr(storage, 'write_atomically', disk_full_at_shard_2)
+  directory = tmp_path / 'cache'
+  with pytest.raises(DataError) as error:
+    token_cache.build(plan, bpe, str(directory), SEED, progress=False)
+  assert one_line(error) == (
+      f'The disk of {directory / full_at} is full while building the token cache: the finished shards are kept; '
+      'free space (or set --config.data.cache_dir elsewhere) and rerun to build the rest.')
+  assert not glob.glob(str(directory / '*.tmp'))
+  for index in (0, 1):
+    for name in (f'0000{index}.json', f'0000{index}.train.npy'):
+      assert (directory / name).read_bytes() == (whole / name).read_bytes()
+  assert not (directory / '00002.json').exists()
+  monkeypatch.setattr(storage, 'write_atomically', real_write)
+  token_cache.build(plan, bpe, str(directory), SEED, progress=False)  # space freed: the rest is built
+  assert cache_files(directory) == cache_files(whole)
+
+
+# ----------------------------------------------------------------------------- two processes, one cache
+BUILD_AND_DRAW = textwrap.dedent('''
+    import sys
+    import grain
+    import numpy as np
+    from data import batching, token_cache, tokenizers
+    source, tokenizer_dir, directory, index, out = sys.argv[1:]
+    corpus = token_cache.plan_corpus(source, True, {seed}, shard_bytes={shard_bytes})
+    token_cache.build(corpus, tokenizers.load_tokenizer(tokenizer_dir), directory, {seed}, process_index=int(index),
+                      process_count=2, progress=False)
+    examples = grain.MapDataset.source(token_cache.Windows(token_cache.TokenStream(directory, 'train'), 33, 33))
+    batches = batching.Shuffled().global_batches(examples, 8, 5, int(index), 2)
+    np.save(out, np.stack([batches[b]['tokens'] for b in range(6)]))
+''')
+
+
+def test_two_processes_build_half_of_the_shards_each_and_draw_the_global_batches(corpus, bpe, tmp_path):
+  plan = token_cache.plan_corpus(corpus, True, SEED, shard_bytes=SHARD_BYTES)
+  one = tmp_path / 'one-process'
+  token_cache.build(plan, bpe, str(one), SEED, progress=False)
+  bpe.save(str(tmp_path / 'tokenizer'))
+  two = tmp_path / 'two-processes'
+  script = BUILD_AND_DRAW.format(seed=SEED, shard_bytes=SHARD_BYTES)
+  processes = [subprocess.Popen([sys.executable, '-c', script, corpus, str(tmp_path / 'tokenizer'), str(two), str(i),
+                                 str(tmp_path / f'rows{i}.npy')], cwd=support.REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+  for process in processes:
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+  jsons = shard_jsons(two)
+  assert [j['built_by_process'] for j in jsons] == [i % 2 for i in range(len(plan.shards))]
+  assert [{**j, 'built_by_process': 0} for j in jsons] == shard_jsons(one)
+  for name, data in cache_files(one).items():
+    if name.endswith('.npy') or name == 'manifest.json':
+      assert (two / name).read_bytes() == data, name
+  # Each process drew its rows of the global batches: side by side, the batches one process draws.
+  rows = [np.load(tmp_path / f'rows{i}.npy') for i in range(2)]
+  assert rows[0].shape == (6, 4, 33)
+  examples = grain.MapDataset.source(token_cache.Windows(token_cache.TokenStream(str(one), 'train'), 33, 33))
+  np.testing.assert_array_equal(np.concatenate(rows, axis=1), draw(examples, seed=5))
+
+
+# ----------------------------------------------------------------------------- a resume onto another cache
+def test_a_resume_onto_a_changed_corpus_is_refused_unless_data_changes_are_allowed(tmp_path):
+  from train.trainer import train_and_evaluate
+  corpus = support.write_corpus(str(tmp_path / 'corpus'), files=4, lines=30)
+  overrides = {'data.cache_dir': str(tmp_path / 'cache'), 'train.eval_every': 2, 'train.checkpoint_every': 2,
+               'train.async_checkpoints': False}
+  workdir = str(tmp_path / 'run')
+  train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 2}), workdir)
+  saved = open(os.path.join(workdir, 'config.json')).read()
+  trained_on = json.loads(saved)['data_history'][-1]['caches']
+  os.utime(tmp_path / 'corpus' / 'doc1.txt', ns=(1, 1))  # the same source, one file changed since
+  args = ['--config=configs/gpt.py:tiny', f'--workdir={workdir}',
+          *support.override_args({'data.source': corpus, **overrides, 'train.steps': 4})]
+  result = support.launch(args)
+  assert result.returncode == 1, result.stderr[-3000:]
+  [line] = result.stderr.strip().splitlines()
+  assert line.startswith(f'error: {workdir} was trained on the token caches {trained_on} but its data now gives '), line
+  assert line.endswith('or pass --config.train.allow_data_change=True (the best checkpoint is then tracked anew).')
+  assert open(os.path.join(workdir, 'config.json')).read() == saved
+  results = train_and_evaluate(support.tiny_gpt_config(corpus, **overrides, **{'train.steps': 4,
+                                                                                'train.allow_data_change': True}),
+                               workdir)
+  assert results['step'] == 4
+  history = json.load(open(os.path.join(workdir, 'config.json')))['data_history']
+  assert [h['step'] for h in history] == [0, 2] and history[0]['caches'] == trained_on != history[1]['caches']
