@@ -50,7 +50,7 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   # Token caches (data/token_cache.py): corpora tokenized once, read by memory map; local or gs://,
   # shared by every run on the same corpus and tokenizer (and, on a pod, reached by every host).
   c.data.cache_dir = '~/.cache/attention-lineage/data'
-  c.data.cache_shard_mb = 64.0  # text per cache shard: the unit of parallel and resumable building
+  c.data.cache_shard_mb = 32.0  # text per cache shard: the unit of parallel and resumable building
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000

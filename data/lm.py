@@ -177,7 +177,7 @@ def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, pro
   """
   eval_source, test_source = data_config.get('eval_source', ''), data_config.get('test_source', '')
   plan = lambda source, carve, split='train': token_cache.plan_corpus(source, carve, seed, split,
-                                                                     shard_bytes(data_config))
+                                                                     token_cache.shard_bytes(data_config))
   corpora = {'train': plan(data_config.source, carve=not eval_source)}
   if eval_source:
     corpora['valid'] = plan(eval_source, False, sources.TFDS_SPLITS['valid'])
@@ -203,11 +203,6 @@ def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, pro
   return tokenizer, streams, caches
 
 
-def shard_bytes(data_config) -> int:
-  """The text per cache shard, data.cache_shard_mb (64 MiB for configs saved before it existed)."""
-  return max(1, int(data_config.get('cache_shard_mb', token_cache.SHARD_BYTES / 2**20) * 2**20))
-
-
 def cache_dir(data_config) -> str:
   """data.cache_dir (the default for configs saved before it existed)."""
   return data_config.get('cache_dir', token_cache.DEFAULT_CACHE_DIR)
@@ -216,7 +211,7 @@ def cache_dir(data_config) -> str:
 def build_cache(data_config, corpus: token_cache.Corpus, tokenizer: Tokenizer, seed: int, process_index: int = 0,
                 process_count: int = 1) -> str:
   """The cache directory of `corpus` tokenized by `tokenizer`, built (this process's shards) when missing."""
-  fingerprint = token_cache.fingerprint(corpus, tokenizer.to_json(), seed, shard_bytes(data_config))
+  fingerprint = token_cache.fingerprint(corpus, tokenizer.to_json(), seed, token_cache.shard_bytes(data_config))
   directory = token_cache.cache_directory(cache_dir(data_config), f'lm-{fingerprint}')
   token_cache.build(corpus, tokenizer, directory, seed, process_index, process_count)
   return directory

@@ -29,6 +29,7 @@ of SAFE_CUT_SEARCH bytes without such a newline is cut at a UTF-8 character boun
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob as globlib
 import hashlib
@@ -49,10 +50,11 @@ from data.sources import DataError
 
 FORMAT_VERSION = 1
 DEFAULT_CACHE_DIR = '~/.cache/attention-lineage/data'  # data.cache_dir's default: runs on one corpus share it
-SHARD_BYTES = 64 << 20  # text per shard: ~20 M tokens; a 5 GB corpus is ~80 shards
+SHARD_BYTES = 32 << 20  # text per shard: ~10 M tokens (a build holds ~10 bytes per byte of its shard); 5 GB: 150 shards
 PIECE_BYTES = 256 << 10  # text per encode_batch item: enough items per batch for every core
 BATCH_BYTES = 4 << 20  # text per encode_batch call: HF tokenizers holds ~100 bytes per token until it returns
 SAFE_CUT_SEARCH = 4 << 20  # bytes searched for a safe cut before cutting at a character boundary
+LOOKAHEAD = 64 << 10  # bytes read past a piece to find its safe cut, in the common case
 WAIT_SECONDS = 3600  # how long a process waits for the shards other processes build
 EVAL_FRACTION = 0.05
 LOCAL_MIRROR = '~/.cache/attention-lineage/data-mirror'  # where a gs:// cache is copied to be mapped
@@ -134,23 +136,39 @@ def plan_corpus(source: str, carve: bool, seed: int, default_split: str = 'train
 
 
 def _text_files(pattern: str) -> list[tuple[str, str, int]]:
-  """[(key, path, size)] of the non-empty files matching `pattern`, sorted by path; the key is the
-  path relative to the files' common folder (as data/sources.read_text_files keys them)."""
+  """[(key, path, size)] of the files matching `pattern` that hold text (`_holds_text`), sorted by
+  path; the key is the path relative to the files' common folder (as data/sources.read_text_files
+  keys them)."""
   paths = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
   if not paths:
     raise DataError(f'text:{pattern} matched no files; check the path or quote the glob.')
   root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
   files = [(os.path.relpath(os.path.abspath(p), root), p, os.path.getsize(p)) for p in paths]
-  files = [f for f in files if f[2]]
+  files = [f for f in files if f[2] and _holds_text(f[1])]
   if not files:
     raise DataError(f'text:{pattern} matched only empty files; nothing to train on.')
   return files
 
 
+def _holds_text(path: str) -> bool:
+  """Whether a file holds more than whitespace (after a byte-order mark): the documents
+  data/sources.py reads (a whitespace-only file is none). Reads up to its first other character."""
+  decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
+  with open(path, 'rb') as f:
+    text = decoder.decode(f.read(4096)).removeprefix('\ufeff')
+    while not text.strip():
+      chunk = f.read(1 << 16)
+      if not chunk:
+        return bool(decoder.decode(b'', final=True).strip())
+      text = decoder.decode(chunk)
+  return True
+
+
 def _pystdlib_files() -> list[tuple[str, str, int]]:
   root = sysconfig.get_paths()['stdlib']
-  return [(key, os.path.join(root, key), os.path.getsize(os.path.join(root, key)))
-          for key in sources.pystdlib_paths(root)]
+  files = [(key, os.path.join(root, key), os.path.getsize(os.path.join(root, key)))
+           for key in sources.pystdlib_paths(root)]
+  return [f for f in files if f[2] and _holds_text(f[1])]
 
 
 def _file_roles(keys: list[str], source: str, carve: bool, seed: int):
@@ -268,7 +286,9 @@ def _texts(piece: Piece, seed: int) -> Iterator[tuple[str, str, bool]]:
     f.seek(piece.start)
     position = piece.start
     while position < piece.end:
-      data = f.read(min(PIECE_BYTES + SAFE_CUT_SEARCH, piece.end - position))
+      data = f.read(min(PIECE_BYTES + LOOKAHEAD, piece.end - position))
+      if position + len(data) < piece.end and not _SAFE_NEWLINE.search(data, PIECE_BYTES):
+        data += f.read(min(SAFE_CUT_SEARCH, piece.end - position - len(data)))  # a long stretch without one
       cut = len(data) if position + len(data) >= piece.end else PIECE_BYTES + safe_cut_in(data[PIECE_BYTES:])
       text = _decode(data[:cut], piece, position)
       f.seek(position + cut)
@@ -295,6 +315,11 @@ def fingerprint(corpus: Corpus, tokenizer_json: str, seed: int, shard_bytes: int
               'eval_fraction': EVAL_FRACTION, 'shard_bytes': shard_bytes,
               'tokenizer': hashlib.sha256(tokenizer_json.encode()).hexdigest()}
   return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def shard_bytes(data_config, fraction: float = 1.0) -> int:
+  """Text per shard: data.cache_shard_mb (SHARD_BYTES for configs saved before it existed) x `fraction`."""
+  return max(1, int(data_config.get('cache_shard_mb', SHARD_BYTES / 2**20) * 2**20 * fraction))
 
 
 def cache_directory(cache_dir: str, name: str) -> str:

@@ -508,7 +508,7 @@ def cached_pairs(data_config, workdir: str, seed: int, process_index: int = 0, p
   pairs, {split: cache name}) for tsv:/tfds: sources, by the split rule of data/sources.py. The
   tokenizer is the workdir's, else the one trained before for this data (under data.cache_dir),
   else trained on the first TOKENIZER_TRAINING_CHARS of the training pairs."""
-  shard_bytes = max(1, int(data_config.get('cache_shard_mb', 64.0) * 2**20 * PAIR_SHARD_FRACTION))
+  shard_bytes = token_cache.shard_bytes(data_config, PAIR_SHARD_FRACTION)
   eval_source, test_source = data_config.get('eval_source', ''), data_config.get('test_source', '')
   named = {'valid': eval_source, 'test': test_source or eval_source}
   held_out = tuple(role for role in ('valid', 'test') if not named[role])
