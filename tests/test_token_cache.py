@@ -135,6 +135,7 @@ def test_batches_from_the_cache_equal_the_in_memory_path(layout, kind, tmp_path,
   overrides = {'tokenizer': kind, 'cache_shard_mb': 0.004}
   if layout == 'several files':
     source = support.write_corpus(str(tmp_path / 'corpus'), files=8, lines=60)
+    (tmp_path / 'corpus' / 'blank.txt').write_text('\ufeff\n \t\n\u00a0\r\n')  # no document, as in memory
   elif layout == 'one large file':
     source = write_one_file(tmp_path / 'corpus.txt')
   else:
