@@ -634,8 +634,8 @@ def build_examples(directory: str, manifest: dict, sizes: Sequence[int], make_sh
   mine = [i for i in range(len(sizes)) if i % process_count == process_index and i not in done]
   if len(done) < len(sizes):  # else complete: nothing to write (it may be read-only)
     _check_writable(directory)
-    storage.write_atomically(os.path.join(directory, 'manifest.json'),
-                             json.dumps({'format': FORMAT_VERSION, 'shards': len(sizes), **manifest}, indent=1))
+    _write(os.path.join(directory, 'manifest.json'),
+           json.dumps({'format': FORMAT_VERSION, 'shards': len(sizes), **manifest}, indent=1))
   if mine:
     total = sum(sizes[i] for i in mine)
     what = f'{len(mine)} of {len(sizes)} example-cache shards ({total / 1e6:,.1f} MB of text) into {directory}'
@@ -650,8 +650,8 @@ def build_examples(directory: str, manifest: dict, sizes: Sequence[int], make_sh
       for split, text in texts.items():
         _write(os.path.join(directory, f'{index:05d}.{split}.text.json'), json.dumps(text, ensure_ascii=False))
       rows = {split: len(next(iter(fields.values()))) for split, fields in arrays.items() if fields}
-      storage.write_atomically(os.path.join(directory, f'{index:05d}.json'),
-                               json.dumps({'rows': rows, 'info': info, 'built_by_process': process_index}))
+      _write(os.path.join(directory, f'{index:05d}.json'),
+             json.dumps({'rows': rows, 'info': info, 'built_by_process': process_index}))
     seconds = time.monotonic() - started
     if progress:
       print(f'Tokenized {what} in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.2f} MB/s).', flush=True)
