@@ -1,8 +1,9 @@
 """What the two classification families share (the Transformer classifier and BERT's classify task):
 data, evaluation and prediction of labels.
 
-Data: `data.classification` (bbc_news, tsv:<path>, tfds:), encoded as `[CLS] a [SEP] (b [SEP])`;
-the label names are those of the training split, sorted, and become part of the model config.
+Data: `data.classification` (bbc_news, tsv:<path>, tfds:), encoded as `[CLS] a [SEP] (b [SEP])`
+(tsv: and tfds: read from token caches, bbc_news in memory); the label names are those of the
+training split, sorted, and become part of the model config.
 Evaluation scores the eval and test splits (`eval/accuracy`, `eval/macro_f1`, `test/...`) and
 writes the confusion matrix (classification.json and confusion.png).
 """
@@ -19,13 +20,20 @@ import numpy as np
 import storage
 from data import classification
 from data.lm import get_tokenizer
-from data.sources import DataError
 from train import task as task_lib
 
 
 def classification_data(data_config, workdir: str, tokenizer=None) -> tuple[task_lib.Datasets, object, tuple[str, ...]]:
   """(datasets, tokenizer, label names): the given tokenizer, the run's saved one, or one trained
-  on the training texts; the label names are those of the training split, sorted."""
+  on the training texts; the label names are those of the training split, sorted. tsv: and tfds:
+  sources are read from token caches (data/classification.py, cached_texts), built when missing;
+  bbc_news is encoded in memory."""
+  if classification.cacheable(data_config):
+    tokenizer, splits, labels, caches = classification.cached_texts(data_config, workdir, tokenizer,
+                                                                    jax.process_index(), jax.process_count())
+    source = grain.MapDataset.source
+    return task_lib.Datasets(train=source(splits['train']), eval=source(splits['valid']), test=source(splits['test']),
+                             caches=caches), tokenizer, labels
   splits = classification.load_splits(data_config)
   labels = tuple(classification.label_names(splits['train']))
   if tokenizer is None:
@@ -33,8 +41,7 @@ def classification_data(data_config, workdir: str, tokenizer=None) -> tuple[task
     tokenizer = get_tokenizer(data_config, workdir, texts)
   else:
     tokenizer.save(workdir)
-  if len(labels) < 2:
-    raise DataError(f'The training data has {len(labels)} label(s) {list(labels)}; a classifier needs at least 2.')
+  classification.check_labels(labels)
   encode = lambda part: grain.MapDataset.source(
       classification.encode_examples(splits[part], tokenizer, list(labels), data_config.seq_len, split=part))
   return task_lib.Datasets(train=encode('train'), eval=encode('valid'), test=encode('test')), tokenizer, labels
