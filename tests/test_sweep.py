@@ -173,6 +173,29 @@ def test_a_pruned_trial_stops_early_and_its_checkpoint_reloads(killed_and_rerun)
   assert '1 pruned' in open(os.path.join(workdir, 'sweep.md')).read()
 
 
+def test_sigterm_stops_the_sweep_with_its_trial_saved_and_queued_again(corpus, tmp_path):
+  (tmp_path / 'one.py').write_text(KILL_FILE.format(source=corpus).replace(
+      "'trials': [{'train.lr': 0.01}, {'train.lr': 0.01, 'train.steps': 200}, {'train.lr': 1e-7}]",
+      "'trials': [{'train.lr': 0.01, 'train.steps': 200}]"))
+  workdir = str(tmp_path / 'sweep')
+  sweep = sweep_process(str(tmp_path / 'one.py'), workdir)
+  checkpoints = os.path.join(workdir, '00-lr=0.01-steps=200', 'checkpoints')
+  while not (os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))):
+    assert sweep.poll() is None, sweep.communicate()
+    time.sleep(0.05)
+  sweep.send_signal(signal.SIGTERM)  # to the sweep alone: it passes the signal on to its trial
+  stdout, stderr = sweep.communicate(timeout=120)
+  assert sweep.returncode == 130 and stderr.strip().endswith('Interrupted.'), stderr[-2000:]
+  assert 'interrupted' in stdout
+  saved = int(re.search(r'SIGTERM: saved step (\d+)', open(os.path.join(workdir, 'logs', '00-lr=0.01-steps=200.log')
+                                                           ).read()).group(1))
+  assert 10 <= saved < 200 and str(saved) in os.listdir(checkpoints)
+  first, retry = load_study(workdir).get_trials()
+  assert first.state == optuna.trial.TrialState.FAIL and first.user_attrs['interrupted']
+  assert retry.state == optuna.trial.TrialState.WAITING and retry.system_attrs['failed_trial'] == 0
+  assert retry.params == first.params and '1 waiting' in open(os.path.join(workdir, 'sweep.md')).read()
+
+
 def test_dry_run_prints_one_launch_command_per_trial(sweep_file, tmp_path):
   result = subprocess.run([sys.executable, 'launch.py', f'--sweep={sweep_file}', '--sweep_dry_run',
                            f'--workdir={tmp_path}/dry', '--config.train.steps=3'],
