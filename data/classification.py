@@ -408,15 +408,8 @@ def _shard_units(corpus: TextCorpus, index: int, data_config, first: bool) -> tu
     return [(i, _record_fields(records[i], name, split, data_config)) for i in range(start, end)], {
         'line_count': 0, 'nonblank': end > start}
   _, path, start, end = shard
-  text = _read_range(path, start, end, corpus.name.removeprefix('tsv:'))
-  lines = text.split('\n')
-  numbered = [(number, line.removesuffix('\r')) for number, line in enumerate(lines, 1) if line.strip()]
-  info = {'line_count': len(lines) - text.endswith('\n'), 'nonblank': bool(numbered)}
-  if first and numbered:
-    if data_config.get('tsv_header', False):
-      numbered = numbered[1:]
-    elif sources.looks_like_header(numbered[0][1]):
-      info['header_warning'] = numbered[0][1].strip()
+  numbered, info = token_cache.numbered_lines(path, start, end, corpus.name.removeprefix('tsv:'), first,
+                                              data_config.get('tsv_header', False))
   return [(number, sources.tsv_fields(line)) for number, line in numbered], info
 
 
@@ -427,29 +420,6 @@ def _record_fields(record, name: str, split: str, data_config) -> list[str]:
                             f'and data.label_field.')
   as_str = lambda v: v.decode('utf-8') if isinstance(v, bytes) else str(v)
   return [as_str(record[data_config.text_field]), as_str(record[data_config.label_field])]
-
-
-def _read_range(path: str, start: int, end: int, display: str) -> str:
-  """Bytes [start, end) of a local file (they end after a newline) as text; undecodable UTF-8 is
-  `sources.decode_utf8`'s DataError, naming the line of the whole file (`display`)."""
-  with open(path, 'rb') as f:
-    f.seek(start)
-    raw = f.read(end - start)
-  try:
-    text = raw.decode('utf-8')
-  except UnicodeDecodeError as e:
-    # As many newlines as precede the shard number its lines as in the file.
-    sources.decode_utf8(b'\n' * _newlines_before(path, start) + raw[:e.start + 1], display)
-    raise
-  return text.removeprefix('\ufeff') if start == 0 else text
-
-
-def _newlines_before(path: str, offset: int, chunk: int = 16 << 20) -> int:
-  count = 0
-  with open(path, 'rb') as f:
-    while f.tell() < offset:
-      count += f.read(min(chunk, offset - f.tell())).count(b'\n')
-  return count
 
 
 def _is_example(fields: list[str], columns: int, tsv: bool) -> bool:

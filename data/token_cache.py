@@ -730,6 +730,44 @@ def line_ranges(path: str, shard_bytes: int) -> list[tuple[int, int]]:
   return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+def numbered_lines(path: str, start: int, end: int, display: str, first: bool, header: bool
+                   ) -> tuple[list[tuple[int, str]], dict]:
+  """The non-blank lines of bytes [start, end) of a local text file (a `line_ranges` range), as
+  data/sources.read_lines reads a whole file: [(line number within the range, line)], and {'line_count':
+  the lines the range spans, 'nonblank': whether it has a non-blank line (a header counts),
+  'header_warning': a first line that looks like column names}. `first`:
+  the range holds the file's first line, skipped with `header`, else warned about when it looks
+  like a header. Undecodable UTF-8 is sources.decode_utf8's DataError naming the line of the file
+  (`display`)."""
+  with open(path, 'rb') as f:
+    f.seek(start)
+    raw = f.read(end - start)
+  try:
+    text = raw.decode('utf-8')
+  except UnicodeDecodeError as e:
+    sources.decode_utf8(b'\n' * _newlines_before(path, start) + raw[:e.start + 1], display)  # numbers the line
+    raise
+  if start == 0:
+    text = text.removeprefix('\ufeff')
+  lines = text.split('\n')
+  numbered = [(number, line.removesuffix('\r')) for number, line in enumerate(lines, 1) if line.strip()]
+  info = {'line_count': len(lines) - text.endswith('\n'), 'nonblank': bool(numbered)}
+  if first and numbered:
+    if header:
+      numbered = numbered[1:]
+    elif sources.looks_like_header(numbered[0][1]):
+      info['header_warning'] = numbered[0][1].strip()
+  return numbered, info
+
+
+def _newlines_before(path: str, offset: int, chunk: int = 16 << 20) -> int:
+  count = 0
+  with open(path, 'rb') as f:
+    while f.tell() < offset:
+      count += f.read(min(chunk, offset - f.tell())).count(b'\n')
+  return count
+
+
 def local_plain_file(path: str, cache_dir: str) -> str:
   """A local, uncompressed copy of a text file to cut into shards: the file itself when it is local
   and not gzipped; else decompressed (or downloaded) once, streaming, under data.cache_dir/raw/."""

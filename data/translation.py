@@ -434,25 +434,11 @@ def _shard_pairs(corpus: PairCorpus, index: int, data_config, seed: int):
       pairs.append((text(record[languages[0]]), text(record[languages[1]])))
     return _carve_pairs(corpus, pairs, seed), info
   _, path, start, end = shard
-  with open(path, 'rb') as f:
-    f.seek(start)
-    raw = f.read(end - start)
-  try:
-    text = raw.decode('utf-8')
-  except UnicodeDecodeError as e:
-    with open(path, 'rb') as f:
-      sources.decode_utf8(f.read(start) + raw[:e.start + 1], path)  # raises naming the line
-    raise
-  if start == 0:
-    text = text.removeprefix('\ufeff')
-  lines = text.split('\n')
-  info['line_count'] = len(lines) - (1 if text.endswith('\n') else 0)
-  numbered = [(number, line.removesuffix('\r')) for number, line in enumerate(lines, 1) if line.strip()]
-  if start == 0 and numbered:
-    if data_config.get('tsv_header', False):
-      numbered = numbered[1:]
-    elif sources.looks_like_header(numbered[0][1]):
-      info['header_warning'] = numbered[0][1].strip()
+  numbered, lines_info = token_cache.numbered_lines(path, start, end, path, start == 0,
+                                                    data_config.get('tsv_header', False))
+  info['line_count'] = lines_info['line_count']
+  if 'header_warning' in lines_info:
+    info['header_warning'] = lines_info['header_warning']
   pairs = []
   for number, line in numbered:
     fields = sources.tsv_fields(line)
