@@ -354,45 +354,23 @@ class TextCorpus:
   identity: dict
 
 
-def cacheable(data_config) -> bool:
-  """Whether every named source is a file or TFDS set (cached); bbc_news is read in memory."""
-  named = [data_config.source, data_config.get('eval_source', ''), data_config.get('test_source', '')]
-  return all(sources.parse_source(s)[0] in ('tsv', 'tfds') for s in named if s)
+cacheable = token_cache.table_sources_only
 
 
 def plan_texts(source: str, held_out: tuple[str, ...], whole_role: str, data_config, default_split: str,
                shard_bytes: int) -> TextCorpus:
-  """The shards of a tsv: or tfds: source; reads no text, only its size (a gzipped or gs:// file is
-  first copied to a local plain file under data.cache_dir)."""
-  kind, argument = sources.parse_source(source)
-  if kind == 'tsv':
-    display = argument if storage.is_remote(argument) else os.path.expanduser(argument)
-    if storage.path(display).is_dir():
-      raise sources.DataError(f'tsv:{display} is a directory; tsv: reads one file: name a file of {LAYOUTS[2]} lines '
-                              f'in it.')
-    if not storage.path(display).is_file():
-      raise sources.DataError(f'tsv:{display} does not exist; give the path of a file of {LAYOUTS[2]} lines.')
-    path = token_cache.local_plain_file(argument, data_config.cache_dir)
-    stat = os.stat(path)
-    identity = {'kind': 'tsv', 'path': os.path.abspath(path), 'size': stat.st_size, 'mtime': stat.st_mtime_ns,
-                'header': data_config.get('tsv_header', False)}
-    shards = tuple(('tsv', path, a, b) for a, b in token_cache.line_ranges(path, shard_bytes))
-    return TextCorpus(source, f'tsv:{display}', held_out, whole_role, shards, identity)
-  if kind == 'tfds':
-    name, split = sources.split_tfds_source(argument, default_split)
-    count = len(sources.tfds_records(name, split))
-    if not count:
-      raise sources.DataError(f'tfds:{name}:{split} is empty.')
-    step = max(1, shard_bytes // BYTES_PER_RECORD)
-    identity = {'kind': 'tfds', 'name': name, 'split': split, 'records': count,
-                'fields': [data_config.text_field, data_config.label_field]}
-    shards = tuple(('tfds', name, split, a, min(a + step, count)) for a in range(0, count, step))
-    return TextCorpus(source, f'tfds:{name}:{split}', held_out, whole_role, shards, identity)
-  raise _unknown(source)
+  """The shards of a tsv: or tfds: source (token_cache.plan_table)."""
+  if sources.parse_source(source)[0] not in ('tsv', 'tfds'):
+    raise _unknown(source)
+  name, shards, identity = token_cache.plan_table(source, data_config, default_split, shard_bytes, BYTES_PER_RECORD,
+                                                  LAYOUTS[2])
+  if identity['kind'] == 'tfds':
+    identity['fields'] = [data_config.text_field, data_config.label_field]
+  return TextCorpus(source, name, held_out, whole_role, shards, identity)
 
 
 def _shard_size(shard: tuple) -> int:
-  return shard[3] - shard[2] if shard[0] == 'tsv' else (shard[4] - shard[3]) * BYTES_PER_RECORD
+  return token_cache.table_shard_bytes(shard, BYTES_PER_RECORD)
 
 
 # ----------------------------------------------------------------------------- reading a shard

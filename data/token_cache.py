@@ -730,6 +730,50 @@ def line_ranges(path: str, shard_bytes: int) -> list[tuple[int, int]]:
   return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+def table_sources_only(data_config) -> bool:
+  """Whether every named source is a tsv: file or a TFDS set: what the example caches read (a
+  family's built-in dataset is read in memory)."""
+  named = [data_config.source, data_config.get('eval_source', ''), data_config.get('test_source', '')]
+  return all(sources.parse_source(s)[0] in ('tsv', 'tfds') for s in named if s)
+
+
+def plan_table(source: str, data_config, default_split: str, shard_bytes: int, bytes_per_record: int, form: str
+               ) -> tuple[str, tuple[tuple, ...], dict]:
+  """(the source as messages name it, its shards, its identity) for a tsv: file of `form` lines
+  (shards ('tsv', local path, start, end) of `line_ranges`; a gzipped or gs:// file is first made a
+  local plain file) or a TFDS split (shards ('tfds', name, split, start, end) of
+  shard_bytes // bytes_per_record records). Reads no text."""
+  kind, argument = sources.parse_source(source)
+  if kind == 'tsv':
+    display = argument if storage.is_remote(argument) else os.path.expanduser(argument)
+    if storage.path(display).is_dir():
+      raise DataError(f'tsv:{display} is a directory; tsv: reads one file: name a file of {form} lines in it.')
+    if not storage.path(display).is_file():
+      raise DataError(f'tsv:{display} does not exist; give the path of a file of {form} lines.')
+    path = local_plain_file(argument, data_config.get('cache_dir', DEFAULT_CACHE_DIR))
+    stat = os.stat(path)
+    identity = {'kind': 'tsv', 'path': os.path.abspath(path), 'size': stat.st_size, 'mtime': stat.st_mtime_ns,
+                'header': data_config.get('tsv_header', False)}
+    shards = tuple(('tsv', path, a, b) for a, b in line_ranges(path, shard_bytes))
+    if not shards:
+      raise DataError(f'tsv:{display} is empty; give a file of {form} lines.')
+    return f'tsv:{display}', shards, identity
+  if kind == 'tfds':
+    name, split = sources.split_tfds_source(argument, default_split)
+    count = len(sources.tfds_records(name, split))
+    if not count:
+      raise DataError(f'tfds:{name}:{split} is empty.')
+    step = max(1, shard_bytes // bytes_per_record)
+    shards = tuple(('tfds', name, split, a, min(a + step, count)) for a in range(0, count, step))
+    return f'tfds:{name}:{split}', shards, {'kind': 'tfds', 'name': name, 'split': split, 'records': count}
+  raise DataError(f'{source!r} is not a tsv: or tfds: source.')
+
+
+def table_shard_bytes(shard: tuple, bytes_per_record: int) -> int:
+  """The text of a `plan_table` shard, in bytes (a TFDS shard's estimated)."""
+  return shard[3] - shard[2] if shard[0] == 'tsv' else (shard[4] - shard[3]) * bytes_per_record
+
+
 def numbered_lines(path: str, start: int, end: int, display: str, first: bool, header: bool
                    ) -> tuple[list[tuple[int, str]], dict]:
   """The non-blank lines of bytes [start, end) of a local text file (a `line_ranges` range), as

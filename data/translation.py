@@ -385,34 +385,18 @@ class PairCorpus:
   identity: dict
 
 
-def cacheable(data_config) -> bool:
-  """Whether every named source is a file or TFDS set (cached); a built-in one is generated in memory."""
-  named = [data_config.source, data_config.get('eval_source', ''), data_config.get('test_source', '')]
-  return all(sources.parse_source(s)[0] in ('tsv', 'tfds') for s in named if s)
+cacheable = token_cache.table_sources_only
 
 
 def plan_pairs(source: str, held_out: tuple[str, ...], whole_role: str, data_config, default_split: str,
                shard_bytes: int) -> PairCorpus:
-  kind, argument = sources.parse_source(source)
-  if kind == 'tsv':
-    path = token_cache.local_plain_file(argument, data_config.cache_dir)
-    if os.path.isdir(path) or not os.path.isfile(path):
-      raise sources.DataError(f'tsv:{argument} is not a file; give the path of a file of source<TAB>target lines.')
-    shards = tuple(('tsv', path, a, b) for a, b in token_cache.line_ranges(path, shard_bytes))
-    stat = os.stat(path)
-    identity = {'kind': 'tsv', 'path': os.path.abspath(path), 'size': stat.st_size, 'mtime': stat.st_mtime_ns,
-                'header': data_config.get('tsv_header', False)}
-  elif kind == 'tfds':
-    name, split = sources.split_tfds_source(argument, default_split)
-    count = len(sources.tfds_records(name, split))
-    step = max(1, shard_bytes // BYTES_PER_RECORD)
-    shards = tuple(('tfds', name, split, a, min(a + step, count)) for a in range(0, count, step))
-    identity = {'kind': 'tfds', 'name': name, 'split': split, 'records': count,
-                'languages': language_pair(name, data_config)}
-  else:
+  """The shards of a tsv: or tfds: source of pairs (token_cache.plan_table)."""
+  if sources.parse_source(source)[0] not in ('tsv', 'tfds'):
     raise _unknown(source)
-  if not shards:
-    raise sources.DataError(f'{source} is empty.')
+  _, shards, identity = token_cache.plan_table(source, data_config, default_split, shard_bytes, BYTES_PER_RECORD,
+                                               'source<TAB>target')
+  if identity['kind'] == 'tfds':
+    identity['languages'] = language_pair(identity['name'], data_config)
   return PairCorpus(source, held_out, whole_role, shards, identity)
 
 
@@ -536,7 +520,7 @@ def cached_pairs(data_config, workdir: str, seed: int, process_index: int = 0, p
 
 
 def _shard_size(shard: tuple) -> int:
-  return shard[3] - shard[2] if shard[0] == 'tsv' else (shard[4] - shard[3]) * BYTES_PER_RECORD
+  return token_cache.table_shard_bytes(shard, BYTES_PER_RECORD)
 
 
 def _report_pairs(data_config, corpora: dict[str, PairCorpus], infos: dict[str, list[dict]]) -> None:
