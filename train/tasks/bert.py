@@ -26,7 +26,6 @@ from flax import nnx
 
 import storage
 from data import batching, bert_data
-from data.lm import get_tokenizer
 from data.tokenizers import load_tokenizer
 from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
@@ -139,23 +138,17 @@ class Task(task_lib.Task):
 
   @staticmethod
   def _pretraining_datasets(config, workdir, tokenizer):
+    """Sentence pairs read from example caches (data/bert_data.py, cached_pretraining_examples), built when missing."""
     data, seed = config.data, config.seed
-    train_texts, eval_texts, _ = bert_data.pretraining_documents(data)
-    if tokenizer is None:
-      tokenizer = get_tokenizer(data, workdir, train_texts)
-    else:
-      tokenizer.save(workdir)
-    examples = lambda texts, dupe, seed_, cap: bert_data.pretraining_examples(
-        bert_data.tokenize_documents(texts, tokenizer), tokenizer, data.seq_len, dupe_factor=dupe,
-        short_seq_prob=data.short_seq_prob, seed=seed_, max_examples=cap)
-    train = examples(train_texts, data.dupe_factor, seed, data.max_examples)
-    evaluation = examples(eval_texts, 1, seed + 1, data.max_examples)
+    tokenizer, examples, caches = bert_data.cached_pretraining_examples(data, workdir, seed, tokenizer,
+                                                                        jax.process_index(), jax.process_count())
     masker = bert_data.Masker(tokenizer, data.mask_prob, data.max_predictions)
-    print(f'BERT pretraining: {len(train["tokens"])} train and {len(evaluation["tokens"])} eval sentence pairs, '
+    print(f'BERT pretraining: {len(examples["train"])} train and {len(examples["valid"])} eval sentence pairs, '
           f'vocabulary {tokenizer.vocab_size}.', flush=True)
     # Eval masks are drawn once (fixed seed) so that every evaluation scores the same positions.
-    datasets = task_lib.Datasets(train=as_dataset(train),
-                                 eval=as_dataset(evaluation).random_map(masker, seed=seed + 2))
+    datasets = task_lib.Datasets(train=grain.MapDataset.source(examples['train']),
+                                 eval=grain.MapDataset.source(examples['valid']).random_map(masker, seed=seed + 2),
+                                 caches=caches)
     return datasets, tokenizer, masker
 
   def batch_plan(self):
@@ -328,8 +321,3 @@ class Task(task_lib.Task):
         fills.append([self.tokenizer.id_to_token(int(i)) for i in best])
       outputs.append({'masks': fills} if fills else {'error': 'no [MASK] token in the line'})
     return outputs
-
-
-def as_dataset(arrays: dict[str, np.ndarray]) -> grain.MapDataset:
-  """Stacked [N, ...] arrays -> a MapDataset of per-example dicts."""
-  return grain.MapDataset.range(len(arrays['tokens'])).map(lambda i: {k: v[i] for k, v in arrays.items()})
