@@ -14,6 +14,7 @@ import json
 import os
 from typing import Iterable, Iterator
 
+import numpy as np
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -217,6 +218,27 @@ def load_tokenizer(directory: str) -> Tokenizer:
   if kind == 'char':
     return CharTokenizer.from_json(path.read_text())
   return HFTokenizer(tokenizers.Tokenizer.from_str(path.read_text()), kind)
+
+
+def encode_pair(ids_a: list[int], ids_b: list[int] | None, seq_len: int, cls_id: int, sep_id: int, pad_id: int):
+  """BERT's input of one or two id lists: [CLS] a [SEP] (b [SEP]) padded to seq_len -> (tokens,
+  segments: int32 [seq_len], valid: bool [seq_len]); the longer text loses tokens from its end
+  first, as in BERT's fine-tuning."""
+  if ids_b is None:
+    ids_a = list(ids_a[:seq_len - 2])
+  else:
+    ids_a, ids_b = list(ids_a), list(ids_b)
+    while len(ids_a) + len(ids_b) > seq_len - 3:
+      (ids_a if len(ids_a) >= len(ids_b) else ids_b).pop()
+  tokens = [cls_id] + ids_a + [sep_id]
+  segments = [0] * len(tokens)
+  if ids_b is not None:
+    tokens += ids_b + [sep_id]
+    segments += [1] * (len(ids_b) + 1)
+  length = len(tokens)
+  pad = seq_len - length
+  return (np.asarray(tokens + [pad_id] * pad, np.int32), np.asarray(segments + [0] * pad, np.int32),
+          np.arange(seq_len) < length)
 
 
 def _batched(texts: Iterable[str], size: int = 1000) -> Iterator[list[str]]:

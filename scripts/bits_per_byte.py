@@ -3,11 +3,12 @@ the same) compare on, the text's bytes being the unit instead of tokens.
 
   python scripts/bits_per_byte.py runs/q-llama runs/q-gpt2 [--batch_size=8]
 
-For each run: the run's test documents (data/lm.py's split, as the final evaluation uses) are
-packed into the windows the trainer scores, the model's mean next-token cross-entropy over them is
-taken in nats, and bits per byte = mean nats per token * (tokens / UTF-8 bytes of the split) / ln 2,
-where the ratio counts every token of the split (one EOS per document, one byte for it) against
-every byte. Prints one JSON line per run.
+For each run: the run's test split, read from its token cache (data/lm.py, as the final evaluation
+reads it; built when missing, with the run's tokenizer), is cut into the windows the trainer
+scores, the model's mean next-token cross-entropy over them is taken in nats, and bits per byte =
+mean nats per token * (tokens / UTF-8 bytes of the split) / ln 2, where the ratio counts every
+token of the split (one EOS per document, one byte for it) against every byte (the cache's counts:
+no text is read again). Prints one JSON line per run.
 """
 from __future__ import annotations
 
@@ -26,21 +27,24 @@ def bits_per_byte(workdir: str, batch_size: int) -> dict:
   import numpy as np
   from flax import nnx
 
-  from data.lm import pack, split_documents
+  from data.lm import lm_streams
+  from data.token_cache import Windows
   from train.rundir import load_run
   from train.losses import lm_loss
   run = load_run(workdir)
-  _, _, test_docs = split_documents(run.config.data, run.config.seed)
-  windows = pack(test_docs, run.tokenizer, run.config.data.seq_len)
+  _, streams, _ = lm_streams(run.config.data, workdir, run.config.seed)
+  test = streams['test']
+  windows = Windows(test, run.config.data.seq_len + 1, run.config.data.seq_len + 1)
   loss = nnx.jit(lambda model, tokens: lm_loss(model(tokens[:, :-1])[0], tokens[:, 1:],
                                                vocab_size=run.model.config.vocab_size)[0])
   batches = range(0, len(windows) - batch_size + 1, batch_size)  # whole batches: one compiled shape
-  nats = float(np.mean([jax.device_get(loss(run.model, jnp.asarray(windows[i:i + batch_size]))) for i in batches]))
-  tokens = sum(len(ids) + 1 for ids in run.tokenizer.encode_batch([text for _, text in test_docs]))
-  text_bytes = sum(len(text.encode('utf-8')) + 1 for _, text in test_docs)
+  nats = float(np.mean([jax.device_get(loss(run.model, jnp.asarray(np.stack([windows[j]['tokens'] for j in
+                                                                            range(i, i + batch_size)]))))
+                        for i in batches]))
+  text_bytes = test.cache.info('bytes', test.split) + test.documents
   return {'workdir': workdir, 'step': run.step, 'test_nats_per_token': round(nats, 4),
-          'tokens_per_byte': round(tokens / text_bytes, 4), 'windows_scored': len(batches) * batch_size,
-          'bits_per_byte': round(nats * tokens / text_bytes / math.log(2), 4)}
+          'tokens_per_byte': round(len(test) / text_bytes, 4), 'windows_scored': len(batches) * batch_size,
+          'bits_per_byte': round(nats * len(test) / text_bytes / math.log(2), 4)}
 
 
 def main():

@@ -6,7 +6,7 @@ import grain
 import numpy as np
 import pytest
 
-from data import batching, lm, sources
+from data import batching, lm, sources, token_cache
 from data.tokenizers import CharTokenizer
 
 PAD, BOS = 0, 1
@@ -148,13 +148,28 @@ def test_pack_pairs_places_each_pair_once_in_its_own_segment():
 DOCUMENTS = [(str(i), 'abcdefghij '[i % 7:] * (i % 5 + 1)) for i in range(40)]
 
 
-def test_token_streams_and_their_windows_are_pinned():
+def cached_stream(tmp_path, documents, tokenizer) -> token_cache.Stream:
+  """The token stream of `documents` (one file each, in order) from a language-model cache, several
+  shards of it."""
+  (tmp_path / 'corpus').mkdir()
+  for index, (_, text) in enumerate(documents):
+    (tmp_path / 'corpus' / f'{index:02d}.txt').write_text(text)
+  corpus, carve, _ = lm.plan_corpus(f'text:{tmp_path}/corpus/*.txt', False, 0, 'train', 40)
+  assert len(corpus.shards) > 1
+  token_cache.build(str(tmp_path / 'cache'), corpus, lm.Tokens(tokenizer), carve, {}, progress=False)
+  return token_cache.Stream(token_cache.Cache(str(tmp_path / 'cache')), 'all')
+
+
+def test_token_streams_and_their_windows_are_pinned(tmp_path):
+  """The pins are those of the in-memory packer the cache replaced: the same tokens and windows."""
   tok = CharTokenizer.train(['abcdefgh ij'])
-  stream = lm.token_stream(DOCUMENTS, tok)
-  pinned = {'lm.pack': ('2950fb25d0e84abf', lm.pack(DOCUMENTS, tok, 6)),
-            'lm.pack.cap': ('97ead63ca109fe2e', lm.pack(DOCUMENTS, tok, 6, max_examples=5)),
+  cached = cached_stream(tmp_path, DOCUMENTS, tok)
+  stream = cached.read(0, len(cached))
+  windows = lambda limit=0: np.stack([w['tokens'] for w in token_cache.Windows(cached, 7, 7, limit)])
+  pinned = {'lm.pack': ('2950fb25d0e84abf', windows()),
+            'lm.pack.cap': ('97ead63ca109fe2e', windows(5)),
             'stream': ('cd11ac5ff29526ad', stream),
-            'stream.cap': ('71ed88f651ae5de1', lm.token_stream(DOCUMENTS, tok, 77)),
+            'stream.cap': ('71ed88f651ae5de1', cached[:77][0:77]),
             'windows': ('17752b3ff70f09fb', batching.stream_windows(stream, 6, stride=6)),
             'rows': ('de2c4263cd4b16e6', batching.stream_rows(stream, 4, 6))}
   key = {'lm.pack': 'w', 'lm.pack.cap': 'w', 'stream': 's', 'stream.cap': 's', 'windows': 'w', 'rows': 'r'}
@@ -162,12 +177,14 @@ def test_token_streams_and_their_windows_are_pinned():
     assert digest([{key[name]: array}]) == expected, name
 
 
-def test_token_stream_joins_documents_with_eos_and_stops_at_max_tokens():
+def test_token_stream_joins_documents_with_eos_and_reads_across_shards(tmp_path):
   tok = CharTokenizer.train(['abc'])
   a, b, c, eos = (*(tok.encode(x)[0] for x in 'abc'), tok.eos_id)
-  np.testing.assert_array_equal(lm.token_stream([('1', 'ab'), ('2', 'c')], tok), [a, b, eos, c, eos])
-  np.testing.assert_array_equal(lm.token_stream([('1', 'ab'), ('2', 'c')], tok, max_tokens=4), [a, b, eos, c])
-  assert lm.token_stream([], tok).dtype == np.int32
+  stream = cached_stream(tmp_path, [('1', 'ab' * 30), ('2', 'c' * 30)], tok)
+  expected = [a, b] * 30 + [eos] + [c] * 30 + [eos]
+  np.testing.assert_array_equal(stream.read(0, len(stream)), expected)
+  np.testing.assert_array_equal(stream[58:64][1:5], expected[59:63])  # a slice across the two shards
+  assert stream.read(0, 0).dtype == np.int32 and stream.documents == 2
 
 
 def test_stream_windows_disjoint_or_sharing_one_token():

@@ -1,11 +1,15 @@
 """BERT and classification data: sentence pairs, MLM masking statistics, bbc_news, tsv, encoding."""
-import ml_collections
+import hashlib
+import os
+
 import numpy as np
 import pytest
 
-from data import bert_data, classification
+from configs import bert
+from configs.base import base_config
+from data import bert_data, classification, sources
 from data.sources import DataError
-from data.tokenizers import train_wordpiece
+from data.tokenizers import CharTokenizer, train_wordpiece
 
 
 @pytest.fixture(scope='module')
@@ -60,7 +64,8 @@ def test_sentence_pairs_next_and_random():
 def test_pretraining_examples_layout(tokenizer):
   documents = [[tokenizer.encode(f'the cat sat on a mat number {i}.'), tokenizer.encode('dogs ran in parks.'),
                 tokenizer.encode('old towns with red houses.')] for i in range(10)]
-  examples = bert_data.pretraining_examples(documents, tokenizer, 24, dupe_factor=3, seed=0)
+  examples = bert_data.sentence_pairs(documents, tokenizer, 24, np.random.default_rng(0), dupe_factor=3,
+                                      short_seq_prob=0.1)
   cls, sep, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
   assert examples['tokens'].shape[1] == 24
   for tokens, segments, valid in zip(examples['tokens'], examples['segments'], examples['valid']):
@@ -110,34 +115,43 @@ def test_masking_statistics(tokenizer):
 
 
 def test_bbc_news_split_is_fixed_and_disjoint():
-  articles = classification.read_bbc_news()
+  parts = sources.bbc_news()
+  articles = sorted(parts['train'] + parts['valid'] + parts['test'])
   assert len(articles) == 2225
-  assert classification.label_names(articles) == ['business', 'entertainment', 'politics', 'sports', 'tech']
-  not_utf8 = next(a for a in articles if a.key == 'sports/199.txt')
-  assert '£15.8m' in not_utf8.text
-  splits = classification.split_examples(articles)
-  assert {k: len(v) for k, v in splits.items()} == {'train': 1780, 'valid': 222, 'test': 223}
-  keys = {name: {a.key for a in part} for name, part in splits.items()}
-  assert not keys['train'] & keys['valid'] and not keys['train'] & keys['test'] and not keys['valid'] & keys['test']
-  shuffled = classification.split_examples(articles[::-1])
-  assert all({a.key for a in shuffled[name]} == keys[name] for name in keys)
+  assert sorted({label for _, _, label in articles}) == ['business', 'entertainment', 'politics', 'sports', 'tech']
+  not_utf8 = next(text for key, text, _ in articles if key == 'sports/199.txt')
+  assert '£15.8m' in not_utf8
+  assert {k: len(v) for k, v in parts.items()} == {'train': 1780, 'valid': 222, 'test': 223}
+  # The hash order of the keys, cut at exactly 80% and 90%, each part in that order.
+  order = sorted(articles, key=lambda article: hashlib.sha256(f'0:{article[0]}'.encode()).digest())
+  assert parts['train'] + parts['valid'] + parts['test'] == order
+  root = sources.bbc_news_dir()
+  assert {key for key, _, _ in articles} == {f'{label}/{name}' for label in os.listdir(root)
+                                             if os.path.isdir(os.path.join(root, label))
+                                             for name in os.listdir(os.path.join(root, label))}
 
 
-def test_tsv_reader_and_pair_encoding(tmp_path, tokenizer):
+def test_tsv_pairs_are_read_and_encoded(tmp_path):
   path = tmp_path / 'pairs.tsv'
   path.write_text('the cat sat\ton a mat\tyes\n\nold towns\tred houses near parks\tno\n')
-  examples = classification.read_tsv(str(path))
-  assert [(e.text, e.text_b, e.label) for e in examples] == [('the cat sat', 'on a mat', 'yes'),
-                                                              ('old towns', 'red houses near parks', 'no')]
-  encoded = classification.encode_examples(examples, tokenizer, ['no', 'yes'], seq_len=8)
-  first = encoded[0]
-  assert first['label'] == 1 and first['valid'].sum() <= 8
-  assert first['tokens'][0] == tokenizer.bos_id and (first['tokens'] == tokenizer.eos_id).sum() == 2
+  config = base_config('test').data
+  config.update({'source': f'tsv:{path}', 'eval_source': f'tsv:{path}', 'cache_dir': str(tmp_path / 'cache'),
+                 'tokenizer': 'char', 'seq_len': 16, 'max_examples': 0})
+  tokenizer, splits, labels, _ = classification.labelled_datasets(config, str(tmp_path / 'run'))
+  assert labels == ('no', 'yes') and len(splits['train']) == 2
+  first = next(splits['train'][i] for i in range(2) if splits['train'][i]['label'] == 1)
+  ids = [tokenizer.encode(text) for text in ('the cat sat', 'on a mat')]
+  while len(ids[0]) + len(ids[1]) > 13:  # [CLS] a [SEP] b [SEP] in 16: the longer loses its end first
+    longer = 0 if len(ids[0]) >= len(ids[1]) else 1
+    ids[longer] = ids[longer][:-1]
+  assert first['tokens'].tolist() == [tokenizer.bos_id, *ids[0], tokenizer.eos_id, *ids[1], tokenizer.eos_id]
+  assert first['segments'].tolist() == [0] * (len(ids[0]) + 2) + [1] * (len(ids[1]) + 1) and first['valid'].all()
   bad = tmp_path / 'bad.tsv'
   bad.write_text('one\ttwo\tlabel\nonly one field\n')
+  config.update({'source': f'tsv:{bad}', 'eval_source': f'tsv:{bad}'})
   with pytest.raises(DataError, match='1 of 2 lines are malformed.*line 2: 1 tab-separated fields, not '
                                      'text_a<TAB>text_b<TAB>label like most lines'):
-    classification.read_tsv(str(bad))
+    classification.labelled_datasets(config, str(tmp_path / 'run'), CharTokenizer.train(['abc']))
 
 
 def test_encode_pair_truncates_longest_first():
@@ -156,21 +170,27 @@ def test_classification_metrics_by_hand():
   assert metrics['confusion'].tolist() == [[1, 1, 0], [0, 2, 0], [1, 0, 1]]
 
 
-def test_text_documents_blank_line_mode(tmp_path):
+def test_blank_line_documents(tmp_path):
   (tmp_path / 'corpus.txt').write_text('First doc line one.\nLine two.\n\n\nSecond doc.\n')
-  documents = bert_data.text_documents(str(tmp_path / '*.txt'), 'auto')
-  assert [bert_data.split_sentences(d) for _, d in documents] == [['First doc line one.', 'Line two.'], ['Second doc.']]
+  config = bert.get_config('tiny').data
+  corpus, carve, _, blank_lines = bert_data.plan_source(f'text:{tmp_path}/*.txt', 'train', config, 1 << 20)
+  assert blank_lines  # 'auto': one file, documents between blank lines
+  records = [record for piece in corpus.shards[0] for record in bert_data.Documents(config, 0, True).records(piece, {})]
+  assert [(key, bert_data.split_sentences(text)) for key, text in records] == [
+      ('corpus.txt:0', ['First doc line one.', 'Line two.']), ('corpus.txt:32', ['Second doc.'])]
 
 
-def test_few_documents_still_hold_one_out_for_eval(tmp_path, monkeypatch):
-  documents = [(f'doc{i}', f'Sentence {i} one. Sentence {i} two.') for i in range(3)]
-  monkeypatch.setattr(bert_data, 'read_documents', lambda source, config, default_split='train': documents)
-  # Every key hashed to train: the last document is held out instead of failing.
-  monkeypatch.setattr(bert_data.sources, 'deterministic_split', lambda keys, fractions, seed=0: [[0, 1, 2], []])
-  config = ml_collections.ConfigDict({'source': 'text:x', 'eval_source': ''})
-  train, held, test = bert_data.pretraining_documents(config)
-  assert train == [documents[0][1], documents[1][1]] and held == [documents[2][1]] and test is held
-  documents[:] = documents[:2]
-  monkeypatch.setattr(bert_data.sources, 'deterministic_split', lambda keys, fractions, seed=0: [[0, 1], []])
-  with pytest.raises(DataError, match='needs several'):
-    bert_data.pretraining_documents(config)
+def test_few_documents_are_one_error_line(tmp_path):
+  directory = tmp_path / 'corpus'
+  directory.mkdir()
+  for i in range(3):
+    (directory / f'doc{i}.txt').write_text(f'Sentence {i} one. Sentence {i} two.')
+  share = lambda key: int.from_bytes(hashlib.sha256(f'0:{key}'.encode()).digest()[:8], 'big') / 2**64
+  assert all(share(f'doc{i}.txt') < 0.95 for i in range(3))  # every document hashes to training
+  config = bert.get_config('tiny').data
+  config.update({'source': f'text:{directory}/*.txt', 'cache_dir': str(tmp_path / 'cache')})
+  with pytest.raises(DataError) as error:
+    bert_data.pretraining_datasets(config, str(tmp_path / 'run'), 0)
+  assert str(error.value) == (f'text:{directory}/*.txt has 3 documents with 0 in the valid split: BERT pretraining '
+                              f'needs several (random next sentences come from other documents, and some are held '
+                              f'out). Use data.documents=blank_line or more files.')

@@ -82,7 +82,9 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
   source = str(tmp_path / 'imported')
   import_hf_run(tiny_config(task='features'), directory, source)
   data = tmp_path / 'reviews.tsv'
-  data.write_text(''.join(f'{w} film\t{"pos" if w == "good" else "neg"}\n' for w in ['good', 'bad'] * 20))
+  # Distinct texts: the split hashes each text, and copies of one text share its split.
+  data.write_text(''.join(f'{w} film {i}\t{"pos" if w == "good" else "neg"}\n'
+                          for i, w in enumerate(['good', 'bad'] * 20)))
   config = tiny_config(task='classify', init_from=source, **{'data.source': f'tsv:{data}'})
   before = config.to_dict()
   task = prepare_task(config, str(tmp_path / 'finetune'))

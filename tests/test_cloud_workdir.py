@@ -138,23 +138,46 @@ def test_missing_gcsfs_is_a_storage_error(monkeypatch):
     storage._check_gcs_access.__wrapped__()
 
 
-def test_a_gs_token_cache_is_built_in_the_bucket_and_read_through_a_local_mirror(emulator, tmp_path, monkeypatch):
-  """data.cache_dir=gs://...: the shards and the shared tokenizer land in the bucket; a reader maps a
-  local mirror of them, and its windows equal a local cache's."""
+def test_a_gs_token_cache_is_built_in_the_bucket_and_read_through_a_lazily_filled_local_mirror(
+    emulator, tmp_path, monkeypatch):
+  """data.cache_dir=gs://...: the shards and the shared tokenizer land in the bucket; a reader fetches a
+  shard into a local mirror when it first reads it (none before), and reads what a local cache gives."""
   from configs import gpt
-  from data import lm, token_cache
+  from data import lm, token_cache, translation
   monkeypatch.setattr(token_cache, 'LOCAL_MIRROR', str(tmp_path / 'mirror'))
   config = gpt.get_config('tiny').data
   config.source = support.write_corpus(str(tmp_path / 'corpus'), files=4, lines=40)
   config.cache_shard_mb = 0.002  # several shards
-  windows = {}
+  windows, mirrored = {}, lambda: sorted(p.name for p in (tmp_path / 'mirror').rglob('*.npy'))
   for where, cache_dir in (('local', str(tmp_path / 'cache')), ('gs', f'gs://{BUCKET}/cache')):
     config.cache_dir = cache_dir
     _, train, valid, _, caches = lm.lm_datasets(config, str(tmp_path / f'run-{where}'), seed=0)
+    if where == 'gs':
+      assert mirrored() == []  # planned, built and opened: nothing fetched yet
+      train[0]
+      assert mirrored() == ['00000.train.tokens.npy']  # the first window's shard only
     windows[where] = [np.stack([split[i]['tokens'] for i in range(len(split))]) for split in (train, valid)]
   bucket = storage.path(f'gs://{BUCKET}/cache/{caches["train"]}')
   names = {p.name for p in bucket.iterdir()}
-  assert 'manifest.json' in names and '00000.json' in names and '00001.train.npy' in names, names
-  assert any(storage.path(f'gs://{BUCKET}/cache/tokenizers').iterdir())
+  assert 'manifest.json' in names and '00000.json' in names and '00001.train.tokens.npy' in names, names
+  assert len(mirrored()) == len([name for name in names if name.endswith('.npy')])  # all read by now
+  assert any(storage.path(f'gs://{BUCKET}/cache/tokenizers-v{token_cache.FORMAT}').iterdir())
   for local, remote in zip(windows['local'], windows['gs']):
     np.testing.assert_array_equal(local, remote)
+  # An example cache too: rows and the test split's text.
+  (tmp_path / 'pairs.tsv').write_text(''.join(f'source {i}\ttarget {i}\n' for i in range(300)))
+  pair_config = translation_config(tmp_path)
+  read = {}
+  for where, cache_dir in (('local', str(tmp_path / 'pair-cache')), ('gs', f'gs://{BUCKET}/pair-cache')):
+    pair_config.cache_dir = cache_dir
+    _, splits, texts, _ = translation.pair_datasets(pair_config, str(tmp_path / f'pairs-{where}'), seed=0)
+    read[where] = ([splits['train'][i]['source'] for i in range(len(splits['train']))], list(texts))
+  np.testing.assert_array_equal(read['local'][0], read['gs'][0])
+  assert read['local'][1] == read['gs'][1] and len(read['gs'][1]) > 5
+
+
+def translation_config(tmp_path):
+  from configs import transformer
+  config = transformer.get_config('tiny').data
+  config.update({'source': f'tsv:{tmp_path}/pairs.tsv', 'cache_shard_mb': 0.004, 'max_examples': 0})
+  return config

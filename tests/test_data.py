@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import support
-from data import lm, sources
+from data import lm, sources, token_cache
 from data.tokenizers import CharTokenizer, load_tokenizer, train_bpe, train_wordpiece
 
 
@@ -36,10 +36,10 @@ def test_wordpiece_has_bert_specials_and_pairs():
 
 
 def test_pystdlib_has_no_test_folders_and_is_large():
-  docs = sources.pystdlib_files()
-  assert len(docs) > 300 and sum(len(t) for _, t in docs) > 5_000_000
-  assert not any(part in ('test', 'tests') for key, _ in docs for part in key.split(os.sep)[:-1])
-  assert any(key == 'os.py' for key, _ in docs)
+  files, identity = token_cache.text_files('pystdlib')
+  assert len(files) > 300 and sum(f.end for f in files) > 5_000_000 and identity['kind'] == 'pystdlib'
+  assert not any(part in ('test', 'tests') for f in files for part in f.key.split(os.sep)[:-1])
+  assert any(f.key == 'os.py' for f in files) and not any(f.strict for f in files)  # undecodable bytes replaced
 
 
 def test_deterministic_split_is_stable_disjoint_and_order_free():
@@ -50,13 +50,20 @@ def test_deterministic_split_is_stable_disjoint_and_order_free():
   assert sorted(keys[::-1][i] for i in again[1]) == sorted(keys[i] for i in held)
 
 
-def test_pack_joins_documents_with_eos_into_windows():
+def test_documents_are_joined_with_eos_into_windows(tmp_path):
   tok = CharTokenizer.train(['abc'])
-  windows = lm.pack([('a', 'abc'), ('b', 'cab')], tok, seq_len=3)
+  tok.save(str(tmp_path / 'run'))
+  for name, text in (('1.txt', 'abc'), ('2.txt', 'cab')):
+    (tmp_path / 'corpus').mkdir(exist_ok=True)
+    (tmp_path / 'corpus' / name).write_text(text)
+  config = ml_collections.ConfigDict({'source': f'text:{tmp_path}/corpus/*.txt', 'cache_dir': str(tmp_path / 'cache'),
+                                      'eval_source': f'text:{tmp_path}/corpus/1.txt', 'seq_len': 3, 'max_examples': 0})
+  _, train, _, _, _ = lm.lm_datasets(config, str(tmp_path / 'run'), seed=0)
   a, b, c, eos = tok.encode('a')[0], tok.encode('b')[0], tok.encode('c')[0], tok.eos_id
-  np.testing.assert_array_equal(windows, [[a, b, c, eos], [c, a, b, eos]])
+  np.testing.assert_array_equal([train[i]['tokens'] for i in range(len(train))], [[a, b, c, eos], [c, a, b, eos]])
+  config.seq_len = 8
   with pytest.raises(sources.DataError, match='fewer than one sequence'):
-    lm.pack([('a', 'ab')], tok, seq_len=8)
+    lm.lm_datasets(config, str(tmp_path / 'run'), seed=0)
 
 
 def build_tiny_tfds(data_dir):
@@ -84,7 +91,7 @@ def test_tfds_source_reads_array_record_without_tensorflow(tmp_path, monkeypatch
   monkeypatch.setenv('TFDS_DATA_DIR', str(tmp_path / 'tfds'))
   config = ml_collections.ConfigDict({'source': 'tfds:tiny_stories', 'eval_source': 'tfds:tiny_stories:validation',
                                       'tokenizer': 'char', 'vocab_size': 0, 'lowercase': True, 'seq_len': 16,
-                                      'max_examples': 0})
+                                      'max_examples': 0, 'cache_dir': str(tmp_path / 'cache')})
   tokenizer, train, evaluation, test, _ = lm.lm_datasets(config, str(tmp_path / 'run'), seed=0)
   assert len(train) > len(evaluation) > 0 and train[0]['tokens'].shape == (17,)
   assert test is evaluation  # data.test_source is empty: the test split is the eval split
@@ -97,10 +104,7 @@ def test_tfds_source_reads_array_record_without_tensorflow(tmp_path, monkeypatch
 def test_text_split_keys_do_not_depend_on_where_the_corpus_lives(tmp_path):
   here = support.write_corpus(str(tmp_path / 'a' / 'corpus'), files=30)
   there = support.write_corpus(str(tmp_path / 'b' / 'elsewhere' / 'corpus'), files=30)
-  docs_here, docs_there = lm.read_documents(here), lm.read_documents(there)
-  assert [k for k, _ in docs_here] == [f'doc{i}.txt' for i in sorted(range(30), key=str)]
-  assert [k for k, _ in docs_here] == [k for k, _ in docs_there]
-  config = lambda source: ml_collections.ConfigDict({'source': source, 'eval_source': ''})
-  held_here = [k for k, _ in lm.split_documents(config(here), seed=0)[1]]
-  held_there = [k for k, _ in lm.split_documents(config(there), seed=0)[1]]
-  assert held_here and held_here == held_there
+  plans = [lm.plan_corpus(source, True, 0, 'train', 1 << 20)[0] for source in (here, there)]
+  keys = [[(piece.key, piece.split) for shard in corpus.shards for piece in shard] for corpus in plans]
+  assert [key for key, _ in keys[0]] == [f'doc{i}.txt' for i in sorted(range(30), key=str)]
+  assert keys[0] == keys[1] and 'valid' in {split for _, split in keys[0]}

@@ -4,7 +4,6 @@ import os
 import struct
 
 import support
-from data import translation
 
 HEADER = 'Content-Type: text/plain; charset=UTF-8\nPlural-Forms: nplurals=2; plural=(n != 1);\n'
 
@@ -50,7 +49,13 @@ def catalogs(directory):
 
 
 def read(directory):
-  return {name: translation.read_tsv(os.path.join(directory, f'{name}.tsv')) for name in ('train', 'valid', 'test')}
+  """{split: pairs} of the script's files, each line the source<TAB>target pair data/translation.py reads."""
+  splits = {}
+  for name in ('train', 'valid', 'test'):
+    with open(os.path.join(directory, f'{name}.tsv'), encoding='utf-8') as f:
+      splits[name] = [tuple(line.split('\t')) for line in f.read().split('\n') if line]
+    assert all(len(pair) == 2 and all(side.strip() == side and side for side in pair) for pair in splits[name])
+  return splits
 
 
 def test_pairs_are_cleaned_deduplicated_and_split_by_english_message(tmp_path, capsys):

@@ -176,6 +176,7 @@ def test_numbers_filter_keeps_only_large_numbers(tmp_path, monkeypatch):
   monkeypatch.setattr(translation, 'numbers_en_fr', lambda seed, sizes=None: splits)
   config = seq2seq_task(tmp_path)
   config.data.source = 'numbers_en_fr'
+  config.data.cache_dir = str(tmp_path / 'cache')  # the fake numbers' cache and tokenizer stay apart
   config.data.min_number = 100_000
   config.data.seq_len = 48
   test_pairs = Task.prepare(config, str(tmp_path)).family_data
@@ -216,10 +217,10 @@ def test_long_presets_differ_only_in_attention_and_fit_the_longest_numbers():
 def test_char_tokenizer_encodes_translation_pairs(tmp_path):
   """Character ids with EOS on the source, BOS / EOS around the target, pad after; decoding gives the text back."""
   from data import translation
-  config = seq2seq_task(tmp_path)
-  config.data.tokenizer = 'char'
+  from data.tokenizers import load_tokenizer, train_tokenizer
   pairs = [('two hundred thousandth', 'deux cent millième'), ('one', 'un')]
-  tok = translation.get_tokenizer(config.data, str(tmp_path), pairs)
+  tok = train_tokenizer('char', [text for pair in pairs for text in pair], 0)
+  tok.save(str(tmp_path))
   arrays, kept = translation.encode_pairs(tok, pairs, 24, 20, drop_long=True)
   assert kept.tolist() == [0, 1]
   source, target_in, target_out = arrays['source'][0], arrays['target_in'][0], arrays['target_out'][0]
@@ -228,5 +229,5 @@ def test_char_tokenizer_encodes_translation_pairs(tmp_path):
   np.testing.assert_array_equal(target_in[1:len(pairs[0][1]) + 1], target_out[:len(pairs[0][1])])
   assert tok.decode(source.tolist()) == pairs[0][0] and tok.decode(target_out.tolist()) == pairs[0][1]
   assert tok.decode(arrays['source'][1].tolist()) == 'one'
-  # The saved vocabulary is reloaded by the run.
-  assert translation.get_tokenizer(config.data, str(tmp_path), []).encode('deux') == tok.encode('deux')
+  # The saved vocabulary reloads with the same ids.
+  assert load_tokenizer(str(tmp_path)).encode('deux') == tok.encode('deux')

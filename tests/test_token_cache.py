@@ -1,8 +1,11 @@
-"""Token caches (data/token_cache.py): an interrupted build resumes to the cache built in one go,
-the cache's batches are the in-memory path's batches, a restart tokenizes nothing, two processes
-build one cache and draw the global batches, and every bad input is one DataError line."""
+"""Token caches (data/token_cache.py) through the language-model family (data/lm.py): the cached
+streams equal an independent reference (each split's documents tokenized whole and joined with
+EOS), an interrupted build resumes to the cache built in one go, a restart tokenizes nothing, two
+processes build one cache and draw the global batches, two processes needing one new tokenizer
+train it once, and every bad input is one DataError line."""
 import errno
 import glob
+import hashlib
 import io
 import json
 import os
@@ -43,20 +46,22 @@ def shard_jsons(directory) -> list[dict]:
   return [json.load(open(path)) for path in sorted(glob.glob(os.path.join(directory, '[0-9]*[0-9].json')))]
 
 
-def all_tokens(directory, role) -> np.ndarray:
-  stream = token_cache.TokenStream(str(directory), role)
+def all_tokens(directory, split) -> np.ndarray:
+  stream = token_cache.Stream(token_cache.Cache(str(directory)), split)
   return stream.read(0, len(stream))
-
-
-def as_examples(windows) -> grain.MapDataset:
-  """An int32 [N, L] array of windows as the examples lm_datasets gives ({'tokens': [L]} each)."""
-  return grain.MapDataset.source([{'tokens': row} for row in windows])
 
 
 def draw(examples, batch_size=8, seed=5, batches=6, process_index=0, process_count=1) -> np.ndarray:
   """The first `batches` training batches (this process's rows) of the default plan: int32 [batches, B, L]."""
   plan = batching.Shuffled().global_batches(examples, batch_size, seed, process_index, process_count)
   return np.stack([plan[b]['tokens'] for b in range(batches)])
+
+
+def build(source, tokenizer, directory, carve_valid=True, shard_bytes=SHARD_BYTES, processor=None, **kwargs):
+  """An LM cache of `source` built with `tokenizer` into `directory` (what lm_streams builds)."""
+  corpus, carve, _ = lm.plan_corpus(source, carve_valid, SEED, 'train', shard_bytes)
+  token_cache.build(str(directory), corpus, processor or lm.Tokens(tokenizer), carve, {}, progress=False, **kwargs)
+  return corpus
 
 
 @pytest.fixture(scope='module')
@@ -67,57 +72,35 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def bpe(corpus):
-  plan = token_cache.plan_corpus(corpus, True, SEED, shard_bytes=SHARD_BYTES)
-  return tokenizers.train_tokenizer('bpe', list(token_cache.training_text(plan, SEED)), 300)
+  texts = [open(path).read() for path in sorted(glob.glob(corpus.removeprefix('text:')))]
+  return tokenizers.train_tokenizer('bpe', texts, 300)
 
 
-# ----------------------------------------------------------------------------- resumable building
-def test_an_interrupted_build_resumes_at_its_first_unfinished_shard_and_equals_a_build_in_one_go(
-    corpus, bpe, tmp_path, monkeypatch):
-  plan = token_cache.plan_corpus(corpus, True, SEED, shard_bytes=SHARD_BYTES)
-  count = len(plan.shards)
-  assert count >= 10
-  whole = tmp_path / 'whole'
-  token_cache.build(plan, bpe, str(whole), SEED, progress=False)
-  expected = cache_files(whole)
-  assert len([name for name in expected if name.endswith('.npy')]) == count  # one role per shard here
-
-  built = []
-  real_build_shard, real_write = token_cache._build_shard, storage.write_atomically
-
-  def counted(shard, tokenizer, directory, index, *args, **kwargs):
-    built.append(index)
-    return real_build_shard(shard, tokenizer, directory, index, *args, **kwargs)
-
-  def interrupted_before_the_json_of_shard_2(location, data):
-    if os.path.basename(str(location)) == '00002.json':
-      raise KeyboardInterrupt  # Ctrl-C after shard 2's tokens were written, before the json that completes it
-    return real_write(location, data)
-
-  monkeypatch.setattr(token_cache, '_build_shard', counted)
-  monkeypatch.setattr(storage, 'write_atomically', interrupted_before_the_json_of_shard_2)
-  resumed = tmp_path / 'resumed'
-  with pytest.raises(KeyboardInterrupt):
-    token_cache.build(plan, bpe, str(resumed), SEED, progress=False)
-  assert built == [0, 1, 2]
-  assert sorted(os.listdir(resumed)) == ['00000.json', '00000.train.npy', '00001.json', '00001.train.npy',
-                                         '00002.train.npy', 'manifest.json']
-  # What a killed build leaves: a shard's arrays without its json (made garbage here) and a
-  # temporary file. Neither is read: the cache is incomplete, and the build redoes shard 2.
-  (resumed / '00002.train.npy').write_bytes(b'not an array')
-  (resumed / '00003.json.4242.tmp').write_text(json.dumps({'tokens': {'train': 1}, 'documents': {}}))
-  with pytest.raises(DataError, match=re.escape(f'The token cache {resumed} is incomplete or corrupt (00002.json: ')):
-    token_cache.TokenStream(str(resumed), 'train')
-
-  monkeypatch.setattr(storage, 'write_atomically', real_write)
-  built.clear()
-  token_cache.build(plan, bpe, str(resumed), SEED, progress=False)
-  assert built == list(range(2, count))  # shards 0 and 1 were complete: not tokenized again
-  assert cache_files(resumed) == expected  # every .npy, every json and the manifest, byte for byte
-  np.testing.assert_array_equal(all_tokens(resumed, 'train'), all_tokens(whole, 'train'))
+# ----------------------------------------------------------------------------- an independent reference
+def reference_documents(source: str, seed: int, carve: bool) -> dict[str, list[str]]:
+  """{split: document texts} by the rule of data/sources.py, written out here: the files (not blank)
+  keyed by their path relative to their folder, EVAL_FRACTION held out by SHA-256 of (seed, key)
+  (the last file when none falls there); a single file's tail from the first newline between two
+  printable ASCII characters after 95% of its bytes (a CRLF: before its '\\r')."""
+  paths = sorted(glob.glob(source.removeprefix('text:')))
+  texts = {os.path.basename(p): open(p, 'rb').read().decode().removeprefix('\ufeff') for p in paths}
+  texts = {key: text for key, text in texts.items() if text.strip()}
+  if not carve:
+    return {'all': list(texts.values())}
+  if len(texts) == 1:
+    [raw] = [open(p, 'rb').read() for p in paths]
+    match = re.compile(rb'[!-~](\r?)\n[!-~]').search(raw, int(len(raw) * 0.95))
+    cut = match.start(1) if match.group(1) else match.end() - 1
+    return {'train': [raw[:cut].decode()], 'valid': [raw[cut:].decode()]}
+  share = lambda key: int.from_bytes(hashlib.sha256(f'{seed}:{key}'.encode()).digest()[:8], 'big') / 2**64
+  valid = [key for key in texts if share(key) >= 0.95] or [list(texts)[-1]]
+  return {'train': [t for k, t in texts.items() if k not in valid], 'valid': [texts[k] for k in valid]}
 
 
-# ----------------------------------------------------------------------------- the same batches as in memory
+def reference_stream(documents: list[str], tokenizer) -> np.ndarray:
+  return np.asarray([i for text in documents for i in tokenizer.encode(text) + [tokenizer.eos_id]], np.int32)
+
+
 def write_one_file(path, lines=700) -> str:
   """One ~20 KB file of `lines` lines: in 4 KB shards, the held-out tail in the last."""
   support.write_corpus(str(path.parent / 'scratch'), files=1, lines=lines, seed=3)
@@ -127,15 +110,14 @@ def write_one_file(path, lines=700) -> str:
 
 @pytest.mark.parametrize('kind', ['bpe', 'char'])
 @pytest.mark.parametrize('layout', ['several files', 'one large file', 'named eval and test sources'])
-def test_batches_from_the_cache_equal_the_in_memory_path(layout, kind, tmp_path, monkeypatch):
-  # Small pieces: a shard's text reaches the tokenizer in several items, cut at safe places.
-  monkeypatch.setattr(token_cache, 'PIECE_BYTES', 300)
+def test_the_cached_streams_equal_an_independent_reference(layout, kind, tmp_path, monkeypatch):
+  # Small items: a shard's text reaches the tokenizer in several, cut at safe places.
+  monkeypatch.setattr(lm, 'PIECE_BYTES', 300)
   monkeypatch.setattr(token_cache, 'SAFE_CUT_SEARCH', 200)
-  monkeypatch.setattr(token_cache, 'LOOKAHEAD', 100, raising=False)
   overrides = {'tokenizer': kind, 'cache_shard_mb': 0.004}
   if layout == 'several files':
     source = support.write_corpus(str(tmp_path / 'corpus'), files=8, lines=60)
-    (tmp_path / 'corpus' / 'blank.txt').write_text('\ufeff\n \t\n\u00a0\r\n')  # no document, as in memory
+    (tmp_path / 'corpus' / 'blank.txt').write_text('\ufeff\n \t\n\u00a0\r\n')  # no document
   elif layout == 'one large file':
     source = write_one_file(tmp_path / 'corpus.txt')
   else:
@@ -145,25 +127,31 @@ def test_batches_from_the_cache_equal_the_in_memory_path(layout, kind, tmp_path,
   config = data_config(source, tmp_path / 'cache', **overrides)
   tokenizer, train, valid, test, caches = lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
   directory = tmp_path / 'cache' / caches['train']
+  jsons = shard_jsons(directory)
+  assert len(jsons) >= 3  # several shards
   if layout == 'one large file':
-    jsons = shard_jsons(directory)
-    assert len(jsons) >= 4 and all(set(j['tokens']) == {'train'} for j in jsons[:-1])
-    assert set(jsons[-1]['tokens']) == {'train', 'valid'}  # the tail, held out
-    assert sum(j['documents'].get('train', 0) for j in jsons) == 1  # the training text: one document, as in memory
+    assert len(jsons) >= 4 and all(set(j['lengths']) == {'train.tokens'} for j in jsons[:-1])
+    assert set(jsons[-1]['lengths']) == {'train.tokens', 'valid.tokens'}  # the tail, held out
+    assert sum(j['info']['documents'].get('train', 0) for j in jsons) == 1  # the training text: one document
 
-  train_documents, valid_documents, test_documents = lm.split_documents(config, SEED)
-  reference = {'train': train_documents, 'valid': valid_documents, 'test': test_documents}
+  carved = reference_documents(source, SEED, carve=layout != 'named eval and test sources')
+  reference = {'train': carved.get('train', carved.get('all')), 'valid': carved.get('valid')}
+  if layout == 'named eval and test sources':
+    reference['valid'] = reference_documents(overrides['eval_source'], SEED, carve=False)['all']
+    reference['test'] = reference_documents(overrides['test_source'], SEED, carve=False)['all']
+  else:
+    reference['test'] = reference['valid']
   cached = {'train': train, 'valid': valid, 'test': test}
-  streams = lm.lm_streams(config, str(tmp_path / 'run'), SEED)[1]
   for split in ('train', 'valid', 'test'):
-    stream = streams[split]
-    np.testing.assert_array_equal(stream.read(0, len(stream)), lm.token_stream(reference[split], tokenizer))
-    windows = lm.pack(reference[split], tokenizer, config.seq_len)
+    stream = reference_stream(reference[split], tokenizer)
+    windows = stream[:len(stream) // 33 * 33].reshape(-1, 33)
     assert len(cached[split]) == len(windows) > 8
     np.testing.assert_array_equal(np.stack([cached[split][i]['tokens'] for i in range(len(windows))]), windows)
-  windows = lm.pack(train_documents, tokenizer, config.seq_len)
+  windows = reference_stream(reference['train'], tokenizer)
+  windows = windows[:len(windows) // 33 * 33].reshape(-1, 33)
   for seed in (5, 6):
-    np.testing.assert_array_equal(draw(train, seed=seed), draw(as_examples(windows), seed=seed))
+    np.testing.assert_array_equal(draw(train, seed=seed),
+                                  draw(grain.MapDataset.source([{'tokens': row} for row in windows]), seed=seed))
 
 
 TRICKY_LINES = [
@@ -192,47 +180,97 @@ def tricky_text() -> str:
   return ''.join(lines)
 
 
+def items(corpus) -> list[str]:
+  """The texts the LM processor hands the tokenizer, every shard's in order."""
+  return [text for shard in corpus.shards for piece in shard for _, (text, _) in lm.Tokens().records(piece, {})]
+
+
 @pytest.mark.parametrize('kind', ['bpe', 'wordpiece', 'char'])
 def test_text_tokenized_in_pieces_gives_the_tokens_of_the_whole_document(kind, tmp_path, monkeypatch):
-  monkeypatch.setattr(token_cache, 'PIECE_BYTES', 48)
-  monkeypatch.setattr(token_cache, 'SAFE_CUT_SEARCH', 600)  # more than the long line
-  monkeypatch.setattr(token_cache, 'LOOKAHEAD', 100, raising=False)  # less than it
+  monkeypatch.setattr(lm, 'PIECE_BYTES', 48)
+  monkeypatch.setattr(token_cache, 'SAFE_CUT_SEARCH', 600)  # more than the long line: cut at safe newlines only
   text = tricky_text()
   path = tmp_path / 'tricky.txt'
   path.write_bytes(('\ufeff' + text).encode())  # a byte-order mark: not text
   tokenizer = tokenizers.train_tokenizer(kind, [text], 400)
-  plan = token_cache.plan_corpus(f'text:{path}', False, SEED, shard_bytes=1600)
-  pieces = [text for shard in plan.shards for piece in shard for _, text, _ in token_cache._texts(piece, SEED)]
-  assert len(plan.shards) >= 4 and len(pieces) >= 40  # cut into shards, and shards into pieces
+  corpus = build(f'text:{path}', tokenizer, tmp_path / 'cache', carve_valid=False, shard_bytes=1600)
+  pieces = items(corpus)
+  assert len(corpus.shards) >= 4 and len(pieces) >= 40  # cut into shards, and shards into pieces
   assert ''.join(pieces) == text
-  token_cache.build(plan, tokenizer, str(tmp_path / 'cache'), SEED, progress=False)
-  expected = tokenizer.encode(text) + [tokenizer.eos_id]
-  np.testing.assert_array_equal(all_tokens(tmp_path / 'cache', 'all'), expected)
+  np.testing.assert_array_equal(all_tokens(tmp_path / 'cache', 'all'), tokenizer.encode(text) + [tokenizer.eos_id])
   cuts = np.cumsum([len(piece) for piece in pieces])[:-1]
   assert any('\r\n' in text[cut - 2:cut + 2] for cut in cuts)  # some cuts fell at a CRLF
 
 
 def test_a_stretch_without_a_safe_newline_is_cut_at_a_character_boundary(tmp_path, monkeypatch):
   """No byte lost, no character split: the characters' tokens are the whole text's."""
-  monkeypatch.setattr(token_cache, 'PIECE_BYTES', 50)
+  monkeypatch.setattr(lm, 'PIECE_BYTES', 50)
   monkeypatch.setattr(token_cache, 'SAFE_CUT_SEARCH', 30)
-  monkeypatch.setattr(token_cache, 'LOOKAHEAD', 20, raising=False)
   text = ('caf\u00e9 \u6771\u4eac\U0001f642 x' * 200 + '\n') * 3
   path = tmp_path / 'long.txt'
   path.write_text(text, encoding='utf-8')
-  plan = token_cache.plan_corpus(f'text:{path}', False, SEED, shard_bytes=1000)
-  pieces = [text for shard in plan.shards for piece in shard for _, text, _ in token_cache._texts(piece, SEED)]
-  assert len(plan.shards) >= 10 and ''.join(pieces) == text
   tokenizer = tokenizers.train_tokenizer('char', [text], 0)
-  token_cache.build(plan, tokenizer, str(tmp_path / 'cache'), SEED, progress=False)
+  corpus = build(f'text:{path}', tokenizer, tmp_path / 'cache', carve_valid=False, shard_bytes=1000)
+  assert len(corpus.shards) >= 10 and ''.join(items(corpus)) == text
   np.testing.assert_array_equal(all_tokens(tmp_path / 'cache', 'all'), tokenizer.encode(text) + [tokenizer.eos_id])
+
+
+# ----------------------------------------------------------------------------- resumable building
+class Counted(lm.Tokens):
+  """The LM processor, noting the shards it encodes."""
+
+  def __init__(self, tokenizer, built):
+    super().__init__(tokenizer)
+    self.built = built
+
+  def encode(self, split, records, index, info):
+    self.built.append(index)
+    return super().encode(split, records, index, info)
+
+
+def test_an_interrupted_build_resumes_at_its_first_unfinished_shard_and_equals_a_build_in_one_go(
+    corpus, bpe, tmp_path, monkeypatch):
+  whole = tmp_path / 'whole'
+  plan = build(corpus, bpe, whole)
+  count = len(plan.shards)
+  assert count >= 10
+  expected = cache_files(whole)
+  assert len([name for name in expected if name.endswith('.npy')]) == count  # one split per shard here
+
+  built, real_write = [], storage.write_atomically
+
+  def interrupted_before_the_json_of_shard_2(location, data):
+    if os.path.basename(str(location)) == '00002.json':
+      raise KeyboardInterrupt  # Ctrl-C after shard 2's tokens were written, before the json that completes it
+    return real_write(location, data)
+
+  monkeypatch.setattr(storage, 'write_atomically', interrupted_before_the_json_of_shard_2)
+  resumed = tmp_path / 'resumed'
+  with pytest.raises(KeyboardInterrupt):
+    build(corpus, bpe, resumed, processor=Counted(bpe, built))
+  assert built == [0, 1, 2]
+  assert sorted(os.listdir(resumed)) == ['00000.json', '00000.train.tokens.npy', '00001.json',
+                                         '00001.train.tokens.npy', '00002.train.tokens.npy', 'manifest.json']
+  # What a killed build leaves: a shard's arrays without its json (made garbage here) and a
+  # temporary file. Neither is read: the cache is incomplete, and the build redoes shard 2.
+  (resumed / '00002.train.tokens.npy').write_bytes(b'not an array')
+  (resumed / '00003.json.4242.tmp').write_text(json.dumps({'lengths': {'train.tokens': 1}, 'info': {}}))
+  with pytest.raises(DataError, match=re.escape(f'The token cache {resumed} is incomplete or corrupt (00002.json: ')):
+    token_cache.Cache(str(resumed))
+
+  monkeypatch.setattr(storage, 'write_atomically', real_write)
+  built.clear()
+  build(corpus, bpe, resumed, processor=Counted(bpe, built))
+  assert built == list(range(2, count))  # shards 0 and 1 were complete: not tokenized again
+  assert cache_files(resumed) == expected  # every .npy, every json and the manifest, byte for byte
+  np.testing.assert_array_equal(all_tokens(resumed, 'train'), all_tokens(whole, 'train'))
 
 
 # ----------------------------------------------------------------------------- a restart tokenizes nothing
 def test_a_restart_and_another_workdir_reuse_the_tokenizer_and_the_cache_without_tokenizing(
     corpus, tmp_path, monkeypatch):
   encoded, trained = [], []
-  real_encode_batch, real_train = tokenizers.HFTokenizer.encode_batch, lm.train_tokenizer
+  real_encode_batch, real_train = tokenizers.HFTokenizer.encode_batch, tokenizers.train_tokenizer
 
   def counted_encode_batch(self, texts):
     encoded.append(len(texts))
@@ -243,10 +281,11 @@ def test_a_restart_and_another_workdir_reuse_the_tokenizer_and_the_cache_without
     return real_train(*args, **kwargs)
 
   monkeypatch.setattr(tokenizers.HFTokenizer, 'encode_batch', counted_encode_batch)
-  monkeypatch.setattr(lm, 'train_tokenizer', counted_train)
+  monkeypatch.setattr(tokenizers, 'train_tokenizer', counted_train)
   config = data_config(corpus, tmp_path / 'cache', tokenizer='bpe')
   first = lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
   assert trained == ['bpe'] and sum(encoded) >= 8  # every file's text
+  assert all(name.startswith(f'lm-v{token_cache.FORMAT}-') for name in first[4].values())  # never an older format's
   rows = lambda datasets: [np.stack([d[i]['tokens'] for i in range(len(d))]) for d in datasets[1:4]]
   for workdir in ('run', 'other-run'):  # a restart; a new run on the same corpus
     encoded.clear()
@@ -257,13 +296,42 @@ def test_a_restart_and_another_workdir_reuse_the_tokenizer_and_the_cache_without
     for a, b in zip(rows(again), rows(first)):
       np.testing.assert_array_equal(a, b)
   assert (tmp_path / 'other-run' / tokenizers.TOKENIZER_FILE).read_text() == first[0].to_json()
-  [shared] = glob.glob(str(tmp_path / 'cache' / 'tokenizers' / '*' / tokenizers.TOKENIZER_FILE))
+  [shared] = glob.glob(str(tmp_path / 'cache' / f'tokenizers-v{token_cache.FORMAT}' / '*' / tokenizers.TOKENIZER_FILE))
   assert open(shared).read() == first[0].to_json()
   # Other tokenizer settings: another tokenizer, another cache.
   other = lm.lm_datasets(data_config(corpus, tmp_path / 'cache', tokenizer='bpe', vocab_size=280),
                          str(tmp_path / 'third-run'), SEED)
   assert trained == ['bpe', 'bpe'] and other[4]['train'] != first[4]['train']
-  assert len(os.listdir(tmp_path / 'cache' / 'tokenizers')) == 2
+  assert len(glob.glob(str(tmp_path / 'cache' / f'tokenizers-v{token_cache.FORMAT}' / '*' / 'tokenizer.json'))) == 2
+
+
+TRAIN_ONE_TOKENIZER = textwrap.dedent('''
+    import os, sys, time
+    from configs.base import base_config
+    from data import token_cache
+    cache_dir, workdir, marks = sys.argv[1:]
+    config = base_config('test').data
+    config.update({'cache_dir': cache_dir, 'tokenizer': 'bpe', 'vocab_size': 300})
+
+    def sample():
+      open(os.path.join(marks, f'trained-by-{os.getpid()}'), 'w').close()
+      time.sleep(3)  # long enough that the other process asks for the tokenizer meanwhile
+      yield 'alpha beta gamma delta ' * 200
+
+    print(token_cache.shared_tokenizer(config, workdir, {'corpus': 'one'}, sample).to_json())
+''')
+
+
+def test_two_processes_needing_one_new_tokenizer_train_it_once(tmp_path):
+  (tmp_path / 'marks').mkdir()
+  processes = [subprocess.Popen([sys.executable, '-c', TRAIN_ONE_TOKENIZER, str(tmp_path / 'cache'),
+                                 str(tmp_path / f'run{i}'), str(tmp_path / 'marks')], cwd=support.REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outputs = [process.communicate(timeout=120) for process in processes]
+  for process, (_, stderr) in zip(processes, outputs):
+    assert process.returncode == 0, stderr[-3000:]
+  assert len(os.listdir(tmp_path / 'marks')) == 1  # one trained; the other waited on the lock and loaded it
+  assert outputs[0][0] == outputs[1][0]
 
 
 # ----------------------------------------------------------------------------- bad input: one line each
@@ -277,7 +345,8 @@ def test_a_truncated_or_resized_shard_is_one_error_naming_it_and_how_to_rebuild(
   config = data_config(corpus, tmp_path / 'cache')
   caches = lm.lm_datasets(config, str(tmp_path / 'run'), SEED)[4]
   directory = tmp_path / 'cache' / caches['train']
-  shard = directory / '00003.train.npy'
+  shard = next(directory / f'{i:05d}.train.tokens.npy' for i in range(3, 20)
+               if (directory / f'{i:05d}.train.tokens.npy').exists())
   original = shard.read_bytes()
   shard.write_bytes(original[:len(original) // 2])  # a copy cut short
   with pytest.raises(DataError) as error:
@@ -289,12 +358,13 @@ def test_a_truncated_or_resized_shard_is_one_error_naming_it_and_how_to_rebuild(
   with pytest.raises(DataError) as error:
     lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
   assert one_line(error) == (
-      f'Token-cache shard {shard} holds {len(tokens) - 1} uint16 tokens where its json says {len(tokens)} uint16: '
-      f'it is corrupt; delete {directory} and rerun (or run --mode=prepare) to rebuild it.')
-  (directory / '00003.json').write_text('{"tokens": ')  # a json cut short
+      f'Token-cache shard {shard} holds {len(tokens) - 1} rows where its json says {len(tokens)}: it is corrupt; '
+      f'delete {directory} and rerun (or run --mode=prepare) to rebuild it.')
+  json_path = directory / shard.name.replace('.train.tokens.npy', '.json')
+  json_path.write_text('{"lengths": ')  # a json cut short
   with pytest.raises(DataError) as error:
     lm.lm_datasets(config, str(tmp_path / 'run'), SEED)
-  assert one_line(error).startswith(f'The token cache {directory} is incomplete or corrupt (00003.json: ')
+  assert one_line(error).startswith(f'The token cache {directory} is incomplete or corrupt ({json_path.name}: ')
   assert one_line(error).endswith('delete that directory and rerun (or run --mode=prepare) to rebuild it.')
 
 
@@ -302,7 +372,7 @@ def test_a_corrupt_shard_ends_launch_with_one_error_line(corpus, tmp_path):
   overrides = {'data.source': corpus, 'data.cache_dir': str(tmp_path / 'cache'), 'data.cache_shard_mb': 0.002}
   config = support.tiny_gpt_config(corpus, **overrides)
   caches = lm.lm_datasets(config.data, str(tmp_path / 'run'), config.seed)[4]
-  shard = tmp_path / 'cache' / caches['train'] / '00001.train.npy'
+  shard = tmp_path / 'cache' / caches['train'] / '00001.train.tokens.npy'
   shard.write_bytes(shard.read_bytes()[:100])
   result = support.launch(['--mode=prepare', '--config=configs/gpt.py:tiny', *support.override_args(overrides)])
   assert result.returncode == 1, result.stderr[-3000:]
@@ -326,11 +396,10 @@ def test_a_cache_dir_that_cannot_be_written_or_is_empty_is_one_error(corpus, tmp
                              f'(default {token_cache.DEFAULT_CACHE_DIR}).')
 
 
-@pytest.mark.parametrize('full_at', ['00002.train.npy', '00002.json'])
+@pytest.mark.parametrize('full_at', ['00002.train.tokens.npy', '00002.json'])
 def test_a_full_disk_is_one_error_and_the_finished_shards_survive(full_at, corpus, bpe, tmp_path, monkeypatch):
-  plan = token_cache.plan_corpus(corpus, True, SEED, shard_bytes=SHARD_BYTES)
   whole = tmp_path / 'whole'
-  token_cache.build(plan, bpe, str(whole), SEED, progress=False)
+  build(corpus, bpe, whole)
   real_write = storage.write_atomically
 
   def disk_full_at_shard_2(location, data):
@@ -341,17 +410,17 @@ def test_a_full_disk_is_one_error_and_the_finished_shards_survive(full_at, corpu
   monkeypatch.setattr(storage, 'write_atomically', disk_full_at_shard_2)
   directory = tmp_path / 'cache'
   with pytest.raises(DataError) as error:
-    token_cache.build(plan, bpe, str(directory), SEED, progress=False)
+    build(corpus, bpe, directory)
   assert one_line(error) == (
       f'The disk of {directory / full_at} is full while building the token cache: the finished shards are kept; '
       'free space (or set --config.data.cache_dir elsewhere) and rerun to build the rest.')
   assert not glob.glob(str(directory / '*.tmp'))
   for index in (0, 1):
-    for name in (f'0000{index}.json', f'0000{index}.train.npy'):
+    for name in (f'0000{index}.json', f'0000{index}.train.tokens.npy'):
       assert (directory / name).read_bytes() == (whole / name).read_bytes()
   assert not (directory / '00002.json').exists()
   monkeypatch.setattr(storage, 'write_atomically', real_write)
-  token_cache.build(plan, bpe, str(directory), SEED, progress=False)  # space freed: the rest is built
+  build(corpus, bpe, directory)  # space freed: the rest is built
   assert cache_files(directory) == cache_files(whole)
 
 
@@ -360,21 +429,22 @@ BUILD_AND_DRAW = textwrap.dedent('''
     import sys
     import grain
     import numpy as np
-    from data import batching, token_cache, tokenizers
+    from data import batching, lm, token_cache, tokenizers
     source, tokenizer_dir, directory, index, out = sys.argv[1:]
-    corpus = token_cache.plan_corpus(source, True, {seed}, shard_bytes={shard_bytes})
-    token_cache.build(corpus, tokenizers.load_tokenizer(tokenizer_dir), directory, {seed}, process_index=int(index),
-                      process_count=2, progress=False)
-    examples = grain.MapDataset.source(token_cache.Windows(token_cache.TokenStream(directory, 'train'), 33, 33))
+    corpus, carve, _ = lm.plan_corpus(source, True, {seed}, 'train', {shard_bytes})
+    tokenizer = tokenizers.load_tokenizer(tokenizer_dir)
+    token_cache.build(directory, corpus, lm.Tokens(tokenizer), carve, {{}}, process_index=int(index), process_count=2,
+                      progress=False)
+    stream = token_cache.Stream(token_cache.Cache(directory), 'train')
+    examples = grain.MapDataset.source(token_cache.Windows(stream, 33, 33))
     batches = batching.Shuffled().global_batches(examples, 8, 5, int(index), 2)
     np.save(out, np.stack([batches[b]['tokens'] for b in range(6)]))
 ''')
 
 
 def test_two_processes_build_half_of_the_shards_each_and_draw_the_global_batches(corpus, bpe, tmp_path):
-  plan = token_cache.plan_corpus(corpus, True, SEED, shard_bytes=SHARD_BYTES)
   one = tmp_path / 'one-process'
-  token_cache.build(plan, bpe, str(one), SEED, progress=False)
+  plan = build(corpus, bpe, one)
   bpe.save(str(tmp_path / 'tokenizer'))
   two = tmp_path / 'two-processes'
   script = BUILD_AND_DRAW.format(seed=SEED, shard_bytes=SHARD_BYTES)
@@ -393,8 +463,31 @@ def test_two_processes_build_half_of_the_shards_each_and_draw_the_global_batches
   # Each process drew its rows of the global batches: side by side, the batches one process draws.
   rows = [np.load(tmp_path / f'rows{i}.npy') for i in range(2)]
   assert rows[0].shape == (6, 4, 33)
-  examples = grain.MapDataset.source(token_cache.Windows(token_cache.TokenStream(str(one), 'train'), 33, 33))
+  stream = token_cache.Stream(token_cache.Cache(str(one)), 'train')
+  examples = grain.MapDataset.source(token_cache.Windows(stream, 33, 33))
   np.testing.assert_array_equal(np.concatenate(rows, axis=1), draw(examples, seed=5))
+
+
+# ----------------------------------------------------------------------------- reading rows of several shards
+def test_rows_take_the_shards_in_turn(tmp_path):
+  """Row i of a split is the i-th of the round-robin order over its shards (shards of 3, 0, 5, 1 rows
+  here), and a limit keeps the first rows of that order."""
+  counts = [3, 0, 5, 1]
+  lengths = [{'lengths': {'train.x': n} if n else {}, 'info': {}} for n in counts]
+  os.makedirs(tmp_path / 'cache')
+  (tmp_path / 'cache' / 'manifest.json').write_text(json.dumps({'format': token_cache.FORMAT, 'shards': 4}))
+  for shard, (n, entry) in enumerate(zip(counts, lengths)):
+    (tmp_path / 'cache' / f'{shard:05d}.json').write_text(json.dumps(entry))
+    if n:
+      np.save(tmp_path / 'cache' / f'{shard:05d}.train.x.npy', np.arange(n) + 10 * shard)
+  expected = [10 * shard + row for row in range(5) for shard, n in enumerate(counts) if row < n]
+  assert expected == [0, 20, 30, 1, 21, 2, 22, 23, 24]
+  cache = token_cache.Cache(str(tmp_path / 'cache'))
+  for limit in (0, 2, 5, 9):
+    rows = token_cache.Rows(cache, 'train', ['x'], limit)
+    assert [int(rows[i]['x']) for i in range(len(rows))] == expected[:limit or None]
+    taken = expected[:limit or None]
+    assert rows.prefix_counts().tolist() == [sum(value // 10 == shard for value in taken) for shard in range(4)]
 
 
 # ----------------------------------------------------------------------------- a resume onto another cache

@@ -2,7 +2,7 @@
 data, evaluation and prediction of labels.
 
 Data: `data.classification` (bbc_news, tsv:<path>, tfds:), encoded as `[CLS] a [SEP] (b [SEP])`
-(tsv: and tfds: read from token caches, bbc_news in memory); the label names are those of the
+and read from example caches; the label names are those of the
 training split, sorted, and become part of the model config.
 Evaluation scores the eval and test splits (`eval/accuracy`, `eval/macro_f1`, `test/...`) and
 writes the confusion matrix (classification.json and confusion.png).
@@ -19,32 +19,18 @@ import numpy as np
 
 import storage
 from data import classification
-from data.lm import get_tokenizer
 from train import task as task_lib
 
 
 def classification_data(data_config, workdir: str, tokenizer=None) -> tuple[task_lib.Datasets, object, tuple[str, ...]]:
   """(datasets, tokenizer, label names): the given tokenizer, the run's saved one, or one trained
-  on the training texts; the label names are those of the training split, sorted. tsv: and tfds:
-  sources are read from token caches (data/classification.py, cached_texts), built when missing;
-  bbc_news is encoded in memory."""
-  if classification.cacheable(data_config):
-    tokenizer, splits, labels, caches = classification.cached_texts(data_config, workdir, tokenizer,
-                                                                    jax.process_index(), jax.process_count())
-    source = grain.MapDataset.source
-    return task_lib.Datasets(train=source(splits['train']), eval=source(splits['valid']), test=source(splits['test']),
-                             caches=caches), tokenizer, labels
-  splits = classification.load_splits(data_config)
-  labels = tuple(classification.label_names(splits['train']))
-  if tokenizer is None:
-    texts = (t for e in splits['train'] for t in (e.text, e.text_b) if t)
-    tokenizer = get_tokenizer(data_config, workdir, texts)
-  else:
-    tokenizer.save(workdir)
-  classification.check_labels(labels)
-  encode = lambda part: grain.MapDataset.source(
-      classification.encode_examples(splits[part], tokenizer, list(labels), data_config.seq_len, split=part))
-  return task_lib.Datasets(train=encode('train'), eval=encode('valid'), test=encode('test')), tokenizer, labels
+  on the training texts; the label names are those of the training split, sorted. Every source is
+  read from an example cache (data/classification.py, labelled_datasets), built when missing."""
+  tokenizer, splits, labels, caches = classification.labelled_datasets(data_config, workdir, tokenizer,
+                                                                       jax.process_index(), jax.process_count())
+  source = grain.MapDataset.source
+  return task_lib.Datasets(train=source(splits['train']), eval=source(splits['valid']), test=source(splits['test']),
+                           caches=caches), tokenizer, labels
 
 
 def batch_logits(logits_fn: Callable, examples, batch_size: int) -> np.ndarray:

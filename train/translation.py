@@ -26,11 +26,12 @@ import numpy as np
 from flax import nnx
 
 import storage
-from data import sources, translation
+from data import translation
 from models import decoding
 from train import task as task_lib
 
 SHOWN_TRANSLATIONS = 5
+EVAL_CHUNK = 4096  # test pairs translated and scored at a time
 
 
 class TranslationTask(task_lib.Task):
@@ -39,28 +40,15 @@ class TranslationTask(task_lib.Task):
   # ------------------------------------------------------------------ data
   @classmethod
   def prepare(cls, config, workdir, platform=None):
-    """The encoded splits; `family_data` holds the test split's (source, reference) text pairs.
-    tsv: and tfds: pairs are read from token caches (data/translation.py, cached_pairs), built
-    when missing; the generated numbers_en_fr is encoded in memory."""
-    data = config.data
-    if translation.cacheable(data):
-      tokenizer, splits, test_pairs, caches = translation.cached_pairs(data, workdir, config.seed,
-                                                                       jax.process_index(), jax.process_count())
-      datasets = task_lib.Datasets(train=grain.MapDataset.source(splits['train']),
-                                   eval=grain.MapDataset.source(splits['valid']),
-                                   test=grain.MapDataset.source(splits['test']), caches=caches)
-      return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets,
-                                 family_data=tuple(test_pairs))
-    splits = translation.load_pairs(data, config.seed)
-    tokenizer = translation.get_tokenizer(data, workdir, splits.train)
-    encode = lambda pairs, split: translation.as_dataset(translation.encode_pairs(
-        tokenizer, pairs, data.seq_len, data.seq_len, drop_long=split == 'train', split=split)[0])
-    train = encode(splits.train, 'train')
-    if not len(train):
-      raise sources.DataError(f'No training pair fits in data.seq_len={data.seq_len} tokens; raise data.seq_len.')
-    datasets = task_lib.Datasets(train=train, eval=encode(splits.validation, 'valid'), test=encode(splits.test, 'test'))
+    """The encoded splits, read from example caches (data/translation.py, pair_datasets) built when
+    missing; `family_data` is the test split's (source, reference) texts, read as they are scored."""
+    tokenizer, splits, test_pairs, caches = translation.pair_datasets(config.data, workdir, config.seed,
+                                                                      jax.process_index(), jax.process_count())
+    datasets = task_lib.Datasets(train=grain.MapDataset.source(splits['train']),
+                                 eval=grain.MapDataset.source(splits['valid']),
+                                 test=grain.MapDataset.source(splits['test']), caches=caches)
     return dataclasses.replace(cls.without_data(config, tokenizer, platform), datasets=datasets,
-                               family_data=tuple(splits.test))
+                               family_data=test_pairs)
 
   def example_batch(self, batch_size):
     rng = np.random.default_rng(0)
@@ -111,27 +99,46 @@ class TranslationTask(task_lib.Task):
 
   # ------------------------------------------------------------------ evaluation
   def evaluate(self, model, workdir):
-    import sacrebleu
+    """The test split EVAL_CHUNK pairs at a time (nothing held but one chunk): greedy and beam
+    translations, sacreBLEU from the chunks' summed statistics (equal to `corpus_bleu` over all),
+    exact matches, the teacher-forced loss and accuracy; every translation to translations.json."""
+    from sacrebleu.metrics import BLEU
     test, test_pairs = self.prepared.datasets.test, self.prepared.family_data
-    source = np.stack([test[i]['source'] for i in range(len(test))])
-    references = [target for _, target in test_pairs]
-    results, translations, ids = {}, {}, {}
-    for name, beam in (('greedy', 1), ('beam', int(self.config.decode.beam_size))):
-      ids[name] = self.translate_ids(model, source, beam)
-      translations[name] = [self.tokenizer.decode(row) for row in ids[name]]
-      results[f'test/bleu_{name}'] = sacrebleu.corpus_bleu(translations[name], [references]).score
-      results[f'test/exact_match_{name}'] = float(np.mean([h == r for h, r in zip(translations[name], references)]))
+    beam_size = int(self.config.decode.beam_size)
+    scores = {name: [np.zeros(4, np.int64), np.zeros(4, np.int64), 0, 0, 0] for name in ('greedy', 'beam')}
+    shown, images = [], {}
+    with storage.path(os.path.join(workdir, 'translations.json')).open('w') as f:
+      f.write('[')
+      for start in range(0, len(test), EVAL_CHUNK):
+        indices = range(start, min(start + EVAL_CHUNK, len(test)))
+        source, pairs = np.stack([test[i]['source'] for i in indices]), [test_pairs[i] for i in indices]
+        translations = {}
+        for name, beam in (('greedy', 1), ('beam', beam_size)):
+          ids = self.translate_ids(model, source, beam)
+          translations[name] = [self.tokenizer.decode(row) for row in ids]
+          score, total = BLEU().corpus_score(translations[name], [[r for _, r in pairs]]), scores[name]
+          total[0] += score.counts
+          total[1] += score.totals
+          total[2:] = (total[2] + score.sys_len, total[3] + score.ref_len,
+                       total[4] + sum(h == r for h, (_, r) in zip(translations[name], pairs)))
+        if not start:
+          images = self.attention_images(model, source, ids, workdir)
+          shown = list(zip(pairs, translations['beam']))[:SHOWN_TRANSLATIONS]
+        f.write(',\n'.join(json.dumps({'source': s, 'reference': r, 'greedy': g, 'beam': b}, ensure_ascii=False)
+                            for (s, r), g, b in zip(pairs, translations['greedy'], translations['beam'])) +
+                (',\n' if indices[-1] + 1 < len(test) else ''))
+      f.write(']\n')
+    results = {}
+    for name, (correct, total, sys_len, ref_len, exact) in scores.items():
+      results[f'test/bleu_{name}'] = BLEU.compute_bleu(correct, total, sys_len, ref_len, smooth_method='exp').score
+      results[f'test/exact_match_{name}'] = exact / max(len(test), 1)
     results['test/bleu'] = results['test/bleu_beam']
     results.update(self.teacher_forced_metrics(model, test))
-    with storage.path(os.path.join(workdir, 'translations.json')).open('w') as f:
-      json.dump([{'source': s, 'reference': r, 'greedy': g, 'beam': b} for (s, r), g, b in
-                 zip(test_pairs, translations['greedy'], translations['beam'])], f, indent=1, ensure_ascii=False)
-    print(f'Test ({len(references)} pairs): BLEU {results["test/bleu"]:.2f} (beam {self.config.decode.beam_size}), '
+    print(f'Test ({len(test)} pairs): BLEU {results["test/bleu"]:.2f} (beam {beam_size}), '
           f'{results["test/bleu_greedy"]:.2f} (greedy); exact match {results["test/exact_match_beam"]:.3f}; '
           f'token accuracy {results["test/accuracy"]:.4f}', flush=True)
-    for (s, r), b in list(zip(test_pairs, translations['beam']))[:SHOWN_TRANSLATIONS]:
+    for (s, r), b in shown:
       print(f'  {s}\n    -> {b}\n    (reference: {r})', flush=True)
-    images = self.attention_images(model, source, ids['beam'], workdir)
     if images:
       results['images'] = images
       print('Attention heatmaps: ' + ', '.join(images.values()), flush=True)

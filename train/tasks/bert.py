@@ -138,10 +138,10 @@ class Task(task_lib.Task):
 
   @staticmethod
   def _pretraining_datasets(config, workdir, tokenizer):
-    """Sentence pairs read from example caches (data/bert_data.py, cached_pretraining_examples), built when missing."""
+    """Sentence pairs read from example caches (data/bert_data.py, pretraining_datasets), built when missing."""
     data, seed = config.data, config.seed
-    tokenizer, examples, caches = bert_data.cached_pretraining_examples(data, workdir, seed, tokenizer,
-                                                                        jax.process_index(), jax.process_count())
+    tokenizer, examples, caches = bert_data.pretraining_datasets(data, workdir, seed, tokenizer, jax.process_index(),
+                                                                 jax.process_count())
     masker = bert_data.Masker(tokenizer, data.mask_prob, data.max_predictions)
     print(f'BERT pretraining: {len(examples["train"])} train and {len(examples["valid"])} eval sentence pairs, '
           f'vocabulary {tokenizer.vocab_size}.', flush=True)
@@ -265,7 +265,7 @@ class Task(task_lib.Task):
 
   def _encode_lines(self, lines):
     """[N, L] tokens, segments, valid for 'text' or 'a<TAB>b' lines (L = the longest, <= seq_len)."""
-    from data.classification import encode_pair
+    from data.tokenizers import encode_pair
     tok = self.tokenizer
     ids = []
     for line in lines:
