@@ -38,7 +38,7 @@ def path(location: str | os.PathLike) -> epath.Path:
   """`location` (a local path or gs://bucket/...) as an `epath.Path`; the first gs:// one of a
   process checks that gcsfs and credentials are there (StorageError otherwise)."""
   if is_remote(location):
-    _check_gcs_access()
+    check_gcs_access()
   return epath.Path(location)
 
 
@@ -51,7 +51,7 @@ def emulator_environment(url: str) -> dict[str, str]:
 
 
 @functools.cache
-def _check_gcs_access() -> None:
+def check_gcs_access() -> None:
   try:
     import gcsfs  # noqa: F401 - epath's gs:// backend without TensorFlow
   except ImportError as e:

@@ -135,7 +135,7 @@ def test_missing_credentials_are_one_clear_line(tmp_path):
 def test_missing_gcsfs_is_a_storage_error(monkeypatch):
   monkeypatch.setitem(sys.modules, 'gcsfs', None)  # import gcsfs raises ImportError
   with pytest.raises(storage.StorageError, match='needs gcsfs'):
-    storage._check_gcs_access.__wrapped__()
+    storage.check_gcs_access.__wrapped__()
 
 
 def test_a_gs_token_cache_is_built_in_the_bucket_and_read_through_a_lazily_filled_local_mirror(

@@ -73,7 +73,7 @@ def test_auto_choices_resolve_for_the_platform_compiled_for():
 
 
 def test_tpu_slice_names_become_libtpu_topologies():
-  topology = lambda name: targets._tpu_topology(name, *name.split('-')[:1], int(name.split('-')[1]))
+  topology = lambda name: targets.tpu_topology(name, *name.split('-')[:1], int(name.split('-')[1]))
   assert [topology(n) for n in ('v5e-8', 'v5e-16', 'v5p-16', 'v4-32', 'v4-128')] == \
       ['v5e:2x4', 'v5e:4x4', 'v5p:2x2x2', 'v4:2x2x4', 'v4:4x4x4']
   with pytest.raises(UserError, match='power of two'):

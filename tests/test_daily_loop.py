@@ -174,7 +174,7 @@ def test_a_broken_latest_checkpoint_is_skipped_and_metrics_are_not_repeated(corp
 def test_a_full_disk_during_a_checkpoint_is_one_error_and_the_rerun_resumes_from_the_last_intact_step(
     corpus, tmp_path, monkeypatch, capfd, caplog):
   from errors import UserError
-  from orbax.checkpoint._src.path import async_path  # writes the commit marker, where a real disk filled
+  from orbax.checkpoint._src.path import async_path  # writes the commit marker; no public alias in Orbax 0.12.8
   workdir = str(tmp_path / 'run')
   real_write_text = async_path.write_text
 

@@ -1,8 +1,11 @@
 """Layers import downward only (README, Architecture): checked on every import statement of the
-repo's packages, inside functions too, so that an upward import fails here and not in review; and
-no two modules of the repo import each other, directly or around a longer circle."""
+repo's packages, inside functions too, so that an upward import fails here and not in review; no
+two modules of the repo import each other, directly or around a longer circle; and no module uses
+another module's private names."""
 import ast
+import functools
 import os
+import re
 
 import pytest
 
@@ -17,11 +20,23 @@ ALLOWED = {  # package -> the repo's top-level modules and packages it may impor
 }
 
 
+def parsed(path: str) -> tuple[ast.AST, list[str]]:
+  """A file's syntax tree and lines, read once for every check (again when the file changes)."""
+  status = os.stat(path)
+  return _parsed(path, status.st_mtime_ns, status.st_size)
+
+
+@functools.cache
+def _parsed(path: str, mtime: int, size: int) -> tuple[ast.AST, list[str]]:
+  source = open(path).read()
+  return ast.parse(source), source.splitlines()
+
+
 def repo_imports(path: str) -> set[str]:
   """The repo's top-level names that the file at `path` imports."""
   local = {name[:-3] if name.endswith('.py') else name for name in os.listdir(ROOT)}
   names = set()
-  for node in ast.walk(ast.parse(open(path).read())):
+  for node in ast.walk(parsed(path)[0]):
     if isinstance(node, ast.Import):
       names |= {alias.name.split('.')[0] for alias in node.names}
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -67,7 +82,7 @@ def imported_modules(name: str, path: str, modules: dict[str, str]) -> set[str]:
   be a circle."""
   package = name if path.endswith('__init__.py') else name.rpartition('.')[0]
   found = set()
-  for node in ast.walk(ast.parse(open(path).read())):
+  for node in ast.walk(parsed(path)[0]):
     if isinstance(node, ast.Import):
       candidates = [alias.name for alias in node.names]
     elif isinstance(node, ast.ImportFrom):
@@ -117,6 +132,17 @@ def test_no_modules_import_each_other():
   assert cycle is None, f'modules import each other: {" -> ".join(cycle)}; move what both need into one of them.'
 
 
+DATA_FAMILIES = {'data.lm', 'data.translation', 'data.classification', 'data.bert_data'}
+
+
+def test_data_families_plug_into_the_cache_and_know_no_other_family():
+  """The cache (data/token_cache.py) and what every family shares import no family; a family imports
+  no other family (what two need is in sources, tokenizers or the cache)."""
+  graph = import_graph(ROOT)
+  for module in DATA_FAMILIES | {'data.token_cache', 'data.sources', 'data.tokenizers', 'data.batching'}:
+    assert not graph[module] & (DATA_FAMILIES - {module}), f'{module} imports {graph[module] & DATA_FAMILIES}'
+
+
 def test_the_check_sees_a_circle_of_imports(tmp_path):
   package = tmp_path / 'pkg'
   package.mkdir()
@@ -127,3 +153,64 @@ def test_the_check_sees_a_circle_of_imports(tmp_path):
   assert find_cycle(import_graph(str(tmp_path))) == ['pkg.a', 'pkg.b', 'pkg.c', 'pkg.a']
   (package / 'c.py').write_text('import json\n')
   assert find_cycle(import_graph(str(tmp_path))) is None
+
+
+# ----------------------------------------------------------------------------- private names
+# A private name used from outside its module may change or vanish without notice. Where a library
+# has no public equivalent, the import's line says so with the version it was checked on
+# ('# no public alias in Orbax 0.12'), and is allowed.
+CHECKED_PRIVATE = re.compile(r'#.*\bpublic\b.*\d+\.\d+')
+# The sweep half of issue #34 replaces this import (named there): listed here, not fixed here.
+PENDING = {('train/sweep_study.py', 'optuna.storages._heartbeat'),
+           ('train/sweep_study.py', 'optuna.storages._heartbeat.BaseHeartbeat')}
+
+
+def private(name: str) -> bool:
+  return name.startswith('_') and not (name.startswith('__') and name.endswith('__'))
+
+
+def private_uses(path: str, root: str = ROOT) -> list[str]:
+  """'<line>: <what>' for each private name the file at `path` takes from another module: `from m
+  import _x`, a private module (`import a._b`, `from a._b import x`), or `m._x` where `m` is a module
+  the file imported (a repo module imported by `from pkg import m`, or any `import m`)."""
+  tree, lines = parsed(path)
+  modules = module_files(root)
+  imported, found = set(), []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+      imported |= {alias.asname or alias.name.split('.')[0] for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      names = [node.module] + [f'{node.module}.{alias.name}' for alias in node.names]
+      imported |= {alias.asname or alias.name for alias in node.names if f'{node.module}.{alias.name}' in modules}
+    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and private(node.attr):
+      names = [f'{node.value.id}.{node.attr}'] if node.value.id in imported else []
+    else:
+      continue
+    for name in names:
+      if any(private(part) for part in name.split('.')) and not CHECKED_PRIVATE.search(lines[node.lineno - 1]):
+        found.append(f'{node.lineno}: {name}')
+  return found
+
+
+def test_no_module_uses_another_modules_private_names():
+  used = {}
+  for name, path in module_files(ROOT).items():
+    relative = os.path.relpath(path, ROOT)
+    found = [use for use in private_uses(path) if (relative, use.split(': ')[1]) not in PENDING]
+    if found:
+      used[relative] = found
+  assert not used, f'private names used from outside their module: {used}; use a public name, or make it public.'
+
+
+def test_the_check_sees_private_names_taken_from_other_modules(tmp_path):
+  package = tmp_path / 'pkg'
+  package.mkdir()
+  (package / '__init__.py').write_text('')
+  (package / 'a.py').write_text('def _helper():\n  pass\n')
+  (package / 'b.py').write_text('from pkg import a\nfrom pkg.a import _helper\nimport json._private\n'
+                                'from jax._src import dispatch\nfrom __future__ import annotations\n'
+                                'from orbax._src import x  # no public alias in Orbax 0.12\n'
+                                'def f(self):\n  a._helper()\n  self._own()\n  a.__name__\n')
+  assert private_uses(str(package / 'b.py'), str(tmp_path)) == [
+      '2: pkg.a._helper', '3: json._private', '4: jax._src', '4: jax._src.dispatch', '8: a._helper']

@@ -14,7 +14,8 @@ import collections
 import os
 
 import jax
-from jax._src import dispatch
+
+BACKEND_COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # JAX's monitoring event of one XLA compile
 
 _compiled: collections.Counter = collections.Counter()
 _cache_events = {'/jax/compilation_cache/cache_hits': 0, '/jax/compilation_cache/cache_misses': 0}
@@ -27,7 +28,7 @@ def _on_event(event: str, **kwargs) -> None:
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
-  if event == dispatch.BACKEND_COMPILE_EVENT:
+  if event == BACKEND_COMPILE_EVENT:
     _compiled[kwargs.get('fun_name', '')] += 1
 
 

@@ -72,7 +72,7 @@ def resolve(name: str) -> Target:
   tpu = re.fullmatch(r'(v4|v5p|v5e|v6e)(?:-(\d+)|:(\d+(?:x\d+)+))', name)
   if tpu:
     generation, cores, topology = tpu.groups()
-    return _tpu(name, generation, f'{generation}:{topology}' if topology else _tpu_topology(name, generation, int(cores)))
+    return _tpu(name, generation, f'{generation}:{topology}' if topology else tpu_topology(name, generation, int(cores)))
   raise UserError(f'--compile_target={name} is not a target; use cpu, cpu-8, h100, h100x8, h200, or a TPU slice '
                   f'such as v5e-8, v5p-16, v4-32 (or v5e:2x4).')
 
@@ -99,7 +99,7 @@ def _gpu(name: str, card: str, count: int) -> Target:
   return Target(name, 'gpu', tuple(topology.devices), memory)
 
 
-def _tpu_topology(name: str, generation: str, cores: int) -> str:
+def tpu_topology(name: str, generation: str, cores: int) -> str:
   """libtpu's topology of the slice `generation`-`cores`: the usual shape, e.g. v4-32 -> v4:2x2x4."""
   _, cores_per_chip, dimensions = TPUS[generation]
   chips = cores // cores_per_chip
