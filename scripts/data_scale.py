@@ -1,24 +1,35 @@
-"""Data at scale: a generated corpus of any size, and what preparing and training on it cost.
+"""Data at scale: generated corpora of any size, and what preparing and training on them cost.
 
-  python scripts/data_scale.py make --out_dir=/tmp/corpus-1g --megabytes=1000
-  python scripts/data_scale.py measure --corpus=/tmp/corpus-1g --cache_dir=/tmp/scale-cache
+  python scripts/data_scale.py make --out_dir=/tmp/corpus-1g --megabytes=1000 [--kind=text]
+  python scripts/data_scale.py measure --corpus=/tmp/corpus-1g --cache_dir=/tmp/scale-cache [--kind=text]
 
-`make` writes text files of ~MEGABYTES in total (10 MB each) from this machine's own text: the
-standard library's Python sources and the English and Spanish messages of the gettext catalogs
-(/usr/share/locale/*/LC_MESSAGES/*.mo), cycled with a file number so that no two files are equal.
-It also writes `<out_dir>.eval/eval.txt`, a small held-out file for data.eval_source.
+`make` writes ~MEGABYTES of this machine's own text: the standard library's Python sources and the
+messages of the gettext catalogs (/usr/share/locale/*/LC_MESSAGES/*.mo, ~110 MB of English
+messages and their translations into ~180 languages), cycled with a copy number so that no two
+records are equal. By --kind:
+  text       text files of 10 MB (GPT: data.source=text:<out_dir>/*.txt)
+  pairs      <out_dir>/pairs.tsv: English<TAB>translation lines (translation)
+  labels     <out_dir>/labels.tsv: text<TAB>language lines, the 12 languages with the most messages in
+             turn, each text 8 messages of one language joined (classification: 12 labels)
+  documents  <out_dir>/documents.txt: documents of 5-30 messages a line, between blank lines (BERT)
+and beside it `<out_dir>.eval/`: small held-out files of the same kind (data.eval_source and
+data.test_source), so that the final evaluation does not score a gigabyte.
 
-`measure` runs, each under /usr/bin/time -v (wall time and peak RSS), on the GPT `default`
-preset (byte-level BPE, 8,192 ids) with the corpus as data.source and the small file as
-data.eval_source:
+`measure` runs, each under /usr/bin/time -v (wall time and peak RSS), launch.py on the corpus:
+  text            configs/gpt.py:default (byte-level BPE, 2,048 ids)
+  pairs           configs/transformer.py:default, data.seq_len=64
+  labels          configs/classifier.py:default, data.seq_len=128
+  documents       configs/bert.py:default (pretraining, WordPiece)
+  first run  2 training steps into a fresh --cache_dir and workdir: tokenizer trained on its
+             sample, every shard built, then trained, in one process
+  restart    the same command again: resume + 2 more steps (the caches are there)
+  small      the same first run and restart on a 1 MB corpus of the kind, the yardstick for `restart`
+and for text also
   raw        HF `tokenizers` encode_batch and encode_batch_fast on 64 MB of the corpus held in
-             memory, with the tokenizer that `prepare` trained: the raw rates on these cores
-  prepare    launch.py --mode=prepare into a fresh --cache_dir: tokenizer trained on its sample,
-             then every shard tokenized; its MB/s against `raw`
-  train      launch.py, 2 training steps in a fresh workdir (the cache is there)
-  restart    the same command again: resume + 2 more steps
-  small      the same 2-step run on a 1 MB corpus, the yardstick for `restart`
-and prints one JSON line per step, then a Markdown table.
+             memory, with the tokenizer the first run trained: the raw rates on these cores
+  prepare    launch.py --mode=prepare into another fresh --cache_dir; its MB/s against `raw`
+  train      2 training steps in a fresh workdir after that prepare (the cache is there)
+It prints one JSON line per step, then a Markdown table.
 """
 from __future__ import annotations
 
@@ -85,6 +96,64 @@ def make_corpus(out_dir: str, megabytes: int) -> None:
   print(json.dumps({'corpus': out_dir, 'files': number, 'bytes': written, 'eval_source': eval_dir}), flush=True)
 
 
+def messages() -> list[tuple[str, str, str]]:
+  """(language, English message, its translation) of every gettext catalog of this machine, one line each."""
+  found = []
+  for path in sorted(glob.glob('/usr/share/locale/*/LC_MESSAGES/*.mo')):
+    try:
+      with open(path, 'rb') as f:
+        catalog = gettext.GNUTranslations(f)._catalog
+    except (OSError, UnicodeDecodeError, IndexError, ValueError):  # a few catalogs have malformed headers
+      continue
+    clean = lambda text: ' '.join(text.replace('\t', ' ').split())
+    found += [(path.split('/')[-3], clean(key if isinstance(key, str) else key[0]), clean(value))
+              for key, value in catalog.items() if key and clean(value)]
+  return found
+
+
+def make_records(kind: str, out_dir: str, megabytes: int) -> None:
+  """`make --kind=pairs|labels|documents` (module docstring): records cycled with a copy number until
+  the file holds `megabytes`, and the small held-out files of the same kind."""
+  import collections
+  import random
+  rows = messages()
+  languages = [lang for lang, _ in collections.Counter(language for language, _, _ in rows).most_common(12)]
+  by_language = collections.defaultdict(list)
+  for language, _, text in rows:
+    by_language[language].append(text)
+  rng = random.Random(0)
+
+  def records(copy: int):
+    if kind == 'pairs':
+      yield from (f'{english} {copy}\t{text} {copy}\n' for _, english, text in rows)
+    elif kind == 'labels':  # the languages in turn, so that every stretch of the file has them all
+      for start in range(0, max(len(by_language[lang]) for lang in languages), 8):
+        yield from (f'{" ".join(by_language[lang][start:start + 8])} {copy}\t{lang}\n' for lang in languages
+                    if start < len(by_language[lang]))
+    else:
+      for start in range(0, len(rows), 20):
+        lines = [f'{text} {copy}.' for _, _, text in rows[start:start + rng.randint(5, 30)]]
+        yield '\n'.join(lines) + '\n\n'
+
+  name = {'pairs': 'pairs.tsv', 'labels': 'labels.tsv', 'documents': 'documents.txt'}[kind]
+  eval_dir = out_dir.rstrip('/') + '.eval'
+  for directory in (out_dir, eval_dir):
+    os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(eval_dir, name), 'w') as f:  # a copy number the corpus never reaches
+    f.writelines(record for _, record in zip(range(300), (r for r in records(10**9) if rng.random() < 0.01)))
+  written, copy = 0, 0
+  with open(os.path.join(out_dir, name), 'w') as f:
+    while written < megabytes * 1_000_000:
+      for record in records(copy):
+        f.write(record)
+        written += len(record.encode())
+        if written >= megabytes * 1_000_000:
+          break
+      copy += 1
+  print(json.dumps({'corpus': os.path.join(out_dir, name), 'bytes': written, 'copies': copy,
+                    'eval_source': os.path.join(eval_dir, name)}), flush=True)
+
+
 # ----------------------------------------------------------------------------- measuring
 def timed(command: list[str], env: dict | None = None) -> dict:
   """Wall seconds, peak RSS (GB) and the last JSON line of a command run under /usr/bin/time -v."""
@@ -126,40 +195,63 @@ def raw_rates(tokenizer_dir: str, corpus: str, megabytes: int = 64) -> dict[str,
   return rates
 
 
-def measure(corpus: str, cache_dir: str, preset: str) -> list[dict]:
-  eval_source = f"text:{corpus.rstrip('/')}.eval/eval.txt"
-  common = [sys.executable, 'launch.py', f'--config=configs/gpt.py:{preset}', f'--config.data.cache_dir={cache_dir}',
-            f'--config.data.eval_source={eval_source}', '--config.train.eval_every=2', '--config.train.eval_steps=1',
-            '--config.decode.num_samples=0']
+KINDS = {  # --kind -> (the file make writes, the command's config and settings)
+    'text': ('*.txt', ['--config=configs/gpt.py:{preset}', '--config.decode.num_samples=0']),
+    'pairs': ('pairs.tsv', ['--config=configs/transformer.py:{preset}', '--config.data.seq_len=64']),
+    'labels': ('labels.tsv', ['--config=configs/classifier.py:{preset}', '--config.data.seq_len=128']),
+    'documents': ('documents.txt', ['--config=configs/bert.py:{preset}']),
+}
+
+
+def measure(corpus: str, cache_dir: str, preset: str, kind: str = 'text') -> list[dict]:
+  name, settings = KINDS[kind]
+  scheme = 'text' if kind in ('text', 'documents') else 'tsv'
+  held_out = os.path.join(corpus.rstrip('/') + '.eval', 'eval.txt' if kind == 'text' else name)
+  sources = [f'--config.data.source={scheme}:{os.path.join(corpus, name)}',
+             f'--config.data.eval_source={scheme}:{held_out}'] + (
+                 [f'--config.data.test_source={scheme}:{held_out}'] if kind in ('pairs', 'labels') else [])
+  common = [sys.executable, 'launch.py', *(s.format(preset=preset) for s in settings),
+            '--config.train.eval_every=2', '--config.train.eval_steps=1']
   rows = []
-  shutil.rmtree(cache_dir, ignore_errors=True)
-  prepare = timed(common + [f"--config.data.source=text:{corpus}/*.txt", '--mode=prepare'])
-  tokenizers_dir = os.path.join(cache_dir, 'tokenizers')
-  tokenizer_dir = os.path.join(tokenizers_dir, os.listdir(tokenizers_dir)[0])
-  raw = raw_rates(tokenizer_dir, corpus)
-  for name, rate in raw.items():
-    rows.append({'step': f'raw tokenizers {name}', 'mb_per_s': rate})
-  rows.append({'step': 'prepare', **prepare, 'vs_raw': {name: round(prepare['tokenize_mb_per_s'] / rate, 2)
-                                                        for name, rate in raw.items()}})
   with tempfile.TemporaryDirectory() as scratch:
     workdir = os.path.join(scratch, 'run')
-    train = common + [f"--config.data.source=text:{corpus}/*.txt", f'--workdir={workdir}']
-    rows.append({'step': 'train 2 steps', **timed(train + ['--config.train.steps=2'])})
-    rows.append({'step': 'restart +2 steps', **timed(train + ['--config.train.steps=4'])})
+    run = common + [f'--config.data.cache_dir={cache_dir}', f'--workdir={workdir}'] + sources
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    rows.append({'step': 'first run: build + 2 steps, one process', **timed(run + ['--config.train.steps=2'])})
+    rows.append({'step': 'restart +2 steps', **timed(run + ['--config.train.steps=4'])})
     small = os.path.join(scratch, 'small')
+    with open(os.path.join(corpus, name) if kind != 'text' else sorted(glob.glob(os.path.join(corpus, name)))[0],
+              encoding='utf-8') as f:
+      head = f.read(1_000_000)
     os.makedirs(small)
-    with open(os.path.join(small, 'small.txt'), 'w') as f:
-      f.write(open(sorted(glob.glob(os.path.join(corpus, '*.txt')))[0], encoding='utf-8').read()[:1_000_000])
-    small_run = common + [f"--config.data.source=text:{small}/*.txt", f'--workdir={scratch}/small-run',
-                          '--config.train.steps=2']
-    timed(small_run)  # its cache and tokenizer, once
-    rows.append({'step': 'restart +2 steps, 1 MB corpus', **timed(small_run[:-1] + ['--config.train.steps=4'])})
+    with open(os.path.join(small, name.replace('*', 'small')), 'w', encoding='utf-8') as f:
+      f.write(head[:head.rfind('\n') + 1])
+    small_source = f'--config.data.source={scheme}:{os.path.join(small, name.replace("*", "small"))}'
+    small_run = common + [f'--config.data.cache_dir={cache_dir}-small', f'--workdir={scratch}/small-run',
+                          small_source] + sources[1:]
+    shutil.rmtree(f'{cache_dir}-small', ignore_errors=True)
+    rows.append({'step': 'first run, 1 MB corpus', **timed(small_run + ['--config.train.steps=2'])})
+    rows.append({'step': 'restart +2 steps, 1 MB corpus', **timed(small_run + ['--config.train.steps=4'])})
+    if kind == 'text':
+      tokenizers_dir = os.path.join(cache_dir, 'tokenizers-v2')
+      raw = raw_rates(os.path.join(tokenizers_dir, os.listdir(tokenizers_dir)[0]), corpus)
+      for rate_name, rate in raw.items():
+        rows.append({'step': f'raw tokenizers {rate_name}', 'mb_per_s': rate})
+      prepared = f'{cache_dir}-prepared'
+      shutil.rmtree(prepared, ignore_errors=True)
+      prepare = timed(common + [f'--config.data.cache_dir={prepared}', '--mode=prepare'] + sources)
+      rows.append({'step': 'prepare', **prepare, 'vs_raw': {rate_name: round(prepare['tokenize_mb_per_s'] / rate, 2)
+                                                            for rate_name, rate in raw.items()}})
+      rows.append({'step': 'train 2 steps after prepare', **timed(
+          common + [f'--config.data.cache_dir={prepared}', f'--workdir={scratch}/after-prepare',
+                    '--config.train.steps=2'] + sources)})
   return rows
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('what', choices=('make', 'measure'))
+  parser.add_argument('--kind', choices=tuple(KINDS), default='text')
   parser.add_argument('--out_dir')
   parser.add_argument('--megabytes', type=int, default=1000)
   parser.add_argument('--corpus')
@@ -167,9 +259,10 @@ def main():
   parser.add_argument('--preset', default='default')
   args = parser.parse_args()
   if args.what == 'make':
-    make_corpus(args.out_dir, args.megabytes)
+    make_corpus(args.out_dir, args.megabytes) if args.kind == 'text' else make_records(args.kind, args.out_dir,
+                                                                                     args.megabytes)
     return
-  rows = measure(args.corpus, args.cache_dir, args.preset)
+  rows = measure(args.corpus, args.cache_dir, args.preset, args.kind)
   for row in rows:
     print(json.dumps(row), flush=True)
   print('\n| step | wall s | peak RSS GB | MB/s |\n| --- | --- | --- | --- |')
