@@ -19,7 +19,7 @@ import support
 from train import sweep as sweep_lib
 from train import sweep_study
 
-ENV = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1', JAX_PLATFORMS='cpu')
+ENV = dict(os.environ, XLA_FLAGS=support.xla_flags(1), JAX_PLATFORMS='cpu')
 SWEEP_FILE = '''
 def get_sweep():
   return {{
