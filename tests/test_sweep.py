@@ -34,8 +34,8 @@ SWEEP_FILE = '''
 def get_sweep():
   return {{
       'config': 'configs/gpt.py:tiny',
-      'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'train.steps': 4, 'train.eval_every': 2,
-                    'train.checkpoint_every': 4, 'train.eval_steps': 0, 'train.log_every': 2}},
+      'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'model.num_layers': 1, 'train.steps': 4,
+                    'train.eval_every': 2, 'train.checkpoint_every': 4, 'train.eval_steps': 0, 'train.log_every': 2}},
       'grid': {{'train.lr': [0.001, 0.003], 'train.warmup_steps': [1]}},
       'trials': [{{'model.width': 16}}, {{'model.num_heads': 3}}],  # the last one fails: 3 heads, width 32
   }}
@@ -48,8 +48,9 @@ KILL_FILE = '''
 def get_sweep():
   return {{
       'config': 'configs/gpt.py:tiny',
-      'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'train.steps': 30, 'train.eval_every': 10,
-                    'train.checkpoint_every': 10, 'train.eval_steps': 1, 'train.log_every': 10}},
+      'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'model.num_layers': 1, 'train.steps': 30,
+                    'train.eval_every': 10, 'train.checkpoint_every': 10, 'train.eval_steps': 1,
+                    'train.log_every': 10}},
       'trials': [{{'train.lr': 0.01}}, {{'train.lr': 0.01, 'train.steps': 200, 'train.eval_every': 25}},
                  {{'train.lr': 1e-7, 'train.steps': 200}}],
       'pruner': {{'name': 'median', 'n_startup_trials': 1}},
@@ -96,19 +97,14 @@ def sweep_file(corpus, cache, tmp_path_factory):
   return str(path)
 
 
-def run_two_hosts(sweep_file: str, workdir: str, *args: str) -> list[tuple[int, str, str]]:
-  """Two sweep commands started at once on one study (the first with two workers):
-  [(returncode, stdout, stderr)] per host."""
-  hosts = [sweep_process(sweep_file, workdir, '--sweep_workers=2', *args), sweep_process(sweep_file, workdir, *args)]
-  outputs = [h.communicate(timeout=600) for h in hosts]
-  return [(h.returncode, *output) for h, output in zip(hosts, outputs)]
-
-
 @pytest.fixture(scope='module')
 def two_hosts(sweep_file, tmp_path_factory):
-  """Today's grid sweep, run by two hosts on the default journal file: (workdir, per host)."""
+  """Today's grid sweep, run by two sweep commands started at once on one study in the default
+  journal file (one of them with two workers): (workdir, [(returncode, stdout, stderr)] per host)."""
   workdir = str(tmp_path_factory.mktemp('hosts') / 'sweep')
-  return workdir, run_two_hosts(sweep_file, workdir)
+  hosts = [sweep_process(sweep_file, workdir, '--sweep_workers=2'), sweep_process(sweep_file, workdir)]
+  outputs = [h.communicate(timeout=600) for h in hosts]
+  return workdir, [(h.returncode, *output) for h, output in zip(hosts, outputs)]
 
 
 @pytest.fixture(scope='module')
@@ -118,19 +114,14 @@ def postgres():
 
 
 @pytest.fixture(scope='module')
-def postgres_hosts(sweep_file, postgres, tmp_path_factory):
-  """The same grid, run by two hosts on one study in PostgreSQL: (workdir, per host)."""
-  workdir = str(tmp_path_factory.mktemp('postgres') / 'sweep')
-  return workdir, run_two_hosts(sweep_file, workdir, f'--sweep_storage={postgres.url}')
-
-
-@pytest.fixture(scope='module')
-def killed_and_rerun(corpus, cache, tmp_path_factory):
-  """A sweep killed (with its trial, as when a host dies) while trial 1 trains, then rerun."""
+def killed_and_rerun(corpus, cache, postgres, tmp_path_factory):
+  """A sweep on a study in PostgreSQL, killed (with its trial, as when a host dies) while trial 1
+  trains, then rerun by two hosts at once: one takes trial 2, the other (once trial 1's heartbeat
+  is stale) its retry."""
   root = tmp_path_factory.mktemp('killed')
   (root / 'kill.py').write_text(KILL_FILE.format(source=corpus, cache=cache))
-  workdir = str(root / 'sweep')
-  first = sweep_process(str(root / 'kill.py'), workdir, '--sweep_heartbeat=1', start_new_session=True)
+  workdir, storage = str(root / 'sweep'), f'--sweep_storage={postgres.url}'
+  first = sweep_process(str(root / 'kill.py'), workdir, storage, '--sweep_heartbeat=1', start_new_session=True)
   checkpoints = os.path.join(workdir, KILLED, 'checkpoints')
   deadline = time.time() + 300
   while not (os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))):
@@ -139,11 +130,11 @@ def killed_and_rerun(corpus, cache, tmp_path_factory):
   os.killpg(first.pid, signal.SIGKILL)
   first_out = first.communicate()[0]
   before = {name: open(os.path.join(workdir, name, 'metrics.jsonl')).read() for name in ['00-lr=0.01']}
-  states = [t.state for t in load_study(workdir).get_trials()]
-  time.sleep(2.5)  # the dead worker's trial goes stale after 2 heartbeats of 1 s
-  rerun = sweep_process(str(root / 'kill.py'), workdir, '--sweep_heartbeat=1')
-  out, err = rerun.communicate(timeout=600)
-  return workdir, first_out, states, before, (rerun.returncode, out, err)
+  states = [t.state for t in load_study(workdir, postgres.url).get_trials()]
+  # Stale after 2 heartbeats of 2 s: the hosts wait for that, and never take each other's live trial as stale.
+  hosts = [sweep_process(str(root / 'kill.py'), workdir, storage, '--sweep_heartbeat=2') for _ in range(2)]
+  outputs = [h.communicate(timeout=600) for h in hosts]
+  return workdir, first_out, states, before, [(h.returncode, *output) for h, output in zip(hosts, outputs)]
 
 
 def test_a_grid_gives_the_trials_and_table_of_before(two_hosts):
@@ -169,13 +160,13 @@ def test_a_grid_gives_the_trials_and_table_of_before(two_hosts):
   assert 'does not divide' in open(os.path.join(workdir, 'logs', '03-num_heads=3.log')).read()
 
 
-def check_disjoint_hosts(workdir: str, hosts: list[tuple[int, str, str]], study: optuna.Study) -> None:
-  """Both hosts ended well and took part, no trial ran twice, every slot of the budget ran once."""
+def test_two_hosts_on_one_study_run_disjoint_trials_and_the_budget_once(two_hosts):
+  workdir, hosts = two_hosts
   assert [h[0] for h in hosts] == [0, 0], [h[2][-2000:] for h in hosts]
   ran = [started(stdout) for _, stdout, _ in hosts]
   assert all(ran) and not set(ran[0]) & set(ran[1]), ran  # both took part, never the same trial
   assert sorted(ran[0] + ran[1]) == GRID_TRIALS
-  trials = study.get_trials()
+  trials = load_study(workdir).get_trials()
   named = [t for t in trials if 'name' in t.user_attrs]
   assert sorted(t.user_attrs['slot'] for t in named) == [0, 1, 2, 3]  # each slot once, none retried
   assert [t.user_attrs['name'] for t in sorted(named, key=lambda t: t.number)] == GRID_TRIALS  # the file's order
@@ -185,16 +176,21 @@ def check_disjoint_hosts(workdir: str, hosts: list[tuple[int, str, str]], study:
     assert '--- the next attempt' not in open(os.path.join(workdir, 'logs', f'{name}.log')).read()
 
 
-def test_two_hosts_on_one_study_run_disjoint_trials_and_the_budget_once(two_hosts):
-  workdir, hosts = two_hosts
-  check_disjoint_hosts(workdir, hosts, load_study(workdir))
-
-
-def test_two_hosts_on_one_postgresql_study_run_disjoint_trials_and_the_budget_once(postgres_hosts, postgres):
-  workdir, hosts = postgres_hosts
+def test_two_hosts_on_one_postgresql_study_run_disjoint_trials_none_twice(killed_and_rerun, postgres):
+  workdir, _, _, _, hosts = killed_and_rerun
+  assert [h[0] for h in hosts] == [0, 0], [h[2][-2000:] for h in hosts]
   assert not os.path.exists(os.path.join(workdir, 'study.journal'))  # the study is in the database
-  check_disjoint_hosts(workdir, hosts, load_study(workdir, postgres.url))
-  assert [r['status'] for r in read_rows(workdir)] == ['ok', 'ok', 'ok', 'failed']
+  ran = [started(stdout) for _, stdout, _ in hosts]
+  assert sorted(ran) == [[KILLED], [PRUNED]], ran  # one trial each: the dead host's (retried once) and the next
+  trials = load_study(workdir, postgres.url).get_trials()
+  named = [t for t in trials if 'name' in t.user_attrs]
+  TrialState = optuna.trial.TrialState
+  assert [(t.user_attrs['slot'], t.state) for t in named] == [  # the dead host's trial failed once, retried once
+      (0, TrialState.COMPLETE), (1, TrialState.FAIL), (2, TrialState.PRUNED), (1, TrialState.COMPLETE)]
+  assert not named[1].user_attrs.get('interrupted')  # failed as stale, not stopped by a signal
+  assert all(t.user_attrs.get('over_budget') for t in trials if t not in named)
+  for name in (PRUNED, KILLED):  # the killed worker wrote no log: each trial ran once on the rerun
+    assert '--- the next attempt' not in open(os.path.join(workdir, 'logs', f'{name}.log')).read()
 
 
 def test_hosts_opening_a_new_postgresql_database_at_once_all_open_it(postgres):
@@ -219,27 +215,27 @@ def test_hosts_opening_a_new_postgresql_database_at_once_all_open_it(postgres):
     assert not errors, errors
 
 
-def test_a_killed_study_resumes_without_repeating_finished_trials(killed_and_rerun):
-  workdir, first_out, states, before, (returncode, out, err) = killed_and_rerun
+def test_a_killed_study_resumes_without_repeating_finished_trials(killed_and_rerun, postgres):
+  workdir, first_out, states, before, hosts = killed_and_rerun
   assert started(first_out) == ['00-lr=0.01', KILLED]
   TrialState = optuna.trial.TrialState
   assert states == [TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING]  # trial 2: queued, not started
-  assert returncode == 0, err[-2000:]
-  assert started(out) == [PRUNED, KILLED]  # trial 0 is not run again; the retry comes after the queued trial
+  assert [h[0] for h in hosts] == [0, 0], [h[2][-2000:] for h in hosts]
+  assert '00-lr=0.01' not in hosts[0][1] + hosts[1][1]  # trial 0 is not run again
   assert open(os.path.join(workdir, '00-lr=0.01', 'metrics.jsonl')).read() == before['00-lr=0.01']
   log = open(os.path.join(workdir, 'logs', f'{KILLED}.log')).read()
   resumed = int(re.search(r'Resumed from the checkpoint at step (\d+)', log).group(1))
   assert 10 <= resumed < 200  # the interrupted trial went on from its checkpoint
   assert [(r['status'], r['step']) for r in read_rows(workdir)] == [('ok', '30'), ('ok', '200'), ('pruned', '10')]
-  retry = [t for t in load_study(workdir).get_trials() if t.user_attrs.get('slot') == 1][-1]
+  retry = [t for t in load_study(workdir, postgres.url).get_trials() if t.user_attrs.get('slot') == 1][-1]
   assert RetryHeartbeatStaleTrialCallback.retried_trial_number(retry) == 1
   assert retry.state == TrialState.COMPLETE
 
 
-def test_a_trial_pruned_by_its_worker_stops_early_and_its_checkpoint_reloads(killed_and_rerun):
+def test_a_trial_pruned_by_its_worker_stops_early_and_its_checkpoint_reloads(killed_and_rerun, postgres):
   from train.rundir import load_run
   workdir = killed_and_rerun[0]
-  pruned = [t for t in load_study(workdir).get_trials() if t.user_attrs.get('slot') == 2][-1]
+  pruned = [t for t in load_study(workdir, postgres.url).get_trials() if t.user_attrs.get('slot') == 2][-1]
   assert pruned.state == optuna.trial.TrialState.PRUNED and pruned.user_attrs['pruned_at'] == 10
   assert pruned.intermediate_values.keys() == {10}  # reported by its worker, which stopped there
   run_dir = os.path.join(workdir, PRUNED)
@@ -446,8 +442,8 @@ def test_bad_input_stops_the_sweep_command_with_one_line_before_trials(tmp_path)
 
 def test_a_sweep_with_no_trial_ok_exits_1_after_its_table(corpus, cache, tmp_path):
   (tmp_path / 'failing.py').write_text(
-      "def get_sweep():\n  return {'config': 'configs/gpt.py:tiny', 'overrides': {'data.source': %r, 'compile_cache': %r},\n"
-      "          'trials': [{'model.num_heads': 3}]}\n" % (corpus, cache))
+      "def get_sweep():\n  return {'config': 'configs/gpt.py:tiny', 'trials': [{'model.num_heads': 3}],\n"
+      "          'overrides': {'data.source': %r, 'compile_cache': %r}}\n" % (corpus, cache))
   workdir = str(tmp_path / 'sweep')
   stdout, stderr = (process := sweep_process(str(tmp_path / 'failing.py'), workdir)).communicate(timeout=300)
   assert process.returncode == 1 and started(stdout) == ['00-num_heads=3'], stderr[-2000:]
