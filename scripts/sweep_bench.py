@@ -155,7 +155,8 @@ def report(results: dict, args) -> None:
   }
   results.update(best_of_serial=best, stopped_early=stopped, checks=checks)
   print(f'\n{results["cpu"]}; each sweep with {"its own empty" if args.compile_cache == "fresh" else "no"} compile '
-        f'cache\n\n| sweep | wall time | load average before | compile cache: hits / compiled |\n| --- | ---: | ---: | ---: |')
+        f'cache\n\n| sweep | wall time | load average before | compile cache: hits / compiled |\n'
+        f'| --- | ---: | ---: | ---: |')
   for name in ('serial', 'parallel', 'pruned', 'hosts'):
     cache = results[name]['cache']
     print(f'| {name} | {results[name]["seconds"]:.0f} s | {results[name]["load"]} | {cache["hits"]} / '
