@@ -1,8 +1,10 @@
 """Layers import downward only (README, Architecture): checked on every import statement of the
-repo's packages, inside functions too, so that an upward import fails here and not in review; and
-no two modules of the repo import each other, directly or around a longer circle."""
+repo's packages, inside functions too, so that an upward import fails here and not in review; no
+two modules of the repo import each other, directly or around a longer circle; and training knows
+nothing of sweeps (nothing under train/ but the sweep modules imports a sweep module)."""
 import ast
 import os
+import re
 
 import pytest
 
@@ -127,3 +129,33 @@ def test_the_check_sees_a_circle_of_imports(tmp_path):
   assert find_cycle(import_graph(str(tmp_path))) == ['pkg.a', 'pkg.b', 'pkg.c', 'pkg.a']
   (package / 'c.py').write_text('import json\n')
   assert find_cycle(import_graph(str(tmp_path))) is None
+
+
+def sweep_importers(root: str) -> dict[str, list[str]]:
+  """{module under train/ that is not a sweep module: the sweep modules (train/sweep*.py) it imports}."""
+  modules = module_files(root)
+  sweep = {name for name in modules if re.fullmatch(r'train\.sweep\w*', name)}
+  found = {}
+  for name, path in modules.items():
+    if name.startswith('train.') and name not in sweep:
+      imported = imported_modules(name, path, modules) & sweep
+      if imported:
+        found[name] = sorted(imported)
+  return found
+
+
+def test_training_imports_nothing_of_sweeps():
+  """A sweep runs trainings as processes and reads what they log; the trainer, its loop and its
+  steps never report to a sweep (launch.py, above train/, starts one)."""
+  importers = sweep_importers(ROOT)
+  assert not importers, f'train/ modules import sweep modules: {importers}; a sweep reads what its trials log.'
+
+
+def test_the_check_sees_training_import_a_sweep_module(tmp_path):
+  train = tmp_path / 'train'
+  (train / 'tasks').mkdir(parents=True)
+  (train / 'sweep.py').write_text('from train import sweep_trial\n')  # sweep modules among themselves: fine
+  (train / 'sweep_trial.py').write_text('import json\n')
+  (train / 'loop.py').write_text('def report():\n  from train.sweep_trial import Reporter\n')
+  (train / 'tasks' / 'lm.py').write_text('import train.sweep\n')
+  assert sweep_importers(str(tmp_path)) == {'train.loop': ['train.sweep_trial'], 'train.tasks.lm': ['train.sweep']}

@@ -12,7 +12,7 @@ import numpy as np
 
 from errors import UserError
 from train import checkpoint as ckpt
-from train import evaluation, sweep_trial
+from train import evaluation
 from train.metrics import MetricWriter, reduce_metrics
 from train.multihost import agreed
 from train.state import TrainState
@@ -169,9 +169,7 @@ def evaluate_during_training(setup, state: TrainState, step: int, progress: Prog
   progress.record(step, metrics, train.best_metric, train.best_mode)
   writer.write(step, metrics)
   writer.log(f'step {step}: ' + ' '.join(f'{k}={v:.4f}' for k, v in metrics.items()))
-  # None unless this is a sweep's trial that its pruner stops (a last step is reported, never pruned).
-  pruned = sweep_trial.report(step, metrics, last=step >= train.steps)
   if train.early_stopping_patience and progress.evals_since_best >= train.early_stopping_patience:
     return metrics, (f'early stopping: {train.best_metric} has not improved on {progress.best_value:.4f} '
                      f'(step {progress.best_step}) in {progress.evals_since_best} evaluations')
-  return metrics, pruned
+  return metrics, None
