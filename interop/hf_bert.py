@@ -198,7 +198,9 @@ def export_bert(model: nnx.Module, tokenizer, out_dir: str, *, labels: Sequence[
   """
   config = model.config
   architecture, names = tensor_names(model)
-  refuse_options_without_counterpart(config, {'qk_norm': bool}, architecture)  # zero_init_out: only the init differs
+  # zero_init_out changes only the initialisation: such models export.
+  refuse_options_without_counterpart(config, {'qk_norm': bool, 'activation': lambda name: name not in ACTIVATIONS_TO_HF},
+                                     architecture)
   hf_config = {'architectures': [architecture], 'model_type': 'bert', **fields_to_hf(config, CONFIG_KEYS),
                'hidden_act': ACTIVATIONS_TO_HF[config.activation], 'position_embedding_type': 'absolute',
                'pad_token_id': tokenizer.pad_id, 'tie_word_embeddings': True}

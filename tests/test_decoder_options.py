@@ -244,7 +244,7 @@ def test_exporting_an_option_hugging_face_lacks_is_refused_in_one_line(option, s
     assert not out.exists()
 
 
-def test_bert_qk_norm_is_refused_and_zero_init_out_exports(tmp_path):
+def test_bert_options_hugging_face_lacks_are_refused_and_zero_init_out_exports(tmp_path):
   from data.tokenizers import CharTokenizer
   from errors import UserError
   from interop.hf_bert import export_bert
@@ -254,6 +254,10 @@ def test_bert_qk_norm_is_refused_and_zero_init_out_exports(tmp_path):
                                qk_norm=True), rngs=nnx.Rngs(0))
   with pytest.raises(UserError, match="^model.qk_norm=True has no counterpart in Hugging Face's BertModel"):
     export_bert(bert, None, str(tmp_path / 'bert'))
+  relu2 = nnx.eval_shape(lambda: build_bert(BertConfig(vocab_size=20, max_len=16, num_layers=1, num_heads=2, width=16,
+                                                       mlp_dim=32, activation='relu2'), rngs=nnx.Rngs(0)))
+  with pytest.raises(UserError, match="^model.activation='relu2' has no counterpart in Hugging Face's BertModel"):
+    export_bert(relu2, None, str(tmp_path / 'bert'))
   assert not (tmp_path / 'bert').exists()
   # zero_init_out changes only the initialisation: the model is a GPT-2 and exports.
   summary = export_gpt2(tiny_gpt(zero_init_out=True), CharTokenizer('abcdefghijklmnopqrstuvwxyz0123456789'),
