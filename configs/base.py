@@ -67,6 +67,10 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.train.weight_decay = 0.1
   c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
   c.train.label_smoothing = 0.0
+  # z-loss (PaLM: 1e-4): this coefficient times log(Z)^2 per token added to the minimised loss of the
+  # families with a vocabulary softmax (GPT, Transformer, BERT pretraining, RNN LM, seq2seq); logged
+  # as train/z_loss and eval/z_loss, while eval/loss stays the plain cross-entropy. 0 = off.
+  c.train.z_loss = 0.0
   c.train.eval_every = 200
   c.train.eval_steps = 20  # eval batches per evaluation; 0 = the whole eval split
   c.train.eval_batch_size = 0  # 0 = train.batch_size

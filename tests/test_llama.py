@@ -174,7 +174,7 @@ def test_presets_have_the_published_parameter_counts():
     ({'model.positions': 'alibi'}, "config.model.positions='alibi' is not one of ('learned', 'rope')."),
     ({'model.num_kv_heads': 3}, 'config.model.num_kv_heads=3 does not divide config.model.num_heads=4; use a '
                                 'divisor of num_heads (1: multi-query, 0: one per query head).'),
-    ({'model.mlp': 'geglu'}, "config.model.mlp='geglu' is not one of ('gelu', 'swiglu')."),
+    ({'model.mlp': 'geglu'}, "config.model.mlp='geglu' is not one of ('gelu', 'swiglu', 'relu2')."),
 ])
 def test_bad_llama_options_are_one_line_config_errors(override, message):
   from configs import gpt

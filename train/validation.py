@@ -76,7 +76,8 @@ def check_values(config, num_devices: int | None = None) -> None:
   non_negative = {'train.eval_batch_size': t.eval_batch_size, 'train.warmup_steps': t.warmup_steps,
                   'train.eval_steps': t.eval_steps, 'train.weight_decay': t.weight_decay,
                   'train.grad_clip': t.grad_clip, 'data.max_examples': config.data.max_examples,
-                  'train.early_stopping_patience': t.early_stopping_patience, 'train.max_minutes': t.max_minutes}
+                  'train.early_stopping_patience': t.early_stopping_patience, 'train.max_minutes': t.max_minutes,
+                  'train.z_loss': t.z_loss}
   for key, value in non_negative.items():
     if value < 0:
       raise ConfigError(f'config.{key}={value} must be >= 0.')
