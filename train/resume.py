@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 import storage
 from data import tokenizers
@@ -98,8 +98,10 @@ def restore_latest(spec: StateSpec, state: TrainState, checkpointer: ckpt.Checkp
       ckpt.restore_target(spec), abstract_opt, set_aside_broken=jax.process_index() == 0, log=log)
   if step is None:
     return state, 0, Progress()
+  # The step counter placed as the train step places it: an uncommitted scalar would compile the step twice.
+  step_array = jax.make_array_from_callback((), spec.shardings.step, lambda _: np.asarray(step, np.int32))
   state = TrainState(params=restored['model']['params'], extra=restored['model']['extra'],
-                     opt_state=restored['optimizer'], step=jnp.asarray(step, jnp.int32))
+                     opt_state=restored['optimizer'], step=step_array)
   data = restored['data']
   if 'input' not in data:  # checkpoints written before Progress held the iterator state alone
     data = {'input': data, 'progress': {}} if data else {}
