@@ -1,7 +1,8 @@
 """The new optimizers and schedules through the one trainer: a wall-clock wsd cooldown that starts
-without recompiling and resumes mid-cooldown bit for bit (Muon, scanned layers), schedule-free
-AdamW evaluated and saved at its averaged parameters and resumed bit for bit, the target clock
-across a resume, and an RNN trained by Muon that stops at its target.
+without recompiling and resumes mid-cooldown bit for bit (Muon, scanned layers, data=2 x fsdp=2 x
+tensor=2), schedule-free AdamW evaluated and saved at its averaged parameters and resumed bit for
+bit (data=4 x fsdp=2), the target clock across a resume, and an RNN trained by Muon that stops at
+its target.
 
 A resume is made as a preemption leaves a run: a copy of the finished run's workdir without the
 checkpoints after the step it resumes from (each saved by the same code as a preemption's), so
@@ -70,7 +71,8 @@ def clock(monkeypatch):
 def test_a_wall_clock_wsd_cooldown_ends_the_run_cooled_down_and_resumes_mid_cooldown(corpus, tmp_path, clock, capsys):
   # 30 s of budget, far from train.steps: the cooldown starts with 25% (7.5 s) left, at step 23, and
   # plans the 7 steps that fit at the measured 1 s per step.
-  config = tiny(corpus, **{'model.scan_layers': True, 'train.optimizer': 'muon', 'train.schedule': 'wsd',
+  config = tiny(corpus, **{'model.scan_layers': True, 'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2,
+                           'train.optimizer': 'muon', 'train.schedule': 'wsd',
                            'train.steps': 100, 'train.max_minutes': 0.5, 'train.decay_fraction': 0.25,
                            'train.decay_shape': 'linear', 'train.end_lr_fraction': 0.0, 'train.warmup_steps': 2,
                            'train.eval_every': 5, 'train.checkpoint_every': 13, 'train.target': 'eval/loss<=0.01'})
@@ -99,7 +101,8 @@ def test_a_wall_clock_wsd_cooldown_ends_the_run_cooled_down_and_resumes_mid_cool
 
 
 def test_schedule_free_evaluates_and_saves_its_average_and_resumes_bit_for_bit(corpus, tmp_path):
-  config = tiny(corpus, **{'train.optimizer': 'schedule_free_adamw', 'train.schedule': 'constant',
+  config = tiny(corpus, **{'mesh.data': 4, 'mesh.fsdp': 2, 'train.optimizer': 'schedule_free_adamw',
+                           'train.schedule': 'constant',
                            'train.warmup_steps': 2, 'train.steps': 6, 'train.eval_every': 3,
                            'train.checkpoint_every': 4, 'train.eval_steps': 0, 'train.final_eval_from': 'last',
                            'train.target': 'eval/loss<=100'})

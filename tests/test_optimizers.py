@@ -2,7 +2,8 @@
 optimizer equals the same Optax transformation built here, Muon's split is the stated one, wsd
 matches a hand computation and moves its cooldown without recompiling, the memory estimate counts
 each optimizer's state, the target clock records the right evaluation, each bad value is one line
-before anything compiles, and a sharded Muon step gathers weights, not activations."""
+before anything compiles, and sharded steps (FSDP, tensor parallelism) gather weights, not
+activations: Muon's Newton-Schulz gathers its momentum matrices."""
 import functools
 import importlib
 
@@ -17,8 +18,10 @@ import support
 from configs import gpt
 from errors import ConfigError
 from models.gpt import GPT, GPT2Config
-from train import compilation, loop, memory, optim, sharding
+from test_fsdp_activations import FAST_COMPILE, MESHES, batch_carrying, tiny_config
+from train import compilation, hlo, loop, memory, optim, sharding
 from train import state as state_lib
+from train.bench import compile_train_step
 from train.validation import validate_config
 
 D = optax.contrib.MuonDimensionNumbers
@@ -309,15 +312,26 @@ def test_a_sharded_muon_step_gathers_the_momentum_matrices_not_activations():
   """The compiled step on fsdp=8 (and data=2 x fsdp=2 x tensor=2) moves no activation of the batch
   (tests/test_fsdp_activations.py's check); Newton-Schulz gathers each sharded momentum matrix whole
   ([1, in, out]: Optax's batch of one matrix), here several times per step (README 'Sharding')."""
-  from test_fsdp_activations import FAST_COMPILE, MESHES, batch_carrying, tiny_config
-  from train import hlo
-  from train.bench import compile_train_step
   for name, mesh in MESHES.items():
-    config = tiny_config('gpt', mesh)
-    config.train.optimizer, config.model.num_layers = 'muon', 1
+    config = sharded_config('muon', mesh)
     found = hlo.collectives(compile_train_step(config, compiler_options=FAST_COMPILE).as_text())
     assert not batch_carrying(found, config), name
     if name == 'fsdp=8':
       gathered = {shape for c in found if c.kind == 'all-gather' for _, shape in c.arrays if len(shape) == 3}
       width, hidden = config.model.width, 4 * config.model.width
       assert gathered == {(1, width, width), (1, width, hidden), (1, hidden, width)}, gathered
+
+
+@pytest.mark.parametrize('optimizer', ['schedule_free_adamw', 'lion', 'adafactor'])
+def test_the_other_optimizers_shard_without_moving_activations(optimizer):
+  config = sharded_config(optimizer, MESHES['data=2,fsdp=2,tensor=2'])
+  found = hlo.collectives(compile_train_step(config, compiler_options=FAST_COMPILE).as_text())
+  assert any(c.kind == 'all-gather' for c in found) and not batch_carrying(found, config)
+
+
+def sharded_config(optimizer, mesh):
+  """tests/test_fsdp_activations.py's GPT (width 64, batch 16 x 32), one layer, trained by `optimizer`."""
+  config = tiny_config('gpt', mesh)
+  config.train.optimizer, config.model.num_layers = optimizer, 1
+  config.train.schedule = 'constant' if optimizer == 'schedule_free_adamw' else config.train.schedule
+  return config
