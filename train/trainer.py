@@ -96,7 +96,8 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   tx, schedule = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
   split = optim.describe_split(config.train, spec.abstract.params)  # Muon without a matrix stops here
-  eval_params = jax.jit(optim.eval_params, out_shardings=spec.shardings.params) if optim.averages(config.train) else None
+  averaged = optim.averages(config.train)
+  eval_params = jax.jit(optim.eval_params, out_shardings=spec.shardings.params) if averaged else None
   setup = Setup(config, task, mesh, tx, schedule, spec, jax.jit(steps.make_eval_step(task, spec.graphdef)),
                 eval_params, loop.parse_target(config.train.target))
   batches = evaluation.eval_batches(setup)  # an empty eval split stops here, before anything is saved

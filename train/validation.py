@@ -145,7 +145,8 @@ def check_optimizer(t) -> None:
       raise ConfigError(f'config.train.{key}={t[key]} must be >= 0 (0: {"train.lr" if key == "adam_lr" else "off"}).')
   parse_target(t.target)
   if t.stop_at_target and not t.target:
-    raise ConfigError("config.train.stop_at_target=True needs a train.target, e.g. --config.train.target='eval/loss<=3.28'.")
+    raise ConfigError('config.train.stop_at_target=True needs a train.target, e.g. '
+                      "--config.train.target='eval/loss<=3.28'.")
 
 
 def check_decode(config) -> None:
