@@ -1,7 +1,11 @@
 """Per-device memory estimate of a training step, printed at start-up to warn before an obvious OOM.
 
 Parameters and optimizer state are counted exactly from the sharded abstract state (each leaf's
-shard shape on the chosen mesh). Gradients are one more copy of the parameter shards. Activations
+shard shape on the chosen mesh), so each `train.optimizer` is counted as it is: AdamW and
+schedule-free AdamW two copies of the parameters, Muon one of its matrices and two of the rest,
+Lion one, Adafactor its factored rows and columns (tests/test_optimizers.py). Gradients are one more
+copy of the parameter shards. (Schedule-free's evaluations and saves make one more, passing, copy:
+the averaged parameters.) Activations
 saved for the backward pass are estimated per layer and token, for the transformer families
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4,
 counted in elements instead of fp16 bytes, without dropout masks):
