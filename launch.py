@@ -22,6 +22,7 @@ or override) ends with one line on stderr and exit status 1.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -179,7 +180,7 @@ def main(invocation: Invocation) -> None:
   logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
   if FLAGS.sweep:
     from train import sweep
-    sweep.run_sweep_from_flags(FLAGS, invocation.argv, check_keys=check_sweep_keys)
+    sweep.run_sweep_from_flags(FLAGS, invocation.argv, check_overrides=check_sweep_overrides)
     return
   if not FLAGS.workdir and FLAGS.mode not in NEW_WORKDIR_MODES:
     raise app.UsageError(f'--mode={FLAGS.mode} needs --workdir.')
@@ -425,10 +426,23 @@ def check_config_file(spec: str) -> None:
                     f'{os.path.join(workdir, "config.json")} was not found; pass the --workdir of a trained run.')
 
 
-def check_sweep_keys(spec: str, keys: list[str]) -> None:
-  """UserError for the first key a sweep file sets (overrides, grid, trials, space) that the config
-  of its trials lacks, before any trial starts."""
-  check_override_keys(load_config(spec), spec, [f'--config.{key}=' for key in keys])
+def check_sweep_overrides(spec: str, args: list[str]) -> None:
+  """UserError for the first `--config.<key>=<value>` a sweep gives its trials (its overrides, grid,
+  trials, space) whose key the trials' config lacks or whose value it cannot take, parsed as each
+  trial's own command line will be, before any trial starts."""
+  config = load_config(spec)
+  check_override_keys(config, spec, args)
+  for arg in args:
+    parsed = flags.FlagValues()
+    config_flags.DEFINE_config_dict('config', copy.deepcopy(config), flag_values=parsed, sys_argv=['launch.py', arg])
+    try:
+      parsed(['launch.py', arg])
+    except flags.Error as e:
+      from train.validation import flatten
+      key = OVERRIDE.match(arg).group(1)
+      default = flatten(config).get(key)
+      raise UserError(f'The sweep gives its trials {arg}, which {spec} cannot take ({one_line(e)}); give {key} '
+                      f'a value of type {type(default).__name__}, like its default {default!r}.') from None
 
 
 def check_override_keys(config, spec: str | None, args: list[str]) -> None:

@@ -56,17 +56,32 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.train.steps = 1000
   c.train.batch_size = 32  # global, across all devices and hosts
   c.train.grad_accum = 1  # micro-batches per step
-  c.train.lr = 3e-4
-  c.train.schedule = 'cosine'  # 'constant' | 'cosine' | 'linear' | 'rsqrt'
-  c.train.warmup_steps = 100
-  c.train.end_lr_fraction = 0.1  # final lr / peak lr for 'cosine' and 'linear'
-  c.train.optimizer = 'adamw'  # 'adamw' | 'adam'
-  c.train.b1 = 0.9
-  c.train.b2 = 0.95
+  c.train.lr = 3e-4  # peak learning rate (muon: of the matrices)
+  c.train.schedule = 'cosine'  # 'constant' | 'cosine' | 'linear' | 'rsqrt' | 'wsd' (train/optim.py)
+  c.train.warmup_steps = 100  # linear warmup (schedule_free_adamw: its own warmup)
+  c.train.end_lr_fraction = 0.1  # final lr / peak lr for 'cosine', 'linear' and 'wsd'
+  # wsd: the cooldown's share of train.steps; with train.max_minutes and a train.steps the budget will
+  # not reach, the cooldown starts when this share of the budget is left and the run ends cooled down.
+  c.train.decay_fraction = 0.2
+  c.train.decay_shape = '1-sqrt'  # wsd's cooldown: 'linear' | '1-sqrt' (Hägele et al. 2024)
+  # 'adamw' | 'adam' | 'muon' | 'schedule_free_adamw' | 'lion' | 'adafactor', all Optax's (train/optim.py)
+  c.train.optimizer = 'adamw'
+  c.train.b1 = 0.9  # first-moment decay (Adam, Muon's AdamW, Lion); schedule_free_adamw: its interpolation
+  c.train.b2 = 0.95  # second-moment decay (Adam, Muon's AdamW, schedule_free_adamw); Lion's update decay
   c.train.eps = 1e-8
-  c.train.weight_decay = 0.1
+  c.train.weight_decay = 0.1  # decoupled (times the lr), on kernels only; muon: on the matrices it takes
+  c.train.adam_lr = 0.0  # muon: peak lr of its AdamW (embeddings, output layers, norms, biases); 0 = train.lr
+  c.train.muon_momentum = 0.95  # muon: momentum of the matrices' gradients (Nesterov)
+  # muon: each matrix's update scaled to this RMS (Optax's consistent_rms, Moonlight's 0.2: AdamW's),
+  # so Muon takes AdamW's lr and weight decay and its lr holds across widths; 0 = Keller Jordan's
+  # sqrt(max(1, fan_out / fan_in)) scaling, whose lr is ~0.02.
+  c.train.muon_rms_scale = 0.2
   c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
   c.train.label_smoothing = 0.0
+  # z-loss (PaLM: 1e-4): this coefficient times log(Z)^2 per token added to the minimised loss of the
+  # families with a vocabulary softmax (GPT, Transformer, BERT pretraining, RNN LM, seq2seq); logged
+  # as train/z_loss and eval/z_loss, while eval/loss stays the plain cross-entropy. 0 = off.
+  c.train.z_loss = 0.0
   c.train.eval_every = 200
   c.train.eval_steps = 20  # eval batches per evaluation; 0 = the whole eval split
   c.train.eval_batch_size = 0  # 0 = train.batch_size
@@ -77,6 +92,10 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.train.final_eval_from = 'best'  # 'best' (by best_metric) | 'last': the checkpoint the final evaluation scores
   c.train.early_stopping_patience = 0  # stop after this many evaluations without a better best_metric; 0 = off
   c.train.max_minutes = 0.0  # wall-clock budget (resumes included): save and evaluate when spent; 0 = none
+  # A clock to a target: 'eval/loss<=3.28' (an eval metric, <= or >=): the first evaluation meeting it
+  # records its step, tokens and seconds (target/... in metrics.jsonl and the result); '' = none.
+  c.train.target = ''
+  c.train.stop_at_target = False  # save and end the run (then the final evaluation) when train.target is met
   c.train.log_every = 10
   c.train.async_checkpoints = True
   # Resuming a workdir with other data.source / eval_source / test_source is refused unless True;

@@ -141,6 +141,8 @@ def get_config(preset: str = 'default'):
   c.model.layer_norm_epsilon = 1e-12
   c.model.activation = 'gelu'
   c.model.init_std = 0.02
+  c.model.qk_norm = False  # RMSNorm of query and key heads (Hugging Face's BERT has none: no export)
+  c.model.zero_init_out = False  # attention output and FFN down projections start at zero
 
   c.train.b2 = 0.999  # BERT's Adam
   c.train.weight_decay = 0.01

@@ -27,6 +27,16 @@ Presets:
   Import either from Hugging Face instead of training it: python launch.py --mode=import_hf --hf_dir=DIR
   --workdir=RUN (README 'Llama-style decoders').
 
+Decoder options (issue 33), each usable alone with the GPT-2 or the Llama block, all off by default:
+  --config.model.qk_norm=True          RMSNorm of query and key heads (a learned [D] scale each), before RoPE
+  --config.model.mlp=relu2             a plain MLP with relu(x)^2
+  --config.model.logit_softcap=15.0    logits -> 15 tanh(logits / 15), in the losses and in decoding
+  --config.model.zero_init_out=True    attention output and MLP down projections start at zero
+  --config.train.z_loss=1e-4           + 1e-4 log(Z)^2 per token in the minimised loss (train/z_loss,
+                                       eval/z_loss logged apart; eval/loss stays the cross-entropy)
+  Hugging Face's GPT2LMHeadModel and LlamaForCausalLM have none of the first three: --mode=export_hf
+  refuses a model with one. No tuned values are claimed here.
+
 Other data: --config.data.source=text:'/path/*.txt' or tfds:<name>[:<split>] (a 'text' feature).
 """
 from configs.base import apply_preset, base_config
@@ -97,11 +107,16 @@ def get_config(preset: str = 'default'):
   c.model.rope_high_freq_factor = 4.0
   c.model.rope_original_max_len = 8192
   c.model.norm = 'layernorm'  # 'layernorm' | 'rmsnorm'
-  c.model.mlp = 'gelu'  # 'gelu' | 'swiglu'
+  c.model.mlp = 'gelu'  # 'gelu' | 'swiglu' | 'relu2' (a plain MLP with relu(x)^2, the speedrun's)
   c.model.mlp_hidden = 0  # the MLP's hidden width; 0 = mlp_ratio * width
   c.model.num_kv_heads = 0  # key/value heads: 0 = num_heads (multi-head), 1 = multi-query, else grouped-query
   c.model.use_bias = True
   c.model.tie_embeddings = True  # the output layer is the token embedding's transpose
+  # The NanoGPT speedrun's block options, each usable alone with either architecture (models/gpt.py);
+  # off by default. None exports to Hugging Face but zero_init_out (and train.z_loss).
+  c.model.qk_norm = False  # RMSNorm of each query and key head (a learned [D] scale each), before RoPE
+  c.model.logit_softcap = 0.0  # logits -> c * tanh(logits / c) in the losses and in decoding; 0 = off
+  c.model.zero_init_out = False  # attention output and MLP down projections start at zero
   # Cross-entropy this many tokens at a time, so no [B, L, V] float32 logits exist; 0 = all at once
   # (README 'Speed' has XLA's temporaries for a few chunk sizes).
   c.train.loss_chunk_tokens = 2048

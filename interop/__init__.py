@@ -10,13 +10,15 @@ This package reads and writes files and tokenizers around `models/` (which take 
 """
 from __future__ import annotations
 
-from interop.common import HFExportError
-from interop.hf_gpt2 import GPT2_STEPS, export_gpt2
+from interop.common import HFExportError, refuse_options_without_counterpart
+from interop.hf_gpt2 import GPT2_STEPS, OPTIONS_WITHOUT_HF, export_gpt2
 from interop.hf_llama import LLAMA_STEPS, export_llama
 
 def gpt_exporter(config):
   """export_gpt2 or export_llama, whichever architecture the GPT's config is; a GPT mixing the two
-  (rope with LayerNorm, say) has no Hugging Face class: HFExportError."""
+  (rope with LayerNorm, say), or using an option neither has (qk_norm, mlp='relu2', logit_softcap),
+  has no Hugging Face class: HFExportError."""
+  refuse_options_without_counterpart(config, OPTIONS_WITHOUT_HF, 'GPT2LMHeadModel or LlamaForCausalLM')
   if all(getattr(config, name) == value for name, value in LLAMA_STEPS.items()):
     return export_llama
   if all(getattr(config, name) == value for name, value in GPT2_STEPS.items()) and config.kv_heads == config.num_heads:

@@ -42,6 +42,17 @@ class HFImportError(UserError):
   missing, unreadable, incomplete, or not of one model."""
 
 
+def refuse_options_without_counterpart(config, options: dict, architecture: str) -> None:
+  """HFExportError naming the first model option `config` uses that Hugging Face's `architecture`
+  lacks: `options` maps a model-config field to a test of its value (True: the option is on).
+  Called before anything is written."""
+  for field, is_on in options.items():
+    value = getattr(config, field)
+    if is_on(value):
+      raise HFExportError(f"model.{field}={value!r} has no counterpart in Hugging Face's {architecture}, so this "
+                          f'model cannot be exported (export_hf writes only models that class computes the same).')
+
+
 def one_line(error: Exception) -> str:
   """`error`'s message on one line (the `tokenizers` and `safetensors` libraries write several)."""
   return ' '.join(str(error).split())

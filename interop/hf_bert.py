@@ -28,8 +28,8 @@ from flax import nnx
 from data.tokenizers import HFTokenizer, configure_wordpiece
 from interop.common import (HFImportError, TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names,
                             load_tensors, numpy_params, output_directory, read_hf_config, read_json, read_tensors,
-                            reading_tokenizer, reject_unused, to_hf_tensors, write_json, write_safetensors,
-                            write_tokenizer)
+                            reading_tokenizer, refuse_options_without_counterpart, reject_unused, to_hf_tensors,
+                            write_json, write_safetensors, write_tokenizer)
 from models.bert import BertClassifier, BertConfig, BertEncoder, BertForPretraining
 
 # HF `hidden_act` -> models.layers.ACTIVATIONS key, and back.
@@ -198,6 +198,9 @@ def export_bert(model: nnx.Module, tokenizer, out_dir: str, *, labels: Sequence[
   """
   config = model.config
   architecture, names = tensor_names(model)
+  # zero_init_out changes only the initialisation: such models export.
+  refuse_options_without_counterpart(config, {'qk_norm': bool, 'activation': lambda name: name not in ACTIVATIONS_TO_HF},
+                                     architecture)
   hf_config = {'architectures': [architecture], 'model_type': 'bert', **fields_to_hf(config, CONFIG_KEYS),
                'hidden_act': ACTIVATIONS_TO_HF[config.activation], 'position_embedding_type': 'absolute',
                'pad_token_id': tokenizer.pad_id, 'tie_word_embeddings': True}

@@ -20,8 +20,8 @@ from tokenizers import decoders, pre_tokenizers
 from data.tokenizers import HFTokenizer
 from interop.common import (HFImportError, TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names,
                             load_tensors, output_directory, read_hf_config, read_tensors, reading_tokenizer,
-                            reject_unused, to_hf_tensors, unscanned_params, write_json, write_safetensors,
-                            write_tokenizer)
+                            refuse_options_without_counterpart, reject_unused, to_hf_tensors, unscanned_params,
+                            write_json, write_safetensors, write_tokenizer)
 from models.gpt import GPT, GPT2Config
 
 # (config.json key, GPT2Config field, value when the key is missing: None = required).
@@ -35,6 +35,9 @@ _IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')
 QKV = ('query', 'key', 'value')  # their order in c_attn
 # What a GPT needs to be a GPT2LMHeadModel (besides one key/value head per query head).
 GPT2_STEPS = {'positions': 'learned', 'norm': 'layernorm', 'mlp': 'gelu', 'use_bias': True, 'tie_embeddings': True}
+# The decoder options neither GPT2LMHeadModel nor LlamaForCausalLM has (models/gpt.py), each with the
+# test of its being on. zero_init_out changes only the initialisation: such models export.
+OPTIONS_WITHOUT_HF = {'qk_norm': bool, 'mlp': lambda mlp: mlp == 'relu2', 'logit_softcap': bool}
 
 
 class ImportedGPT2(NamedTuple):
@@ -118,6 +121,7 @@ def export_gpt2(model: GPT, tokenizer, out_dir: str) -> dict:
   {'architecture', 'tensors', 'parameters'}.
   """
   config = model.config
+  refuse_options_without_counterpart(config, OPTIONS_WITHOUT_HF, 'GPT2LMHeadModel')
   with output_directory(out_dir) as staging:
     tensors = to_hf_tensors(unscanned_params(model), tensor_names(config, 'transformer.'))
     write_json(staging, 'config.json', {

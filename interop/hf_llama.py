@@ -21,9 +21,10 @@ from flax import nnx
 
 from data.tokenizers import HFTokenizer
 from interop.common import (HFExportError, HFImportError, TensorName, fields_from_hf, fields_to_hf, linear_names,
-                            load_tensors, output_directory, read_hf_config, read_tensors, reject_unused, to_hf_tensors,
-                            unscanned_params, write_json, write_safetensors, write_tokenizer)
-from interop.hf_gpt2 import read_hf_tokenizer
+                            load_tensors, output_directory, read_hf_config, read_tensors,
+                            refuse_options_without_counterpart, reject_unused, to_hf_tensors, unscanned_params,
+                            write_json, write_safetensors, write_tokenizer)
+from interop.hf_gpt2 import OPTIONS_WITHOUT_HF, read_hf_tokenizer
 from models.gpt import GPT, GPT2Config
 
 # (config.json key, GPT2Config field, value when the key is missing: None = required).
@@ -140,6 +141,7 @@ def export_llama(model: GPT, tokenizer, out_dir: str) -> dict:
   {'architecture', 'tensors', 'parameters'}.
   """
   config = model.config
+  refuse_options_without_counterpart(config, OPTIONS_WITHOUT_HF, 'LlamaForCausalLM')
   mismatched = {k: getattr(config, k) for k, v in LLAMA_STEPS.items() if getattr(config, k) != v}
   if mismatched:
     raise HFExportError(f'A LlamaForCausalLM needs {LLAMA_STEPS}; this GPT has {mismatched}.')

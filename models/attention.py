@@ -294,7 +294,10 @@ class MultiHeadAttention(nnx.Module):
   `num_kv_heads` K < H is grouped-query attention (Ainslie et al. 2023; K = 1: multi-query): the
   key and value projections are [E_kv, K*D] and the cache holds K heads. `rope` (models/rope.py's
   inverse frequencies) rotates the queries and the new keys by their `positions` before the keys
-  are cached, so a cached key keeps the rotation of the position it was written at.
+  are cached, so a cached key keeps the rotation of the position it was written at. `qk_norm`
+  (Dehghani et al. 2023; as in OLMo 2 and Qwen3) RMS-normalises each query and key head over its D
+  features, with a learned [D] scale each (`query_norm`, `key_norm`), before the rotation: every
+  attention path reads the normalised heads, and caches hold normalised keys.
 
   Call:
     inputs_q: [B, Lq, E]; inputs_kv: [B, Lk, E_kv] (None: self-attention).
@@ -309,7 +312,8 @@ class MultiHeadAttention(nnx.Module):
 
   def __init__(self, features: int, num_heads: int, *, rngs: nnx.Rngs, kv_features: int | None = None,
                dropout: float = 0.0, use_bias: bool = True, dtype: Any = None,
-               implementation: str = 'xla', num_kv_heads: int | None = None, rope: Sequence[float] | None = None):
+               implementation: str = 'xla', num_kv_heads: int | None = None, rope: Sequence[float] | None = None,
+               qk_norm: bool = False, qk_norm_epsilon: float = 1e-6):
     num_kv_heads = num_kv_heads or num_heads
     if features % num_heads:
       raise ValueError(f'features={features} is not divisible by num_heads={num_heads}.')
@@ -329,6 +333,11 @@ class MultiHeadAttention(nnx.Module):
     self.value = linear(kv_features, num_kv_heads * self.head_dim)
     self.out = linear(features, features)
     self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+    if qk_norm:  # shared by the heads: x / sqrt(mean(x^2) + eps) * scale over each head's D features
+      head_norm = functools.partial(nnx.RMSNorm, self.head_dim, epsilon=qk_norm_epsilon, dtype=dtype, rngs=rngs)
+      self.query_norm, self.key_norm = head_norm(), head_norm()
+    else:
+      self.query_norm = self.key_norm = None
 
   def _split_heads(self, x: jax.Array) -> jax.Array:
     """[B, L, H*D] -> [B, L, H, D] (H: query heads, or K key/value heads), split by batch and heads."""
@@ -336,12 +345,15 @@ class MultiHeadAttention(nnx.Module):
 
   def project_kv(self, inputs_kv: jax.Array, positions: jax.Array | None = None) -> dict[str, jax.Array]:
     """[B, Lk, E_kv] -> {'k','v': [B, K, Lk, D]}: the static cache of a cross-attention, or the
-    new entries of a self-attention's (keys rotated to `positions` [B, Lk] with rope).
+    new entries of a self-attention's (keys normalised with qk_norm, then rotated to `positions`
+    [B, Lk] with rope).
 
     Caches are head-major, the layout the score and value matmuls read: a [B, L, H, D] cache
     would be transposed in full at every decoding step.
     """
     key = self._split_heads(self.key(inputs_kv))
+    if self.key_norm is not None:
+      key = self.key_norm(key)
     if self.rope is not None:
       key = apply_rope(key, positions, self.rope)
     return {'k': jnp.swapaxes(key, 1, 2), 'v': jnp.swapaxes(self._split_heads(self.value(inputs_kv)), 1, 2)}
@@ -349,6 +361,8 @@ class MultiHeadAttention(nnx.Module):
   def __call__(self, inputs_q, inputs_kv=None, mask=None, *, positions=None, cache=None, cache_index=None,
                deterministic: bool = True):
     query = self._split_heads(self.query(inputs_q))
+    if self.query_norm is not None:
+      query = self.query_norm(query)
     if self.rope is not None:
       if positions is None:
         raise ValueError('A rotary attention needs the positions of its queries.')

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionMask
-from models.layers import ACTIVATIONS, BlockShape, Embed, TransformerBlock, padded_vocab_size, vocab_embedding
+from models.layers import (ACTIVATIONS, BlockShape, Embed, TransformerBlock, padded_vocab_size, vocab_embedding,
+                           zero_init_output_projections)
 from models.lm_head import vocab_logits
 from models.partitioning import constrain
 
@@ -51,6 +52,8 @@ class BertConfig:
   init_std: float = 0.02
   dtype: str = 'float32'
   attention: str = 'xla'
+  qk_norm: bool = False  # RMSNorm of query and key heads (models/attention.py); no Hugging Face BERT has it
+  zero_init_out: bool = False  # attention output and FFN down projections start at zero
   heads: str = 'none'  # what `build_bert` adds to the encoder: 'pretraining' | 'classifier' | 'none'
   num_classes: int = 0  # 'classifier' heads
   labels: tuple[str, ...] = ()  # 'classifier' heads: class names in logit order
@@ -63,7 +66,7 @@ class BertConfig:
 
   def block_shape(self) -> BlockShape:
     return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=self.mlp_dim,
-                      vocab=self.vocab_size, dtype=self.dtype)
+                      vocab=self.vocab_size, dtype=self.dtype, qk_norm=self.qk_norm)
 
 
 class BertOutput(NamedTuple):
@@ -129,10 +132,13 @@ class BertEncoder(nnx.Module):
         TransformerBlock(config.width, config.num_heads, config.mlp_dim, dropout=config.dropout,
                          attention_dropout=config.attention_dropout, activation=config.activation, pre_norm=False,
                          layer_norm_epsilon=config.layer_norm_epsilon, dtype=dtype,
-                         attention_implementation=config.attention, rngs=rngs)
+                         attention_implementation=config.attention, qk_norm=config.qk_norm, rngs=rngs)
         for _ in range(config.num_layers)])
     self.pooler = nnx.Linear(config.width, config.width, dtype=dtype, rngs=rngs)
     _reinit_linears(self, nnx.initializers.truncated_normal(config.init_std), rngs)
+    if config.zero_init_out:  # after the re-initialisation, which would overwrite it
+      for block in self.blocks:
+        zero_init_output_projections(block)
 
   def __call__(self, tokens: jax.Array, segments: jax.Array | None = None, valid: jax.Array | None = None,
                *, deterministic: bool = True) -> BertOutput:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionMask
-from models.layers import BlockShape, Embed, TransformerBlock, sinusoidal_positions
+from models.layers import BlockShape, Embed, TransformerBlock, sinusoidal_positions, zero_init_output_projections
 
 POOLINGS = ('mean', 'cls')
 
@@ -39,6 +39,8 @@ class ClassifierConfig:
   dtype: str = 'float32'
   attention: str = 'xla'
   labels: tuple[str, ...] = ()  # class names in logit order, when known (predictions, exports)
+  qk_norm: bool = False  # RMSNorm of query and key heads (models/attention.py)
+  zero_init_out: bool = False  # attention output and FFN down projections start at zero
 
   def __post_init__(self):
     if self.labels and len(self.labels) != self.num_classes:
@@ -46,7 +48,7 @@ class ClassifierConfig:
 
   def block_shape(self) -> BlockShape:
     return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=self.mlp_dim,
-                      vocab=self.vocab_size, dtype=self.dtype)
+                      vocab=self.vocab_size, dtype=self.dtype, qk_norm=self.qk_norm)
 
 
 class TransformerClassifier(nnx.Module):
@@ -64,8 +66,11 @@ class TransformerClassifier(nnx.Module):
         TransformerBlock(config.width, config.num_heads, config.mlp_dim, dropout=config.dropout,
                          attention_dropout=config.attention_dropout, activation='gelu', pre_norm=config.pre_norm,
                          layer_norm_epsilon=config.layer_norm_epsilon, dtype=dtype,
-                         attention_implementation=config.attention, rngs=rngs)
+                         attention_implementation=config.attention, qk_norm=config.qk_norm, rngs=rngs)
         for _ in range(config.num_layers)])
+    if config.zero_init_out:
+      for block in self.blocks:
+        zero_init_output_projections(block)
     self.final_norm = nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype,
                                     rngs=rngs) if config.pre_norm else None
     self.head = nnx.Linear(config.width, config.num_classes, dtype=dtype, rngs=rngs)

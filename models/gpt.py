@@ -33,6 +33,18 @@ field usable alone (the defaults are GPT-2's):
   use_bias=False        no bias in any projection or norm
   tie_embeddings=False  an output matrix `lm_head` [V', E] of its own instead of the token embedding
 
+Four options of the NanoGPT speedrun's block (issue 33), each usable alone with either architecture
+(the defaults leave the model as it was; Hugging Face's GPT-2 and Llama classes have none of the
+first three, so `--mode=export_hf` refuses them):
+  qk_norm=True          RMSNorm of each query and key head over its width, a learned [D] scale each,
+                        before RoPE (models/attention.py; Dehghani et al. 2023, OLMo 2, Qwen3)
+  mlp='relu2'           a plain MLP with relu(x)^2 instead of GELU (So et al. 2021, Primer)
+  logit_softcap=c       logits -> c * tanh(logits / c) in every loss and in decoding (models/lm_head.py;
+                        Gemma 2; the speedrun uses 30, then 15); 0 = off
+  zero_init_out=True    the attention output and MLP down projections start at zero (every block
+                        starts as the identity; models/layers.py `zero_init_output_projections`)
+The fifth, the z-loss, is the loss's, not the model's: `chunked_loss(z_loss=...)` and `train.z_loss`.
+
 Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, L_max cache length.
 """
 from __future__ import annotations
@@ -46,7 +58,7 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import BlockShape, Embed, TransformerBlock, norm_layer, vocab_embedding
+from models.layers import BlockShape, Embed, TransformerBlock, norm_layer, vocab_embedding, zero_init_output_projections
 from models.lm_head import chunked_lm_loss, vocab_logits
 from models.rope import RopeConfig, inverse_frequencies
 
@@ -66,6 +78,10 @@ class GPT2Config:
   attention: str = 'xla'
   scan_layers: bool = False
   remat: str = 'none'  # a key of REMAT_POLICIES
+  # The speedrun's options (module docstring); the defaults are the model as before them.
+  qk_norm: bool = False
+  logit_softcap: float = 0.0  # 0 = no cap
+  zero_init_out: bool = False
   # The Llama steps (module docstring); the defaults are GPT-2, what a model.json without them means.
   positions: str = 'learned'  # a key of POSITIONS
   rope_theta: float = 10000.0
@@ -91,7 +107,7 @@ class GPT2Config:
 
   def block_shape(self) -> BlockShape:
     return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=self.mlp_width,
-                      vocab=self.vocab_size, dtype=self.dtype, remat=self.remat)
+                      vocab=self.vocab_size, dtype=self.dtype, remat=self.remat, qk_norm=self.qk_norm)
 
   @property
   def rope(self) -> RopeConfig:
@@ -101,7 +117,7 @@ class GPT2Config:
 
 
 POSITIONS = ('learned', 'rope')
-MLPS = {'gelu': ('gelu_tanh', False), 'swiglu': ('silu', True)}  # name: (activation, gated)
+MLPS = {'gelu': ('gelu_tanh', False), 'swiglu': ('silu', True), 'relu2': ('relu2', False)}  # name: (activation, gated)
 
 
 REMAT_POLICIES = {
@@ -141,12 +157,14 @@ class GPT(nnx.Module):
           attention_dropout=config.dropout, activation=activation, pre_norm=True,
           layer_norm_epsilon=config.layer_norm_epsilon, dtype=dtype,
           attention_implementation=config.attention, norm=config.norm, gated_mlp=gated, use_bias=config.use_bias,
-          num_kv_heads=config.num_kv_heads, rope=rope, rngs=rngs)
+          num_kv_heads=config.num_kv_heads, rope=rope, qk_norm=config.qk_norm, rngs=rngs)
       for linear in (block.self_attention.query, block.self_attention.key, block.self_attention.value,
                      block.mlp.up) + ((block.mlp.gate,) if gated else ()):
         linear.kernel.set_value(init(rngs.params(), linear.kernel.shape))
-      for linear in (block.self_attention.out, block.mlp.down):
+      for linear in block.output_projections():
         linear.kernel.set_value(residual_init(rngs.params(), linear.kernel.shape))
+      if config.zero_init_out:  # after the draws above, so every other parameter is the same either way
+        zero_init_output_projections(block)
       return block
 
     if config.scan_layers:
@@ -227,25 +245,28 @@ class GPT(nnx.Module):
     return (self.token_embedding if self.config.tie_embeddings else self.lm_head).table()
 
   def logits(self, hidden: jax.Array, output_matrix: jax.Array | None = None) -> jax.Array:
-    """[B, L, E] final hidden states -> [B, L, V'] logits in the compute dtype, the padded ids
-    masked (V' = the padded vocabulary; losses work in float32 themselves).
+    """[B, L, E] final hidden states -> [B, L, V'] logits in the compute dtype, soft-capped with
+    `logit_softcap`, the padded ids masked (V' = the padded vocabulary; losses work in float32 themselves).
 
     output_matrix: the [E, V'] output layer when the caller transposed `output_embedding` once
     (decoding); default its transpose here.
     """
     head = self.output_embedding().T if output_matrix is None else output_matrix
-    return vocab_logits(hidden, head, self.config.vocab_size)
+    return vocab_logits(hidden, head, self.config.vocab_size, softcap=self.config.logit_softcap)
 
   def chunked_loss(self, hidden: jax.Array, targets: jax.Array, weights: jax.Array | None = None, *,
-                   chunk_tokens: int, label_smoothing: float = 0.0):
-    """Next-token cross-entropy of `logits(hidden)` computed `chunk_tokens` tokens at a time, never
-    holding the [B, L, V'] logits (models/lm_head.py `chunked_lm_loss`).
+                   chunk_tokens: int, label_smoothing: float = 0.0, z_loss: float = 0.0):
+    """Next-token cross-entropy of `logits(hidden)` (soft-capped as they are) computed `chunk_tokens`
+    tokens at a time, never holding the [B, L, V'] logits (models/lm_head.py `chunked_lm_loss`),
+    plus z_loss * log(Z)^2 per token when z_loss > 0.
 
     hidden: [B, L, E] from `__call__(..., return_hidden=True)`; targets: [B, L] int; weights: [B, L]
-    or [B] per example (default ones). Returns (mean loss, {'loss', 'accuracy': (sum, count)}).
+    or [B] per example (default ones). Returns (mean of cross-entropy + z-loss, {'loss' (the
+    cross-entropy), 'accuracy', and with z_loss 'z_loss': (sum, count)}).
     """
     return chunked_lm_loss(hidden, self.output_embedding(), targets, weights, vocab_size=self.config.vocab_size,
-                           label_smoothing=label_smoothing, chunk_tokens=chunk_tokens)
+                           label_smoothing=label_smoothing, chunk_tokens=chunk_tokens,
+                           softcap=self.config.logit_softcap, z_loss=z_loss)
 
   def init_cache(self, batch: int, max_len: int) -> list[dict[str, Any]] | dict[str, Any]:
     """Per-layer {'self': {'k','v': [B, K, L_max, D]}} (K = the key/value heads): a list, or with

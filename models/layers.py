@@ -27,6 +27,7 @@ ACTIVATIONS = {
     'gelu': functools.partial(jax.nn.gelu, approximate=False),
     'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True),  # GPT-2's "gelu_new"
     'silu': jax.nn.silu,  # x * sigmoid(x), SwiGLU's gate (Llama's "silu")
+    'relu2': lambda x: jnp.square(jax.nn.relu(x)),  # ReLU^2 (So et al. 2021, Primer; the NanoGPT speedrun's MLP)
 }
 NORMS = ('layernorm', 'rmsnorm')
 
@@ -42,6 +43,7 @@ class BlockShape:
   vocab: int  # V, output logits per token
   dtype: str  # compute dtype of the saved activations
   remat: str = 'none'  # what the blocks recompute in the backward pass: 'none' | 'dots' | 'full'
+  qk_norm: bool = False  # attention normalises its query and key heads (two more [E] activations per token)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -195,7 +197,10 @@ class TransformerBlock(nnx.Module):
   (x = LN(x + Dropout(sublayer(x)))); `pre_norm=True` is GPT-2's (x = x + Dropout(sublayer(LN(x)))).
   Llama's steps, each on its own: `norm='rmsnorm'`, `gated_mlp` (GatedFeedForward), `use_bias=False`
   (no bias in any projection or norm), `num_kv_heads` (grouped-query self-attention) and `rope`
-  (rotary self-attention at `positions`; see MultiHeadAttention).
+  (rotary self-attention at `positions`; see MultiHeadAttention). `qk_norm`: every attention of the
+  block RMS-normalises its query and key heads (MultiHeadAttention, epsilon `layer_norm_epsilon`).
+  `output_projections()` are the last matrices of the residual branches, which models initialise
+  at zero with `zero_init_output_projections` (their `zero_init_out` option).
 
   Call:
     x: [B, L, E]; mask: self-attention AttentionMask over [L, L_keys] (None: every key).
@@ -210,9 +215,10 @@ class TransformerBlock(nnx.Module):
                pre_norm: bool = False, cross_attention: bool = False, layer_norm_epsilon: float = 1e-5,
                dtype: Any = None, attention_implementation: str = 'xla', norm: str = 'layernorm',
                gated_mlp: bool = False, use_bias: bool = True, num_kv_heads: int | None = None,
-               rope: Sequence[float] | None = None):
+               rope: Sequence[float] | None = None, qk_norm: bool = False):
     attention = functools.partial(MultiHeadAttention, features, num_heads, dropout=attention_dropout,
-                                  use_bias=use_bias, dtype=dtype, implementation=attention_implementation, rngs=rngs)
+                                  use_bias=use_bias, dtype=dtype, implementation=attention_implementation,
+                                  qk_norm=qk_norm, qk_norm_epsilon=layer_norm_epsilon, rngs=rngs)
     make_norm = functools.partial(norm_layer, norm, features, epsilon=layer_norm_epsilon, use_bias=use_bias,
                                   dtype=dtype, rngs=rngs)
     self.pre_norm = pre_norm
@@ -224,6 +230,12 @@ class TransformerBlock(nnx.Module):
     self.mlp = mlp(features, hidden, activation=activation, dropout=dropout, use_bias=use_bias, dtype=dtype, rngs=rngs)
     self.mlp_norm = make_norm()
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+  def output_projections(self) -> list[nnx.Linear]:
+    """The linear layers whose outputs join the residual stream: each attention's `out` [E, E] and
+    the MLP's `down` [F, E]."""
+    attentions = [self.self_attention] + ([self.cross_attention] if self.cross_attention is not None else [])
+    return [attention.out for attention in attentions] + [self.mlp.down]
 
   def _residual(self, x, norm, sublayer, deterministic):
     if self.pre_norm:
@@ -253,3 +265,14 @@ class TransformerBlock(nnx.Module):
     x, _ = self._residual(x, self.mlp_norm, lambda h: (self.mlp(h, deterministic=deterministic), None),
                           deterministic)
     return constrain(x, TOKENS), (new_cache or None)
+
+
+def zero_init_output_projections(block: TransformerBlock) -> None:
+  """Set the kernels and biases of `block.output_projections()` to zero (the NanoGPT speedrun's and
+  muP's zero-initialised residual outputs): at initialisation every residual branch adds nothing,
+  so the block passes its input through (pre-LN) or only normalises it (post-LN). Models call it
+  after their own initialisation, so that it wins over any re-initialisation."""
+  for linear in block.output_projections():
+    linear.kernel.set_value(jnp.zeros_like(linear.kernel[...]))
+    if linear.bias is not None:
+      linear.bias.set_value(jnp.zeros_like(linear.bias[...]))

@@ -8,10 +8,20 @@ Vocabularies may be padded to V' >= V rows (models/layers.py `padded_vocab_size`
 ids' logits are masked to the lowest finite value (`mask_padded_logits`), and `vocab_size` = V
 keeps label smoothing on the real ids, so every loss equals the unpadded model's.
 
+Two options of the decoder recipes (issue 33), both off (0) by default:
+  softcap  logits -> softcap * tanh(logits / softcap) (Gemma 2; the NanoGPT speedrun): applied in
+           `vocab_logits` before the padded ids are masked, so every loss, argmax and decoding step
+           reads the capped logits; the chunked loss's hand-written gradient carries the tanh's
+           derivative 1 - (capped / softcap)^2.
+  z_loss   a coefficient on log(Z)^2 per token (PaLM, Chowdhery et al. 2022: 1e-4), Z the softmax's
+           normalizer, added to the minimised loss and reported as its own metric 'z_loss' (the sum
+           of coefficient * log(Z)^2); the 'loss' metric stays the plain cross-entropy.
+
 The cross-entropy pieces (`cross_entropy_parts`, `target_distribution`, `token_weights`, `is_argmax`) are
 shared with the losses on given logits (train/losses.py). Cross-entropies run in float32 whatever
-the logits' dtype. Losses return (mean, {'loss', 'accuracy': (sum, count)}): sums and counts, so
-averages stay exact across micro-batches, devices and evaluation batches.
+the logits' dtype. Losses return (mean, {'loss', 'accuracy': (sum, count)}), plus 'z_loss' when its
+coefficient is not 0: sums and counts, so averages stay exact across micro-batches, devices and
+evaluation batches. The mean is what training minimises: the cross-entropy plus the z-loss term.
 
 Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, C chunks.
 """
@@ -29,13 +39,25 @@ from models.partitioning import constrain, shard_count
 _SHARD_TABLE = ('batch', 'embed', 'vocab')  # logical axes of per-batch-shard [S, E, V'] table gradients
 
 
-def vocab_logits(hidden: jax.Array, matrix: jax.Array, vocab_size: int, bias: jax.Array | None = None) -> jax.Array:
-  """hidden [..., E] @ matrix [E, V'] (+ bias [V']) -> [..., V'] logits in hidden's dtype, ids >= vocab_size
-  masked. The logits stay split like the hidden states' leading dimensions and by 'vocab'."""
+def vocab_logits(hidden: jax.Array, matrix: jax.Array, vocab_size: int, bias: jax.Array | None = None,
+                 softcap: float = 0.0) -> jax.Array:
+  """hidden [..., E] @ matrix [E, V'] (+ bias [V']) -> [..., V'] logits in hidden's dtype, soft-capped
+  to (-softcap, softcap) when softcap > 0, ids >= vocab_size masked. The logits stay split like the
+  hidden states' leading dimensions and by 'vocab'."""
   logits = constrain(hidden @ matrix.astype(hidden.dtype), (*leading_names(hidden.ndim - 1), 'vocab'))
   if bias is not None:
     logits = logits + bias.astype(logits.dtype)
-  return mask_padded_logits(logits, vocab_size)
+  return mask_padded_logits(soft_cap(logits, softcap), vocab_size)
+
+
+def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(logits / cap), in the logits' dtype; unchanged when cap = 0."""
+  return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def z_loss_term(log_normalizer: jax.Array, coefficient: float) -> jax.Array:
+  """[...] float32 coefficient * log(Z)^2, PaLM's auxiliary loss keeping the softmax normalizer near 1."""
+  return coefficient * jnp.square(log_normalizer)
 
 
 def token_weights(weights: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
@@ -78,8 +100,10 @@ def cross_entropy_parts(logits: jax.Array, targets: jax.Array, label_smoothing: 
 
 
 def chunked_lm_loss(hidden: jax.Array, table: jax.Array, targets: jax.Array, weights: jax.Array | None = None, *,
-                 vocab_size: int, label_smoothing: float = 0.0, chunk_tokens: int = 2048):
-  """Token cross-entropy of the logits `vocab_logits(hidden, table.T)`, `chunk_tokens` tokens at a time.
+                 vocab_size: int, label_smoothing: float = 0.0, chunk_tokens: int = 2048, softcap: float = 0.0,
+                 z_loss: float = 0.0):
+  """Token cross-entropy of the logits `vocab_logits(hidden, table.T, softcap=softcap)`, `chunk_tokens`
+  tokens at a time, plus z_loss * log(Z)^2 per token when z_loss > 0.
 
   No [B, L, V'] logits tensor exists, in the forward or the backward pass: each chunk's logits are
   made in the compute dtype and reduced in float32 to its loss and accuracy sums, and the gradients
@@ -95,8 +119,10 @@ def chunked_lm_loss(hidden: jax.Array, table: jax.Array, targets: jax.Array, wei
     targets: [B, L] int; weights: [B, L] or [B] per example (default ones).
     vocab_size: V; the logits of the padded ids past it are masked and get no gradient. On
       XLA:CPU the masked [chunk, V'] logits are one more stored temporary when V' > V.
+    softcap: the logits' soft cap (0: none); z_loss: the z-loss coefficient (0: none).
   Returns:
-    (mean loss, {'loss', 'accuracy': (sum, count)}).
+    (mean of cross-entropy + z-loss, {'loss' (the cross-entropy alone), 'accuracy', and with z_loss
+    'z_loss': (sum, count)}).
   """
   batch, length, _ = hidden.shape
   tokens = batch * length
@@ -112,10 +138,13 @@ def chunked_lm_loss(hidden: jax.Array, table: jax.Array, targets: jax.Array, wei
     strided = jnp.swapaxes(padded.reshape(chunk, chunks, *x.shape[2:]), 0, 1)
     return constrain(strided, (None, 'batch', 'embed')[:x.ndim])
 
-  total, correct = _chunked_sums(flat(hidden), table.astype(hidden.dtype), flat(targets), flat(weights),
-                                 label_smoothing, vocab_size)
+  objective, total, z_total, correct = _chunked_sums(flat(hidden), table.astype(hidden.dtype), flat(targets),
+                                                     flat(weights), label_smoothing, vocab_size, softcap, z_loss)
   count = weights.sum()
-  return total / jnp.maximum(count, 1.0), {'loss': (total, count), 'accuracy': (correct, count)}
+  metrics = {'loss': (total, count), 'accuracy': (correct, count)}
+  if z_loss:
+    metrics['z_loss'] = (z_total, count)
+  return objective / jnp.maximum(count, 1.0), metrics
 
 
 def is_argmax(logits: jax.Array, targets: jax.Array, target_logit: jax.Array | None = None,
@@ -133,30 +162,41 @@ def is_argmax(logits: jax.Array, targets: jax.Array, target_logit: jax.Array | N
   return (target_logit >= top) & ~lower_tie
 
 
-def _chunk_forward(h, table, t, w, label_smoothing, vocab_size):
-  """One chunk, h [chunk, E], t and w [chunk]: (loss sum, correct sum, d loss / d logits [chunk, V'] float32)."""
-  logits = vocab_logits(h, table.T, vocab_size)  # [chunk, V'] in the compute dtype
+def _chunk_forward(h, table, t, w, label_smoothing, vocab_size, softcap, z_loss):
+  """One chunk, h [chunk, E], t and w [chunk]: (cross-entropy sum, z-loss sum, correct sum, d (cross-entropy
+  + z-loss) / d logits before the soft cap [chunk, V'] float32)."""
+  logits = vocab_logits(h, table.T, vocab_size, softcap=softcap)  # [chunk, V'] in the compute dtype
   loss, log_normalizer, target_logit, top = cross_entropy_parts(logits, t, label_smoothing, vocab_size)
   correct = is_argmax(logits, t, target_logit, top).astype(jnp.float32)
   target = target_distribution(t, logits.shape[-1], label_smoothing, vocab_size)
-  d_logits = (jnp.exp(logits.astype(jnp.float32) - log_normalizer[:, None]) - target) * w[:, None]
-  return (loss * w).sum(), (correct * w).sum(), d_logits
+  probabilities = jnp.exp(logits.astype(jnp.float32) - log_normalizer[:, None])
+  d_logits = probabilities - target
+  z_sum = jnp.zeros((), jnp.float32)
+  if z_loss:  # d (c log^2 Z) / d logits = 2 c log Z softmax(logits)
+    d_logits = d_logits + (2 * z_loss * log_normalizer)[:, None] * probabilities
+    z_sum = (z_loss_term(log_normalizer, z_loss) * w).sum()
+  if softcap:  # through capped = c tanh(z / c): d capped / d z = 1 - tanh^2 = 1 - (capped / c)^2
+    # Clipped so that the masked padded ids (the lowest finite value, where d_logits is 0) give 0, not NaN.
+    d_logits = d_logits * (1 - jnp.square(jnp.clip(logits.astype(jnp.float32) / softcap, -1.0, 1.0)))
+  return (loss * w).sum(), z_sum, (correct * w).sum(), d_logits * w[:, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size):
-  """(loss sum, correct sum) over [C, chunk, E] hidden states; see `chunked_lm_loss`. Without a
-  gradient (evaluation) only the sums are computed."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _chunked_sums(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size, softcap, z_loss):
+  """(cross-entropy + z-loss sum, cross-entropy sum, z-loss sum, correct sum) over [C, chunk, E] hidden
+  states; see `chunked_lm_loss`. Only the first, the minimised objective, has a gradient: the other
+  three are metrics. Without a gradient (evaluation) only the sums are computed."""
   def step(carry, chunk_inputs):
-    loss, correct, _ = _chunk_forward(chunk_inputs[0], table, *chunk_inputs[1:], label_smoothing, vocab_size)
-    return (carry[0] + loss, carry[1] + correct), None
+    loss, z, correct, _ = _chunk_forward(chunk_inputs[0], table, *chunk_inputs[1:], label_smoothing, vocab_size,
+                                         softcap, z_loss)
+    return (carry[0] + loss, carry[1] + z, carry[2] + correct), None
 
   zero = jnp.zeros((), jnp.float32)
-  sums, _ = jax.lax.scan(step, (zero, zero), (hidden_chunks, target_chunks, weight_chunks))
-  return sums
+  (loss, z, correct), _ = jax.lax.scan(step, (zero, zero, zero), (hidden_chunks, target_chunks, weight_chunks))
+  return loss + z, loss, z, correct
 
 
-def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size):
+def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_smoothing, vocab_size, softcap, z_loss):
   # The table's gradient is accumulated as one partial sum per batch shard, [S, E, V'] split over S
   # (S = 1 without a mesh), and summed once after the loop: one reduction of the table per step,
   # where a single carry would be all-reduced at every chunk. Transposed ([E, V'], turned once at
@@ -165,23 +205,23 @@ def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_
   per_shard = lambda x: x.reshape(shards, x.shape[0] // shards, x.shape[1])
 
   def step(carry, chunk_inputs):
-    loss_sum, correct_sum, d_table = carry
+    loss_sum, z_sum, correct_sum, d_table = carry
     h, t, w = chunk_inputs
-    loss, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing, vocab_size)
+    loss, z, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing, vocab_size, softcap, z_loss)
     d_hidden = (d_logits.astype(h.dtype) @ table).astype(h.dtype)
     d_table = d_table + jnp.einsum('sce,sck->sek', per_shard(h.astype(jnp.float32)), per_shard(d_logits))
-    return (loss_sum + loss, correct_sum + correct, constrain(d_table, _SHARD_TABLE)), d_hidden
+    return (loss_sum + loss, z_sum + z, correct_sum + correct, constrain(d_table, _SHARD_TABLE)), d_hidden
 
   zero = jnp.zeros((), jnp.float32)
   d_table = constrain(jnp.zeros((shards, *table.shape[::-1]), jnp.float32), _SHARD_TABLE)
-  (loss, correct, d_table), d_hidden = jax.lax.scan(
-      step, (zero, zero, d_table), (hidden_chunks, target_chunks, weight_chunks))
-  return (loss, correct), (d_hidden, d_table.sum(0).T.astype(table.dtype), target_chunks, weight_chunks)
+  (loss, z, correct, d_table), d_hidden = jax.lax.scan(
+      step, (zero, zero, zero, d_table), (hidden_chunks, target_chunks, weight_chunks))
+  return (loss + z, loss, z, correct), (d_hidden, d_table.sum(0).T.astype(table.dtype), target_chunks, weight_chunks)
 
 
-def _chunked_sums_bwd(label_smoothing, vocab_size, residuals, cotangents):
+def _chunked_sums_bwd(label_smoothing, vocab_size, softcap, z_loss, residuals, cotangents):
   d_hidden, d_table, target_chunks, weight_chunks = residuals
-  scale = cotangents[0]  # the accuracy sum has no gradient
+  scale = cotangents[0]  # the objective's; the three metric sums have no gradient
   return ((scale * d_hidden).astype(d_hidden.dtype), (scale * d_table).astype(d_table.dtype),
           np.zeros(target_chunks.shape, jax.dtypes.float0), jnp.zeros_like(weight_chunks))
 

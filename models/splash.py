@@ -49,11 +49,16 @@ def fits(q_len: int, k_len: int) -> bool:
 @functools.cache
 def _kernel(causal: bool, q_len: int, k_len: int, num_heads: int, interpret: bool, shared_kv: bool):
   """One kernel per static mask shape; built once (its block-sparsity tables are numpy).
-  shared_kv: the multi-query kernel, whose `num_heads` query heads read one K/V head."""
+  shared_kv: the multi-query kernel, whose `num_heads` query heads read one K/V head.
+
+  Built as constants even when first asked for inside a traced function: the kernel turns its
+  tables into jax arrays, which a trace would make tracers that leak into every later trace
+  reading this cached kernel (UnexpectedTracerError)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # imported only where used
   block_mask = splash.CausalMask((q_len, k_len)) if causal else splash.FullMask((q_len, k_len))
   make = splash.make_splash_mqa if shared_kv else splash.make_splash_mha
-  return make(splash.MultiHeadMask([block_mask] * num_heads), head_shards=1, q_seq_shards=1, interpret=interpret)
+  with jax.ensure_compile_time_eval():
+    return make(splash.MultiHeadMask([block_mask] * num_heads), head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _per_shard(causal: bool, grouped: bool, interpret: bool):

@@ -12,6 +12,10 @@ in encoder self-attention and in cross-attention (padding follows the real token
 are source lengths); target padding only needs the causal mask and is excluded from the loss by
 the task.
 
+Options of every attention and block (models/layers.py), off by default: `qk_norm` (RMSNorm of
+query and key heads, self- and cross-attention alike; cross-attention caches hold normalised keys)
+and `zero_init_out` (attention output and FFN down projections start at zero).
+
 Packed rows (several pairs per row, training with `data.packing`) carry segment ids, 1, 2, ... per
 pair and 0 on padding: positions restart at each segment, and every attention (encoder self,
 causal decoder self, cross) stays within a segment, so each pair is computed exactly as alone.
@@ -30,7 +34,7 @@ from flax import nnx
 
 from models import decoding
 from models.attention import AttentionMask
-from models.layers import BlockShape, Embed, TransformerBlock, sinusoidal_positions
+from models.layers import BlockShape, Embed, TransformerBlock, sinusoidal_positions, zero_init_output_projections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +56,12 @@ class TransformerConfig:
   pad_id: int = 0
   dtype: str = 'float32'
   attention: str = 'xla'
+  qk_norm: bool = False  # RMSNorm of query and key heads in every attention (models/attention.py)
+  zero_init_out: bool = False  # attention output and FFN down projections start at zero
 
   def block_shape(self) -> BlockShape:
     return BlockShape(width=self.width, heads=self.num_heads, layers=self.encoder_layers + self.decoder_layers,
-                      mlp_width=self.mlp_dim, vocab=self.vocab_size, dtype=self.dtype)
+                      mlp_width=self.mlp_dim, vocab=self.vocab_size, dtype=self.dtype, qk_norm=self.qk_norm)
 
 
 class Transformer(nnx.Module):
@@ -77,10 +83,13 @@ class Transformer(nnx.Module):
           config.width, config.num_heads, config.mlp_dim, dropout=config.dropout,
           attention_dropout=config.attention_dropout, activation='relu', pre_norm=config.pre_norm,
           cross_attention=cross_attention, layer_norm_epsilon=config.layer_norm_epsilon, dtype=dtype,
-          attention_implementation=config.attention, rngs=rngs)
+          attention_implementation=config.attention, qk_norm=config.qk_norm, rngs=rngs)
 
     self.encoder_blocks = nnx.List([block(False) for _ in range(config.encoder_layers)])
     self.decoder_blocks = nnx.List([block(True) for _ in range(config.decoder_layers)])
+    if config.zero_init_out:
+      for b in (*self.encoder_blocks, *self.decoder_blocks):
+        zero_init_output_projections(b)
     norm = lambda: nnx.LayerNorm(config.width, epsilon=config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
     self.encoder_norm = norm() if config.pre_norm else None
     self.decoder_norm = norm() if config.pre_norm else None

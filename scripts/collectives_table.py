@@ -4,6 +4,7 @@ per device and the collectives of the compiled step (train/hlo.py). The step is 
 
   python scripts/collectives_table.py configs/gpt.py:gpt2 --devices=8 --mesh=1,8,1 --batch=16 --seq_len=1024
   python scripts/collectives_table.py configs/bert.py:base --devices=8 --mesh=1,8,1 --batch=64 --seq_len=128
+  python scripts/collectives_table.py configs/gpt.py:gpt2 --layers=2 --batch=16 --seq_len=1024 --optimizer=muon
 
 Nothing runs and no data is read: the state and batch are abstract (shapes and shardings), dropout
 is 0 and the vocabulary is the preset's (`data.vocab_size`, padded as the preset says). `--layers`
@@ -30,6 +31,7 @@ def parse_args():
   parser.add_argument('--seq_len', type=int, required=True)
   parser.add_argument('--layers', type=int, default=0, help='override model.num_layers (0: the preset\'s)')
   parser.add_argument('--top', type=int, default=8, help='largest collectives to list, by bytes per step')
+  parser.add_argument('--optimizer', default='', help="train.optimizer (default: the preset's), e.g. muon")
   return parser.parse_args()
 
 
@@ -43,6 +45,8 @@ def build_config(args):
     config.model.attention_dropout = 0.0
   if args.layers:
     config.model.num_layers = args.layers
+  if args.optimizer:
+    config.train.optimizer = args.optimizer
   return config
 
 
@@ -63,7 +67,8 @@ def main():
   for c in found:
     largest[f'{c.kind} {"+".join(f"{d}{list(s)}" for d, s in c.arrays)}'] += c.bytes_per_step
   print(json.dumps({
-      'preset': args.preset, 'mesh': args.mesh, 'batch': args.batch, 'seq_len': args.seq_len,
+      'preset': args.preset, 'optimizer': config.train.optimizer, 'mesh': args.mesh, 'batch': args.batch,
+      'seq_len': args.seq_len,
       'layers': config.model.num_layers, 'compile_s': round(compile_s, 1),
       'temp_mb': round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1),
       'collective_mb': {k: round(v / 2**20, 1) for k, v in hlo.collective_bytes(text).items()},

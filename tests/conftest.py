@@ -2,9 +2,17 @@
 import os
 import sys
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+# Appended to XLA flags the caller set: `XLA_FLAGS=--xla_cpu_max_isa=AVX2 pytest` runs the suite with
+# XLA:CPU's code kept to AVX2, the summation order of a CPU without AVX-512 (.ci/run does it too).
+if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # The tests' models are tiny: compiling them costs more than running them, so XLA skips LLVM's
 # expensive passes (about a quarter of the suite's CPU time). HLO passes (fusion, sharding) still run.
 os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
+# Every program goes to one persistent compilation cache (the trainer's default `config.compile_cache`),
+# however quickly it compiled: the tests and their launch.py processes build the same tiny programs
+# again and again. The suite starts on whatever the cache holds (CI: an empty one).
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.expanduser('~/.cache/attention-lineage/jax'))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

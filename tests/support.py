@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from numerics import transformer_terms
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ('alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau '
          'upsilon phi chi psi omega').split()
@@ -48,6 +50,12 @@ def with_overrides(config, overrides: dict):
   return config
 
 
+# The reductions behind one training step of `tiny_gpt_config` on `write_corpus`'s text (2 blocks
+# of width 32 on windows of 32 characters, ~30 ids, batches of 8): a training's losses and
+# parameters carry every step's (tests/numerics.py).
+TINY_GPT_STEP_TERMS = transformer_terms(2, 32, 4 * 32, 32, vocab=32, positions=8 * 32)
+
+
 def tiny_gpt_config(source: str, **overrides):
   from configs import gpt
   config = gpt.get_config('tiny')
@@ -55,9 +63,17 @@ def tiny_gpt_config(source: str, **overrides):
   return with_overrides(config, overrides)
 
 
+def xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a subprocess with `devices` fake CPU devices, keeping the other flags the suite
+  runs under (e.g. --xla_cpu_max_isa=AVX2)."""
+  kept = [flag for flag in os.environ.get('XLA_FLAGS', '').split()
+          if not flag.startswith('--xla_force_host_platform_device_count')]
+  return ' '.join(kept + [f'--xla_force_host_platform_device_count={devices}'])
+
+
 def launch(args, devices: int = 1, timeout: int = 300, env_overrides: dict | None = None, **popen):
   """Run launch.py in a fresh process with `devices` fake CPU devices."""
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}', JAX_PLATFORMS='cpu',
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS='cpu',
              **(env_overrides or {}))
   command = [sys.executable, os.path.join(REPO, 'launch.py'), *args]
   if popen:

@@ -6,6 +6,13 @@ import pytest
 from flax import nnx
 
 from models import attention
+from numerics import assert_close
+
+pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
+
+# A scaled dot-product attention output: a head's dot product over D = 8, then the normalizer and the
+# weighted sum of values over <= 6 keys.
+ATTENTION_TERMS = 8 + 2 * 6
 
 
 def numpy_attention(q, k, v, mask):
@@ -64,12 +71,12 @@ def test_structured_masks_give_the_dense_mask_outputs_on_every_path(kind):
   q, k, v = qkv(3, q_len=q_len, k_len=k_len)
   reference = einsum_with_dense_mask(q, k, v, jnp.asarray(expected)[:, None])
   out, weights = attention.dot_product_attention(q, k, v, mask, implementation='xla')
-  np.testing.assert_allclose(out, reference, atol=1e-6)
+  assert_close(out, reference, terms=ATTENTION_TERMS)
   assert weights.shape == (2, 2, q_len, k_len)
   # The arguments cuDNN gets on GPU, through jax.nn's XLA implementation here.
   fused, none = attention.dot_product_attention(q, k, v, mask, implementation='jax_nn')
   assert none is None
-  np.testing.assert_allclose(fused, reference, atol=1e-6)
+  assert_close(fused, reference, terms=ATTENTION_TERMS)
 
 
 def test_padding_and_causal_reach_jax_nn_without_a_dense_mask():
@@ -111,7 +118,7 @@ def test_masked_softmax_zero_weight_and_empty_rows():
   mask = jnp.array([[True, True, False], [False, False, False]])
   weights = np.asarray(attention.masked_softmax(scores, mask))
   e = np.exp([1.0, 2.0])
-  np.testing.assert_allclose(weights[0], [e[0] / e.sum(), e[1] / e.sum(), 0.0], rtol=1e-6)
+  assert_close(weights[0], [e[0] / e.sum(), e[1] / e.sum(), 0.0], terms=2)
   np.testing.assert_array_equal(weights[1], [0.0, 0.0, 0.0])
 
 
@@ -120,8 +127,8 @@ def test_dot_product_attention_matches_numpy():
   q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((2, 3, 2, 4), (2, 5, 2, 4), (2, 5, 2, 4)))
   out, weights = attention.dot_product_attention(q, k, v, attention.AttentionMask(key_lengths=jnp.array([5, 2])))
   dense = np.arange(5)[None, None, None, :] < np.array([5, 2])[:, None, None, None]
-  np.testing.assert_allclose(out, numpy_attention(q, k, v, dense), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
+  assert_close(out, numpy_attention(q, k, v, dense), terms=4 + 2 * 5)
+  assert_close(np.asarray(weights).sum(-1), np.ones((2, 2, 3)), terms=5)
   assert np.all(np.asarray(weights)[1, :, :, 2:] == 0)
 
 
@@ -135,9 +142,10 @@ def test_implementations_agree_in_outputs_and_gradients():
 
   reference = jax.value_and_grad(loss, argnums=(1, 2, 3))('xla', q, k, v)
   other = jax.value_and_grad(loss, argnums=(1, 2, 3))('jax_nn', q, k, v)
-  np.testing.assert_allclose(reference[0], other[0], rtol=1e-5)
+  # The loss sums 2 x 6 x 2 x 8 outputs; a gradient adds the backward's sums over queries and keys.
+  assert_close(other[0], reference[0], terms=ATTENTION_TERMS + 2 * 6 * 2 * 8)
   for a, b in zip(reference[1], other[1]):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_close(b, a, terms=2 * ATTENTION_TERMS + 6)
 
 
 def test_additive_attention_matches_numpy():
@@ -150,8 +158,9 @@ def test_additive_attention_matches_numpy():
   scores = np.tanh((q @ wq)[:, :, None, :] + (k @ wk)[:, None, :, :]) @ wv
   scores = scores[..., 0][:, :, :3]
   expected_w = np.exp(scores) / np.exp(scores).sum(-1, keepdims=True)
-  np.testing.assert_allclose(weights[:, :, :3], expected_w, rtol=1e-5)
-  np.testing.assert_allclose(context, expected_w @ v[:, :3], rtol=1e-5, atol=1e-6)
+  score_terms = 3 + 4 + 5  # W_q q, W_k k and w_v over the hidden 5
+  assert_close(weights[:, :, :3], expected_w, terms=score_terms + 4)
+  assert_close(context, expected_w @ v[:, :3], terms=score_terms + 2 * 4)
 
 
 def test_multi_head_cache_matches_full_pass_and_records_weights():
@@ -164,8 +173,8 @@ def test_multi_head_cache_matches_full_pass_and_records_weights():
     mask = attention.AttentionMask(causal=True, q_offset=t)
     out, cache = layer(x[:, t:t + 1], mask=mask, cache=cache, cache_index=t)
     outs.append(out)
-  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-6)
+  assert_close(jnp.concatenate(outs, 1), full, terms=3 * 8 + 4 + 2 * 5)  # projections, a head, 5 keys
   _, weights = attention.record_attention_weights(layer, layer, x)
   (w,) = weights.values()
   assert w.shape == (2, 2, 5, 5)
-  np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-5)
+  assert_close(np.asarray(w).sum(-1), np.ones(w.shape[:-1]), terms=5)

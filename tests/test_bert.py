@@ -8,9 +8,12 @@ from flax import nnx
 
 import support
 from models.bert import BertClassifier, BertConfig, BertEncoder, BertForPretraining
+from numerics import assert_close, transformer_terms
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
+
+pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
 
 # Models run compiled: op-by-op eager execution of even tiny BERTs costs seconds per call.
 forward = nnx.jit(lambda model, *args, **kwargs: model(*args, **kwargs))
@@ -60,6 +63,11 @@ def random_hf_bert(cls, seed=0):
   return model.eval()
 
 
+# SMALL's logits: 2 blocks over 12 tokens, then a head's two projections (the MLM transform or the
+# pooler, and the output layer).
+HEAD_TERMS = transformer_terms(2, 32, 48, 12) + 2 * 32
+
+
 def inputs(seed=0):
   rng = np.random.default_rng(seed)
   tokens = rng.integers(5, SMALL['vocab_size'], (2, 12))
@@ -90,19 +98,17 @@ def test_import_pretraining_checkpoint_matches_transformers(tmp_path, weights_fi
   expected = hf_outputs(hf, tokens, segments, valid)
   ours = forward(model, jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
   assert len(ours.encoder.hidden_states) == SMALL['num_hidden_layers'] + 1
-  for mine, theirs in zip(ours.encoder.hidden_states, expected.hidden_states):
-    np.testing.assert_allclose(np.asarray(mine), theirs.numpy(), atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(support.real_logits(ours.mlm_logits, SMALL['vocab_size']),
-                             expected.prediction_logits.numpy(), atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(np.asarray(ours.nsp_logits), expected.seq_relationship_logits.numpy(), atol=1e-4,
-                             rtol=1e-4)
+  for layers, (mine, theirs) in enumerate(zip(ours.encoder.hidden_states, expected.hidden_states)):
+    assert_close(mine, theirs.numpy(), terms=transformer_terms(layers, 32, 48, 12), err_msg=f'after {layers} layers')
+  assert_close(support.real_logits(ours.mlm_logits, SMALL['vocab_size']), expected.prediction_logits.numpy(),
+               terms=HEAD_TERMS)
+  assert_close(ours.nsp_logits, expected.seq_relationship_logits.numpy(), terms=HEAD_TERMS)
   # The MLM head on gathered positions equals the full logits at those positions.
   positions = jnp.asarray([[1, 3, 8], [0, 2, 5]])
   gathered = forward(model, jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid),
                      masked_positions=positions)
-  np.testing.assert_allclose(np.asarray(gathered.mlm_logits),
-                             np.take_along_axis(np.asarray(ours.mlm_logits), np.asarray(positions)[..., None], 1),
-                             atol=1e-5)
+  at_positions = np.take_along_axis(np.asarray(ours.mlm_logits), np.asarray(positions)[..., None], 1)
+  assert_close(gathered.mlm_logits, at_positions, terms=HEAD_TERMS)
 
 
 def test_import_encoder_only_checkpoint(tmp_path):
@@ -114,8 +120,8 @@ def test_import_encoder_only_checkpoint(tmp_path):
   tokens, segments, valid = inputs(1)
   expected = hf_outputs(hf, tokens, segments, valid)
   ours = forward(model.encoder, jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
-  np.testing.assert_allclose(np.asarray(ours.sequence), expected.last_hidden_state.numpy(), atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(np.asarray(ours.pooled), expected.pooler_output.numpy(), atol=1e-4, rtol=1e-4)
+  assert_close(ours.sequence, expected.last_hidden_state.numpy(), terms=transformer_terms(2, 32, 48, 12))
+  assert_close(ours.pooled, expected.pooler_output.numpy(), terms=HEAD_TERMS)
 
 
 def test_import_rejects_mismatched_config(tmp_path):
@@ -169,8 +175,9 @@ def test_classifier_head_and_padding_mask():
   noisy = tokens.at[0, 5:].set(jnp.asarray([11, 12, 13]))
   logits = forward(model, tokens, None, valid)
   assert logits.shape == (1, 3)
-  np.testing.assert_allclose(forward(model, noisy, None, valid), logits, atol=1e-6)
-  np.testing.assert_allclose(forward(model, tokens[:, :5], None, valid[:, :5]), logits, atol=1e-5)
+  terms = transformer_terms(2, 16, 32, 8) + 2 * 16  # + the pooler and the classifier
+  assert_close(forward(model, noisy, None, valid), logits, terms=terms)
+  assert_close(forward(model, tokens[:, :5], None, valid[:, :5]), logits, terms=terms)
 
 
 def test_init_statistics():

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from errors import ConfigError
+from numerics import assert_close, transformer_terms
 from support import with_overrides
 from train import task as task_lib
 from train.rundir import load_run
@@ -65,7 +66,7 @@ def test_imported_run_features_and_fill_mask_match_transformers(hf_bert_dir, tmp
       hidden = hf_model(**encoded, output_hidden_states=True).hidden_states
     expected = ((hidden[-1] + hidden[-2]) / 2)[0].numpy()
     assert output['tokens'] == hf_tokenizer.convert_ids_to_tokens(encoded['input_ids'][0])
-    np.testing.assert_allclose(np.load(output['file']), expected, atol=1e-4, rtol=1e-4)
+    assert_close(np.load(output['file']), expected, terms=transformer_terms(3, 32, 48, 16))
 
   masked = 'the [MASK] sat on the mat.'
   fills = load_run(workdir).predict([masked])[0]['masks']
@@ -97,7 +98,7 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
   task.init_from(model, load_run(source).model)
   query = model.encoder.blocks[2].self_attention.query.kernel[...]
   expected = hf_model.bert.encoder.layer[2].attention.self.query.weight.detach().numpy().T
-  np.testing.assert_allclose(np.asarray(query), expected, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(query), expected)  # copied, not computed
   # More positions than the source (64): its vectors fill the first rows, the rest are new.
   longer = tiny_config(task='classify', init_from=source, **{'data.source': f'tsv:{data}', 'model.max_len': 96})
   long_task = prepare_task(longer, str(tmp_path / 'finetune-long'))
@@ -108,10 +109,9 @@ def test_finetuning_takes_the_encoder_tokenizer_and_sizes_of_init_from(hf_bert_d
   positions = np.asarray(long_model.encoder.embeddings.position.embedding[...])
   hf_positions = hf_model.bert.embeddings.position_embeddings.weight.detach().numpy()
   assert positions.shape == (96, 32)
-  np.testing.assert_allclose(positions[:64], hf_positions, atol=1e-6)
+  np.testing.assert_array_equal(positions[:64], hf_positions)
   assert not np.allclose(positions[64:], 0.0)
-  np.testing.assert_allclose(np.asarray(long_model.encoder.blocks[2].self_attention.query.kernel[...]), expected,
-                             atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(long_model.encoder.blocks[2].self_attention.query.kernel[...]), expected)
   mismatched = tiny_config(task='classify', **{'model.width': 16})
   other = type(task)(mismatched, task_lib.Prepared(task.tokenizer, dataclasses.replace(model_config, width=16)))
   with pytest.raises(ConfigError, match='different sizes'):
@@ -135,7 +135,7 @@ def test_pretraining_loss_by_hand():
   nsp = np.asarray(jax.nn.log_softmax(full.nsp_logits))
   chosen = [(0, 1, 6), (0, 4, 7), (1, 2, 8), (1, 3, 9), (1, 7, 10)]  # the weight-1 slots: (row, position, label)
   expected = -np.mean([mlm[b, p, label] for b, p, label in chosen]) - (nsp[0, 0] + nsp[1, 1]) / 2
-  assert float(loss) == pytest.approx(expected, rel=1e-5)
+  assert_close(loss, expected, terms=transformer_terms(1, 8, 16, 10, vocab=30, positions=5))
   assert float(metrics['mlm_loss'][1]) == 5 and float(metrics['nsp_accuracy'][1]) == 2
 
 

@@ -8,6 +8,12 @@ import pytest
 from flax import nnx
 
 from models.classifier import ClassifierConfig, TransformerClassifier
+from numerics import assert_close, transformer_terms
+
+pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
+
+# `build`'s logits: 2 blocks (width 16, MLP 32) over <= 12 tokens, the pooling over them, the head.
+TERMS = transformer_terms(2, 16, 32, 12) + 12
 
 # Compiled calls: eager op-by-op execution compiles every small op separately and is slower.
 forward = nnx.jit(lambda model, tokens, valid: model(tokens, valid))
@@ -36,7 +42,7 @@ def test_padding_changes_no_logit(pooling, pre_norm):
       tokens[i, :len(t)] = t
       valid[i, :len(t)] = True
     logits = np.asarray(forward(model, jnp.asarray(tokens), jnp.asarray(valid)))
-    np.testing.assert_allclose(logits, np.stack(alone), atol=1e-5)
+    assert_close(logits, np.stack(alone), terms=TERMS)
   # The check has teeth: treating the padding as text changes the logits.
   unmasked = np.asarray(forward(model, jnp.asarray(tokens), jnp.ones_like(valid)))
   assert np.abs(unmasked - logits).max() > 1e-3
@@ -48,7 +54,7 @@ def test_mean_pooling_averages_real_positions():
   valid = jnp.asarray([[True, True, True, False, False]])
   states = np.asarray(encode(model, tokens, valid))
   expected = states[0, :3].mean(0) @ np.asarray(model.head.kernel[...]) + np.asarray(model.head.bias[...])
-  np.testing.assert_allclose(np.asarray(forward(model, tokens, valid))[0], expected, atol=1e-5)
+  assert_close(np.asarray(forward(model, tokens, valid))[0], expected, terms=TERMS)
 
 
 def test_rejects_sequences_longer_than_max_len():

@@ -10,9 +10,14 @@ from flax import nnx
 
 import support
 from models.gpt import GPT, GPT2Config, generate
+from numerics import assert_close, assert_trees_close, transformer_terms
 from train.losses import lm_loss
 
+pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
+
 CONFIG = GPT2Config(vocab_size=61, max_len=32, num_layers=3, num_heads=2, width=16, dropout=0.0)
+# Logits, the loss and its gradients over `tokens()`'s 2 x 11 positions.
+TERMS = transformer_terms(CONFIG.num_layers, CONFIG.width, CONFIG.mlp_width, 12, vocab=CONFIG.vocab_size, positions=22)
 
 
 @functools.cache
@@ -52,13 +57,12 @@ def test_scanned_and_unscanned_give_the_same_logits_and_gradients():
   assert count(scanned) == count(plain)
   x = tokens()
   forward = nnx.jit(lambda model, x: model(x)[0])
-  np.testing.assert_allclose(forward(scanned, x), forward(plain, x), rtol=1e-5, atol=1e-6)
+  assert_close(forward(scanned, x), forward(plain, x), terms=TERMS)
   (plain_loss, plain_grads), (scan_loss, scan_grads) = reference_loss_and_grads(), loss_and_grads(scanned, x)
-  np.testing.assert_allclose(scan_loss, plain_loss, rtol=1e-6)
-  np.testing.assert_allclose(scan_grads['blocks']['mlp']['up']['kernel'][2],
-                             plain_grads['blocks'][2]['mlp']['up']['kernel'], rtol=1e-4, atol=1e-7)
-  np.testing.assert_allclose(scan_grads['token_embedding']['embedding'],
-                             plain_grads['token_embedding']['embedding'], rtol=1e-4, atol=1e-7)
+  assert_close(scan_loss, plain_loss, terms=TERMS)
+  assert_close(scan_grads['blocks']['mlp']['up']['kernel'][2], plain_grads['blocks'][2]['mlp']['up']['kernel'],
+               terms=TERMS)
+  assert_close(scan_grads['token_embedding']['embedding'], plain_grads['token_embedding']['embedding'], terms=TERMS)
 
 
 @pytest.mark.parametrize('remat, scan', [('dots', True), ('full', False)])
@@ -66,11 +70,10 @@ def test_remat_changes_memory_not_results(remat, scan):
   reference_loss, reference_grads = reference_loss_and_grads()
   model = twin_models(GPT2Config(**{**CONFIG.__dict__, 'remat': remat}))[int(scan)]
   loss, grads = loss_and_grads(model, tokens())
-  np.testing.assert_allclose(loss, reference_loss, rtol=1e-6)
+  assert_close(loss, reference_loss, terms=TERMS)
   if scan:  # compare layer 1 of the stacked gradients with the plain model's block 1
     grads = {**grads, 'blocks': [jax.tree.map(lambda g: g[i], grads['blocks']) for i in range(CONFIG.num_layers)]}
-  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference_grads)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+  assert_trees_close(grads, reference_grads, terms=TERMS)
 
 
 def test_cached_greedy_decoding_matches_between_layouts():

@@ -1,7 +1,8 @@
 """Layers import downward only (README, Architecture): checked on every import statement of the
 repo's packages, inside functions too, so that an upward import fails here and not in review; no
-two modules of the repo import each other, directly or around a longer circle; and no module uses
-another module's private names."""
+two modules of the repo import each other, directly or around a longer circle; no module uses
+another module's private names; and training knows nothing of sweeps (nothing under train/ but the
+sweep modules imports a sweep module)."""
 import ast
 import functools
 import os
@@ -160,9 +161,6 @@ def test_the_check_sees_a_circle_of_imports(tmp_path):
 # has no public equivalent, the import's line says so with the version it was checked on
 # ('# no public alias in Orbax 0.12'), and is allowed.
 CHECKED_PRIVATE = re.compile(r'#.*\bpublic\b.*\d+\.\d+')
-# The sweep half of issue #34 replaces this import (named there): listed here, not fixed here.
-PENDING = {('train/sweep_study.py', 'optuna.storages._heartbeat'),
-           ('train/sweep_study.py', 'optuna.storages._heartbeat.BaseHeartbeat')}
 
 
 def private(name: str) -> bool:
@@ -197,7 +195,7 @@ def test_no_module_uses_another_modules_private_names():
   used = {}
   for name, path in module_files(ROOT).items():
     relative = os.path.relpath(path, ROOT)
-    found = [use for use in private_uses(path) if (relative, use.split(': ')[1]) not in PENDING]
+    found = private_uses(path)
     if found:
       used[relative] = found
   assert not used, f'private names used from outside their module: {used}; use a public name, or make it public.'
@@ -214,3 +212,33 @@ def test_the_check_sees_private_names_taken_from_other_modules(tmp_path):
                                 'def f(self):\n  a._helper()\n  self._own()\n  a.__name__\n')
   assert private_uses(str(package / 'b.py'), str(tmp_path)) == [
       '2: pkg.a._helper', '3: json._private', '4: jax._src', '4: jax._src.dispatch', '8: a._helper']
+
+
+def sweep_importers(root: str) -> dict[str, list[str]]:
+  """{module under train/ that is not a sweep module: the sweep modules (train/sweep*.py) it imports}."""
+  modules = module_files(root)
+  sweep = {name for name in modules if re.fullmatch(r'train\.sweep\w*', name)}
+  found = {}
+  for name, path in modules.items():
+    if name.startswith('train.') and name not in sweep:
+      imported = imported_modules(name, path, modules) & sweep
+      if imported:
+        found[name] = sorted(imported)
+  return found
+
+
+def test_training_imports_nothing_of_sweeps():
+  """A sweep runs trainings as processes and reads what they log; the trainer, its loop and its
+  steps never report to a sweep (launch.py, above train/, starts one)."""
+  importers = sweep_importers(ROOT)
+  assert not importers, f'train/ modules import sweep modules: {importers}; a sweep reads what its trials log.'
+
+
+def test_the_check_sees_training_import_a_sweep_module(tmp_path):
+  train = tmp_path / 'train'
+  (train / 'tasks').mkdir(parents=True)
+  (train / 'sweep.py').write_text('from train import sweep_trial\n')  # sweep modules among themselves: fine
+  (train / 'sweep_trial.py').write_text('import json\n')
+  (train / 'loop.py').write_text('def report():\n  from train.sweep_trial import Reporter\n')
+  (train / 'tasks' / 'lm.py').write_text('import train.sweep\n')
+  assert sweep_importers(str(tmp_path)) == {'train.loop': ['train.sweep_trial'], 'train.tasks.lm': ['train.sweep']}

@@ -17,15 +17,23 @@ from jax.sharding import PartitionSpec as P
 import support
 from models import attention, decoding, rope
 from models.gpt import GPT, GPT2Config, generate
+from numerics import assert_close, transformer_terms
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
+
+pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
 
 LLAMA_STEPS = dict(positions='rope', norm='rmsnorm', mlp='swiglu', use_bias=False, tie_embeddings=False)
 # Llama 3 scaling with a short original context, so that the head width 8's four frequencies fall in
 # all three bands (kept, blended, slowed).
 LLAMA3 = dict(rope_type='llama3', rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=16)
+
+
+# tiny_llama's and the random LlamaForCausalLM's logits: 2 blocks (width 32, SwiGLU 40 or 48 wide), <= 20 tokens.
+TINY_TERMS = transformer_terms(2, 32, 40, 20)
+HF_TERMS = transformer_terms(2, 32, 48, 20)
 
 
 def max_difference(ours, theirs) -> float:
@@ -45,7 +53,7 @@ def test_rope_frequencies_are_transformers_and_the_rotation_matches_numpy():
   config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, rope_parameters=LLAMA3)
   theirs, _ = ROPE_INIT_FUNCTIONS['llama3'](config, 'cpu')
   ours = rope.inverse_frequencies(8, rope.RopeConfig(theta=500000.0, scaling='llama3', original_max_len=16))
-  np.testing.assert_allclose(ours, theirs.numpy(), rtol=3e-7)  # float32 pow: torch and NumPy within 1 ulp
+  assert_close(ours, theirs.numpy(), terms=1)  # a float32 pow and a blend: torch and NumPy within an ulp or two
   # GPT-2 with only positions=rope: attention of block 0 against NumPy, with each feature pair
   # (x_i, x_{i + D/2}) a complex number turned by e^{i * position * inv_freq_i}.
   model = GPT(GPT2Config(vocab_size=37, max_len=48, num_layers=1, num_heads=2, width=16, dropout=0.0,
@@ -72,7 +80,7 @@ def test_rope_frequencies_are_transformers_and_the_rotation_matches_numpy():
   weights = np.exp(np.where(allowed, scores, -np.inf) - scores.max(-1, keepdims=True))
   context = np.einsum('bhqk,bkhd->bqhd', weights / weights.sum(-1, keepdims=True), v).reshape(1, 7, 16)
   expected = context @ np.asarray(layer.out.kernel[...]) + np.asarray(layer.out.bias[...])
-  assert max_difference(out, expected) < 1e-5
+  assert_close(out, expected, terms=3 * 16 + 8 + 2 * 7)  # projections over E = 16, a head, 7 keys
 
 
 def test_grouped_query_attention_equals_attention_over_repeated_heads_on_each_path():
@@ -83,9 +91,9 @@ def test_grouped_query_attention_equals_attention_over_repeated_heads_on_each_pa
   repeated, weights = attention.dot_product_attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), mask)
   for implementation in ('xla', 'jax_nn'):
     out, _ = attention.dot_product_attention(q, k, v, mask, implementation=implementation)
-    assert max_difference(out, repeated) < 1e-6, implementation
+    assert_close(out, repeated, terms=8 + 2 * 9, err_msg=implementation)  # a head's dot product, 9 keys
   _, grouped_weights = attention.dot_product_attention(q, k, v, mask)
-  np.testing.assert_allclose(grouped_weights, weights, atol=1e-7)  # the einsum path's [B, H, Lq, Lk]
+  assert_close(grouped_weights, weights, terms=8 + 9)  # the einsum path's [B, H, Lq, Lk]
 
 
 def test_splash_takes_grouped_heads_alone_and_split_over_a_mesh():
@@ -101,12 +109,13 @@ def test_splash_takes_grouped_heads_alone_and_split_over_a_mesh():
 
   expected = attend('xla', q, k, v)
   # One row alone: the outputs, and the multi-query kernel's backward per K/V head.
-  assert max_difference(attend('splash', q[:1], k[:1], v[:1]), expected[:1]) < 1e-5
+  terms = 16 + 2 * 128  # a head's dot product over D = 16, the normalizer and the values over 128 keys
+  assert_close(attend('splash', q[:1], k[:1], v[:1]), expected[:1], terms=terms)
   key_grad = lambda implementation: jax.grad(lambda k: jnp.sum(jnp.sin(attend(implementation, q[:1], k, v[:1]))))(k[:1])
-  assert max_difference(key_grad('splash'), key_grad('xla')) < 1e-4
+  assert_close(key_grad('splash'), key_grad('xla'), terms=2 * terms + 2 * 128)  # + the sums over queries and groups
   with sharding.use_mesh(sharding.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})):  # 2 KV heads over tensor=2
     out = jax.jit(functools.partial(attend, 'splash'))(q, k, v)
-  assert max_difference(out, expected) < 1e-5
+  assert_close(out, expected, terms=terms)
 
 
 def test_as_many_kv_heads_as_query_heads_is_multi_head_bit_for_bit():
@@ -126,7 +135,7 @@ def test_stacked_projection_gradients_equal_autodiff_of_the_einsum():
   ours = jax.grad(loss(stacked_projection), (0, 1))(x, kernels)
   autodiff = jax.grad(loss(lambda x, w: jnp.einsum('...e,ecf->...cf', x, w)), (0, 1))(x, kernels)
   for a, b in zip(ours, autodiff):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert_close(a, b, terms=3 * 5)  # the kernels' gradient sums over 3 x 5 positions
 
 
 def test_cached_greedy_decoding_and_packing_agree_with_the_plain_forward():
@@ -149,7 +158,7 @@ def test_cached_greedy_decoding_and_packing_agree_with_the_plain_forward():
           'segment_ids': [[1] * 5 + [2] * 3, [1] * 8, [1] * 8]}
   logits = nnx.jit(lambda m, rows: m(rows['tokens'], positions=rows['positions'], segment_ids=rows['segment_ids'])[0])(
       model, {name: jnp.asarray(value) for name, value in rows.items()})
-  assert max_difference(logits[0], np.concatenate([logits[1, :5], logits[2, :3]])) < 1e-5
+  assert_close(logits[0], np.concatenate([logits[1, :5], logits[2, :3]]), terms=TINY_TERMS)
 
 
 def test_presets_have_the_published_parameter_counts():
@@ -165,7 +174,7 @@ def test_presets_have_the_published_parameter_counts():
     ({'model.positions': 'alibi'}, "config.model.positions='alibi' is not one of ('learned', 'rope')."),
     ({'model.num_kv_heads': 3}, 'config.model.num_kv_heads=3 does not divide config.model.num_heads=4; use a '
                                 'divisor of num_heads (1: multi-query, 0: one per query head).'),
-    ({'model.mlp': 'geglu'}, "config.model.mlp='geglu' is not one of ('gelu', 'swiglu')."),
+    ({'model.mlp': 'geglu'}, "config.model.mlp='geglu' is not one of ('gelu', 'swiglu', 'relu2')."),
 ])
 def test_bad_llama_options_are_one_line_config_errors(override, message):
   from configs import gpt
@@ -243,7 +252,7 @@ def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_lla
   ours, _ = run.model(jnp.asarray(tokens))
   difference = max_difference(support.real_logits(ours, vocab), theirs)
   print(f'\nLlama logits (imported via launch.py): max |ours - transformers| = {difference:.2e}')
-  assert difference < 1e-4
+  assert_close(support.real_logits(ours, vocab), theirs, terms=HF_TERMS)
   prompts = tokens[:, :7]
   with torch.no_grad():
     expected = hf_model.generate(torch.tensor(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
@@ -276,9 +285,10 @@ def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, 
   assert type(exported).__name__ == 'LlamaForCausalLM'
   tokens = torch.tensor(np.random.default_rng(1).integers(0, hf_model.config.vocab_size, (2, 16)))
   with torch.no_grad():
-    difference = max_difference(exported(tokens).logits, hf_model(tokens).logits)
+    exported_logits, original_logits = exported(tokens).logits.numpy(), hf_model(tokens).logits.numpy()
+  difference = max_difference(exported_logits, original_logits)
   print(f'\nLlama logits (import -> export, AutoModelForCausalLM): max |exported - original| = {difference:.2e}')
-  assert difference < 1e-4
+  assert_close(exported_logits, original_logits, terms=HF_TERMS)
 
 
 def test_trained_scanned_sharded_llama_exports_to_transformers(tmp_path):
@@ -300,9 +310,11 @@ def test_trained_scanned_sharded_llama_exports_to_transformers(tmp_path):
   tokens = np.random.default_rng(0).integers(0, vocab, (2, 24))
   with torch.no_grad():
     theirs = model(torch.tensor(tokens)).logits.numpy()
-  difference = max_difference(support.real_logits(run.model(jnp.asarray(tokens))[0], vocab), theirs)
-  print(f'\nLlama logits (trained here, scan_layers, FSDP-sharded): max |ours - transformers| = {difference:.2e}')
-  assert difference < 1e-4
+  ours = support.real_logits(run.model(jnp.asarray(tokens))[0], vocab)
+  print(f'\nLlama logits (trained here, scan_layers, FSDP-sharded): max |ours - transformers| = '
+        f'{max_difference(ours, theirs):.2e}')
+  c = run.model.config
+  assert_close(ours, theirs, terms=transformer_terms(c.num_layers, c.width, c.mlp_width, 24, vocab=vocab))
 
 
 def test_a_gpt_mixing_gpt2_and_llama_steps_has_no_hf_export(tmp_path):

@@ -27,7 +27,7 @@ def test_notebook_runs_top_to_bottom_on_a_finished_run(tiny_run, monkeypatch):
   monkeypatch.setenv('RUN_DIR', tiny_run)
   monkeypatch.setenv('REPO_DIR', support.REPO)
   monkeypatch.setenv('INPUTS', 'alpha beta|gamma delta epsilon')
-  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
+  monkeypatch.setenv('XLA_FLAGS', support.xla_flags(1))
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   NotebookClient(notebook, kernel_name='python3', timeout=120,
                  resources={'metadata': {'path': os.path.dirname(NOTEBOOK)}}).execute()

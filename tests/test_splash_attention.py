@@ -11,9 +11,14 @@ import pytest
 from flax import nnx
 
 from models import attention
+from numerics import assert_close, assert_trees_close, transformer_terms
 from train import sharding
 
+pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
+
 L = 128  # one splash block
+# An output: a head's dot product over D = 16, the normalizer and the weighted values over <= 256 keys.
+TERMS = 16 + 2 * 2 * L
 # Packed rows: segments 1..3, then padding (segment 0) in the first row.
 SEGMENTS = np.stack([np.repeat([1, 2, 3, 0], [40, 50, 30, 8]), np.repeat([1, 2], [70, 58])]).astype(np.int32)
 LENGTHS = np.array([128, 77])
@@ -56,8 +61,7 @@ def test_splash_matches_the_hand_computation_and_the_einsum_gradients(case):
   out, weights = attention.dot_product_attention(q, k, v, mask, implementation='splash')
   assert weights is None  # the kernel ran, not the einsum path (which returns weights)
   rows = defined[:, :, None, None]
-  np.testing.assert_allclose(np.where(rows, out, 0), np.where(rows, numpy_reference(q, k, v, allowed), 0),
-                             rtol=1e-5, atol=1e-5)
+  assert_close(np.where(rows, out, 0), np.where(rows, numpy_reference(q, k, v, allowed), 0), terms=TERMS)
 
   def loss(implementation, q, k, v):  # over the rows every implementation defines
     out, _ = attention.dot_product_attention(q, k, v, mask, implementation=implementation)
@@ -66,7 +70,7 @@ def test_splash_matches_the_hand_computation_and_the_einsum_gradients(case):
   splash = jax.grad(loss, argnums=(1, 2, 3))('splash', q, k, v)
   einsum = jax.grad(loss, argnums=(1, 2, 3))('xla', q, k, v)
   for a, b in zip(splash, einsum):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_close(a, b, terms=2 * TERMS + L)  # + the backward's sum over the queries
 
 
 def test_padded_queries_output_zeros_like_the_einsum_path():
@@ -74,7 +78,7 @@ def test_padded_queries_output_zeros_like_the_einsum_path():
   mask = attention.AttentionMask(query_lengths=jnp.asarray(LENGTHS), key_lengths=jnp.asarray(LENGTHS))
   out, _ = attention.dot_product_attention(q, k, v, mask, implementation='splash')
   reference, _ = attention.dot_product_attention(q, k, v, mask, implementation='xla')
-  np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5)
+  assert_close(out, reference, terms=TERMS)
   assert np.all(np.asarray(out)[1, 77:] == 0)
 
 
@@ -85,8 +89,7 @@ def test_cross_attention_with_other_lengths_and_packed_segments():
   out, _ = attention.dot_product_attention(q, k, v, mask, implementation='splash')
   allowed = SEGMENTS[:, :, None] == key_segments[:, None, :]
   rows = (SEGMENTS > 0)[:, :, None, None]
-  np.testing.assert_allclose(np.where(rows, out, 0), np.where(rows, numpy_reference(q, k, v, allowed), 0),
-                             rtol=1e-5, atol=1e-5)
+  assert_close(np.where(rows, out, 0), np.where(rows, numpy_reference(q, k, v, allowed), 0), terms=TERMS)
 
 
 def test_lengths_off_the_block_and_cached_decoding_run_the_einsum_path():
@@ -115,7 +118,7 @@ def test_on_a_mesh_the_kernel_runs_per_shard_with_the_same_numbers():
   assert '"data", "fsdp"' in hlo and '"tensor"' in hlo
   rows = np.tile(defined, (2, 1))[:, :, None, None]
   expected = numpy_reference(q, k, v, np.tile(allowed, (2, 1, 1)))
-  np.testing.assert_allclose(np.where(rows, out, 0), np.where(rows, expected, 0), rtol=1e-5, atol=1e-5)
+  assert_close(np.where(rows, out, 0), np.where(rows, expected, 0), terms=TERMS)
 
 
 def test_a_gpt_trains_the_same_with_splash_as_with_einsum():
@@ -129,6 +132,6 @@ def test_a_gpt_trains_the_same_with_splash_as_with_einsum():
     return nnx.value_and_grad(loss)(model)
 
   (splash_loss, splash_grads), (einsum_loss, einsum_grads) = loss_and_grads('splash'), loss_and_grads('xla')
-  np.testing.assert_allclose(splash_loss, einsum_loss, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(splash_grads), jax.tree.leaves(einsum_grads)):
-    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+  terms = transformer_terms(2, 32, 4 * 32, L, vocab=64, positions=2 * L)
+  assert_close(splash_loss, einsum_loss, terms=terms)
+  assert_trees_close(splash_grads, einsum_grads, terms=terms)

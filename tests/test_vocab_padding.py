@@ -13,8 +13,11 @@ from models import decoding
 from models.bert import BertConfig, BertForPretraining
 from models.gpt import GPT, GPT2Config, generate
 from models.layers import padded_vocab_size
+from numerics import assert_close, assert_trees_close, transformer_terms
 from train.losses import lm_loss
 from train.tasks.bert import pretraining_loss
+
+pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
 
 VOCAB = 37
 GPT_CONFIG = GPT2Config(vocab_size=VOCAB, vocab_multiple=128, max_len=48, num_layers=2, num_heads=2, width=16,
@@ -104,21 +107,22 @@ def copy_real_weights(padded, unpadded):
   nnx.update(padded, state)
 
 
-def assert_same_loss_and_gradients(loss_fn, padded, unpadded):
+def assert_same_loss_and_gradients(loss_fn, padded, unpadded, terms: int):
+  """`terms`: the reductions behind the loss and its gradients (tests/numerics.py)."""
   value_and_grad = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))
   (loss, metrics), grads = value_and_grad(padded)
   (loss_u, metrics_u), grads_u = value_and_grad(unpadded)
-  np.testing.assert_allclose(loss, loss_u, rtol=1e-6, atol=1e-6)
+  assert_close(loss, loss_u, terms=terms)
   for name in metrics:
-    np.testing.assert_allclose(np.asarray(metrics[name]), np.asarray(metrics_u[name]), rtol=1e-6, atol=1e-6)
+    assert_close(metrics[name], metrics_u[name], terms=terms, err_msg=name)
   grads, grads_u = nnx.to_pure_dict(grads), nnx.to_pure_dict(grads_u)
+  real_rows = jax.tree.map(lambda g, g_u: np.asarray(g)[:np.shape(g_u)[0]], grads, grads_u)
+  assert_trees_close(real_rows, grads_u, terms=terms)
 
-  def compare(path, g, g_u):
-    g, g_u = np.asarray(g), np.asarray(g_u)
-    np.testing.assert_allclose(g[:g_u.shape[0]], g_u, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-    assert np.all(g[g_u.shape[0]:] == 0), jax.tree_util.keystr(path)  # padded rows: no gradient at all
+  def no_gradient_on_padded_rows(path, g, g_u):
+    assert np.all(np.asarray(g)[np.shape(g_u)[0]:] == 0), jax.tree_util.keystr(path)
 
-  jax.tree_util.tree_map_with_path(compare, grads, grads_u)
+  jax.tree_util.tree_map_with_path(no_gradient_on_padded_rows, grads, grads_u)
 
 
 @pytest.mark.parametrize('loss', ['plain', 'smoothed', 'chunked', 'chunked_smoothed'])
@@ -135,7 +139,8 @@ def test_gpt_loss_and_gradients_equal_the_unpadded_model(loss):
       return model.chunked_loss(hidden, tokens[:, 1:], label_smoothing=smoothing, chunk_tokens=20)
     return lm_loss(model(tokens[:, :-1])[0], tokens[:, 1:], label_smoothing=smoothing, vocab_size=VOCAB)
 
-  assert_same_loss_and_gradients(loss_fn, padded, unpadded)
+  assert_same_loss_and_gradients(loss_fn, padded, unpadded, terms=transformer_terms(
+      GPT_CONFIG.num_layers, GPT_CONFIG.width, GPT_CONFIG.mlp_width, 16, vocab=VOCAB, positions=3 * 16))
 
 
 def test_bert_pretraining_loss_and_gradients_equal_the_unpadded_model():
@@ -148,4 +153,5 @@ def test_bert_pretraining_loss_and_gradients_equal_the_unpadded_model():
            'masked_positions': np.array([[1, 4, 0], [2, 3, 7]]), 'masked_labels': rng.integers(5, VOCAB, (2, 3)),
            'masked_weights': np.array([[1, 1, 0], [1, 1, 1]], np.float32)}
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
-  assert_same_loss_and_gradients(lambda m: pretraining_loss(m, batch, deterministic=True), padded, unpadded)
+  assert_same_loss_and_gradients(lambda m: pretraining_loss(m, batch, deterministic=True), padded, unpadded,
+                                 terms=transformer_terms(1, 8, 16, 10, vocab=VOCAB, positions=2 * 10) + 2 * 8)

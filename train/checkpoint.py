@@ -3,7 +3,10 @@
 A checkpoint step holds three items, written together and atomically by Orbax:
   model      {'params': nnx.State, 'extra': nnx.State}  parameters plus every other model variable
              (dropout RNG streams, carried recurrent state)
-  optimizer  the Optax state
+  optimizer  the Optax state; for an optimizer evaluated at averaged parameters (schedule-free
+             AdamW, train/optim.py `averages`) {'state': the Optax state, 'params': the parameters
+             training continues from}, while `model` holds the averaged ones: what every evaluation
+             scored and `load_run`, `--mode=eval` and the Hugging Face export read
   data       the input iterator position (JSON)
 They live in `<workdir>/checkpoints/`; the run's other files are train/rundir.py's.
 
@@ -301,3 +304,22 @@ def restore_target(spec) -> dict:
   """The abstract {'params', 'extra'} model item of a checkpoint, with `spec`'s shardings."""
   return {'params': with_shardings(spec.abstract.params, spec.shardings.params),
           'extra': with_shardings(spec.abstract.extra, spec.shardings.extra)}
+
+
+def optimizer_item(opt_state, params, averages: bool):
+  """The checkpoint's optimizer item (see the module docstring): the Optax state, or with `averages`
+  {'state': it, 'params': the trained parameters `params`}."""
+  return {'state': opt_state, 'params': params} if averages else opt_state
+
+
+def optimizer_target(spec, averages: bool):
+  """The abstract optimizer item, with `spec`'s shardings (restore target)."""
+  opt_state = with_shardings(spec.abstract.opt_state, spec.shardings.opt_state)
+  return optimizer_item(opt_state, with_shardings(spec.abstract.params, spec.shardings.params), averages)
+
+
+def trained_state(restored: dict, averages: bool) -> tuple[Any, Any]:
+  """(the parameters training continues from, the Optax state) of a restored checkpoint."""
+  if averages:
+    return restored['optimizer']['params'], restored['optimizer']['state']
+  return restored['model']['params'], restored['optimizer']

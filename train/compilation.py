@@ -6,7 +6,9 @@ Programs that compile in under a second are not cached (JAX's default threshold)
 
 `compiled(name)` counts the executables built for functions called `name` in this process (every
 new input shape of a jitted function builds one), from JAX's monitoring events; `cache_summary()`
-is the line the trainer logs about the persistent cache.
+is the line the trainer logs about the persistent cache. `compile_seconds()` is the wall time this
+process spent tracing, lowering and compiling (or loading from the persistent cache): a run's
+clock less this is its time without compilation (train.target).
 """
 from __future__ import annotations
 
@@ -15,11 +17,19 @@ import os
 
 import jax
 
-BACKEND_COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # JAX's monitoring event of one XLA compile
+# JAX's monitoring events (their names are public strings; jax.monitoring has no constants for them).
+JAXPR_TRACE_EVENT = '/jax/core/compile/jaxpr_trace_duration'
+JAXPR_TO_MLIR_MODULE_EVENT = '/jax/core/compile/jaxpr_to_mlir_module_duration'
+BACKEND_COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # one XLA compile
 
 _compiled: collections.Counter = collections.Counter()
 _cache_events = {'/jax/compilation_cache/cache_hits': 0, '/jax/compilation_cache/cache_misses': 0}
 _state = {'cache_dir': '', 'listening': False}
+# Tracing, lowering to MLIR and XLA's compile (or a persistent-cache load) of every jitted function.
+_COMPILE_EVENTS = (JAXPR_TRACE_EVENT, JAXPR_TO_MLIR_MODULE_EVENT, BACKEND_COMPILE_EVENT)
+# Their time spans, merged: the outermost spans so far ([start, end], in order) and the total of older ones.
+_spans: list[list[float]] = []
+_span_total = {'closed': 0.0}
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -32,10 +42,25 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
     _compiled[kwargs.get('fun_name', '')] += 1
 
 
+def _on_span(event: str, start: float, end: float, **kwargs) -> None:
+  """Merge the span of a compile event: a jit traced inside another's trace (or lowered inside its
+  lowering) lies within the outer span and counts once."""
+  if event not in _COMPILE_EVENTS:
+    return
+  while _spans and _spans[-1][1] >= start:  # inner spans end first; the outer one covers them
+    inner = _spans.pop()
+    start, end = min(start, inner[0]), max(end, inner[1])
+  _spans.append([start, end])
+  if len(_spans) > 64:  # spans this old cannot lie inside a new one
+    _span_total['closed'] += _spans[0][1] - _spans[0][0]
+    del _spans[0]
+
+
 def _listen() -> None:
   if not _state['listening']:
     jax.monitoring.register_event_listener(_on_event)
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_time_span_listener(_on_span)
     _state['listening'] = True
 
 
@@ -59,6 +84,13 @@ def compiled_total() -> int:
   """Executables built (or loaded from the persistent cache) in this process, all functions."""
   _listen()
   return sum(_compiled.values())
+
+
+def compile_seconds() -> float:
+  """Seconds this process has spent tracing, lowering and compiling jitted functions (spans of
+  nested ones counted once), since the first call into this module."""
+  _listen()
+  return _span_total['closed'] + sum(end - start for start, end in _spans)
 
 
 def cache_summary() -> str | None:

@@ -1,18 +1,21 @@
-"""What the training loop keeps besides the model: progress, step logs, preemption and saving."""
+"""What the training loop keeps besides the model: progress, step logs, preemption and saving, the
+clock to `train.target` and wsd's cooldown under a wall-clock budget."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import signal
 import threading
 import time
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from errors import UserError
+from errors import ConfigError, UserError
 from train import checkpoint as ckpt
-from train import evaluation, sweep_trial
+from train import compilation, evaluation, optim
 from train.metrics import MetricWriter, reduce_metrics
 from train.multihost import agreed
 from train.state import TrainState
@@ -29,6 +32,12 @@ class Progress:
   best_step: int = 0
   evals_since_best: int = 0  # evaluations without improvement, for `train.early_stopping_patience`
   seconds: float = 0.0  # wall time spent in train_and_evaluate so far, for `train.max_minutes`
+  compile_seconds: float = 0.0  # the part of `seconds` spent tracing and compiling (train/compilation.py)
+  tokens: int = 0  # token positions of the training batches so far (padding included, as train/tokens_per_s)
+  # wsd's cooldown when the wall clock started it (`Cooldown`): its first step and planned length
+  cooldown_start: int | None = None
+  cooldown_steps: int | None = None
+  target: dict[str, float] | None = None  # where `train.target` was first met: step, tokens, seconds, ...
 
   def record(self, step: int, metrics: dict[str, float], metric: str, mode: str) -> None:
     if metric not in metrics:
@@ -43,24 +52,35 @@ class Progress:
 
 
 class Saver:
-  """Saves a step's checkpoint (state, input position, progress) at most once per step."""
+  """Saves a step's checkpoint (state, input position, progress) at most once per step.
+
+  `items(state)` gives the checkpoint's model and optimizer items (trainer `Setup.checkpoint_items`:
+  schedule-free's averaged parameters as the model); `started` and `compile_started` are the
+  time.time() and compilation.compile_seconds() when this process's run began."""
 
   def __init__(self, checkpointer: ckpt.Checkpointer, data_iter, progress: Progress, saved_step: int,
-               started: float):
+               started: float, compile_started: float = 0.0, items: Callable | None = None):
     self.checkpointer, self.data_iter, self.progress = checkpointer, data_iter, progress
     self.saved_step = saved_step  # the newest checkpoint's step, so that a stop never saves it twice
     self._seconds_before, self._started = progress.seconds, started
+    self._compile_before, self._compile_started = progress.compile_seconds, compile_started
+    self.items = items or (lambda state: ({'params': state.params, 'extra': state.extra}, state.opt_state))
 
   def seconds(self) -> float:
     """Wall time of the run so far, over every resume."""
     return self._seconds_before + time.time() - self._started
 
+  def compile_seconds(self) -> float:
+    """The part of `seconds()` spent tracing and compiling, over every resume."""
+    return self._compile_before + compilation.compile_seconds() - self._compile_started
+
   def __call__(self, step: int, state: TrainState, metrics: dict[str, float] | None = None) -> None:
     if self.saved_step == step:
       return
     self.saved_step = step
-    self.progress.seconds = self.seconds()
-    self.checkpointer.save(step, {'params': state.params, 'extra': state.extra}, state.opt_state,
+    self.progress.seconds, self.progress.compile_seconds = self.seconds(), self.compile_seconds()
+    model, optimizer = self.items(state)
+    self.checkpointer.save(step, model, optimizer,
                            {'input': self.data_iter.get_state(), 'progress': dataclasses.asdict(self.progress)},
                            metrics)
 
@@ -169,9 +189,140 @@ def evaluate_during_training(setup, state: TrainState, step: int, progress: Prog
   progress.record(step, metrics, train.best_metric, train.best_mode)
   writer.write(step, metrics)
   writer.log(f'step {step}: ' + ' '.join(f'{k}={v:.4f}' for k, v in metrics.items()))
-  # None unless this is a sweep's trial that its pruner stops (a last step is reported, never pruned).
-  pruned = sweep_trial.report(step, metrics, last=step >= train.steps)
   if train.early_stopping_patience and progress.evals_since_best >= train.early_stopping_patience:
     return metrics, (f'early stopping: {train.best_metric} has not improved on {progress.best_value:.4f} '
                      f'(step {progress.best_step}) in {progress.evals_since_best} evaluations')
-  return metrics, pruned
+  return metrics, None
+
+
+# ============================================================================ a clock to a target
+_TARGET = re.compile(r'^\s*([A-Za-z_][\w./-]*)\s*(<=|>=)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$')
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """`train.target`: an evaluation metric, '<=' or '>=', a value."""
+  metric: str
+  relation: str
+  value: float
+
+  def __str__(self) -> str:
+    return f'{self.metric}{self.relation}{self.value:g}'
+
+  def met_by(self, metrics: dict[str, float]) -> bool:
+    value = metrics.get(self.metric)
+    if value is None or not np.isfinite(value):
+      return False
+    return value <= self.value if self.relation == '<=' else value >= self.value
+
+
+def parse_target(text: str) -> Target | None:
+  """`train.target` ('eval/loss<=3.28'), None for ''; a ConfigError for anything else."""
+  if not text:
+    return None
+  match = _TARGET.match(text)
+  if not match:
+    raise ConfigError(f"config.train.target={text!r} is not '<metric><=<value>' or '<metric>>=<value>'; "
+                      "e.g. --config.train.target='eval/loss<=3.28'.")
+  return Target(match[1], match[2], float(match[3]))
+
+
+def check_target_metric(target: Target | None, text: str, eval_metrics) -> None:
+  """A ConfigError unless `target` names one of `eval_metrics`, the names every evaluation logs."""
+  if target is not None and target.metric not in eval_metrics:
+    raise ConfigError(f'config.train.target={text!r} names {target.metric!r}, which no evaluation logs; this run\'s '
+                      f'evaluations log {", ".join(sorted(eval_metrics))}.')
+
+
+def record_target(target: Target | None, step: int, metrics: dict[str, float], progress: Progress, seconds: float,
+                  compile_seconds: float, writer: MetricWriter | None = None) -> bool:
+  """At the evaluation of `step` (`metrics`): the first time `target` is met, record where in
+  `progress` (step, tokens seen, the run's seconds when the step had finished, those without
+  compilation) and log it; returns whether it was met now. `seconds` and `compile_seconds`: the
+  run's clock (Saver.seconds) and its compilation time, over every resume."""
+  if target is None or progress.target is not None or not target.met_by(metrics):
+    return False
+  progress.target = {'step': step, 'tokens': progress.tokens, 'seconds': round(seconds, 3),
+                     'seconds_excluding_compile': round(seconds - compile_seconds, 3), 'value': metrics[target.metric]}
+  if writer is not None:
+    writer.write(step, {f'target/{k}': v for k, v in progress.target.items() if k != 'value'})
+    writer.log(f'Target {target} met at step {step} ({target.metric}={metrics[target.metric]:.4f}): '
+               f'{progress.tokens:,} tokens, {seconds:.1f} s ({seconds - compile_seconds:.1f} s without compilation).')
+  return True
+
+
+def target_results(target: Target | None, progress: Progress) -> dict[str, Any]:
+  """The result line's target/...: met or not, and where."""
+  if target is None:
+    return {}
+  if progress.target is None:
+    return {'target': str(target), 'target/met': False}
+  return {'target': str(target), 'target/met': True,
+          **{f'target/{k}': v for k, v in progress.target.items() if k != 'value'}}
+
+
+# ============================================================================ wsd's cooldown
+class Cooldown:
+  """Where wsd's cooldown starts and how long it lasts: the last `train.decay_fraction` of
+  `train.steps`, unless a wall-clock budget (`train.max_minutes`) will end the run first.
+
+  Then, once `decay_fraction` of the budget is left and the steps that fit in it (at the seconds
+  per step measured since this process's first step, evaluations and saves included) end before
+  `train.steps`, the cooldown starts at the next step and lasts those steps; the run stops when it
+  is over (`finished`), cooled down. The plan is kept in the checkpointed `progress`, so a resume
+  continues the same schedule; the trainer writes it into the optimizer state (optim.with_cooldown).
+  Several processes take process 0's plan, checked every `train.log_every` steps."""
+
+  def __init__(self, train_config, progress: Progress, start_step: int, seconds: float):
+    self.train, self.progress = train_config, progress
+    self._first = (start_step, seconds)  # this process's first step and the run's clock then
+    self._timed_from: tuple[int, float] | None = None  # after the first step, which compiles
+
+  @property
+  def by_clock(self) -> bool:
+    return self.progress.cooldown_start is not None
+
+  @property
+  def plan(self) -> tuple[int, int]:
+    """(first cooldown step, cooldown steps)."""
+    if self.by_clock:
+      return self.progress.cooldown_start, self.progress.cooldown_steps
+    return optim.step_cooldown(self.train)
+
+  def learning_rate(self, count: int) -> float:
+    return float(optim.learning_rate_schedule(self.train, self.plan)(count))
+
+  def check(self, step: int, seconds: float) -> bool:
+    """After `step`, at the run's clock `seconds`: whether the cooldown starts now (the plan changed)."""
+    t = self.train
+    if not t.max_minutes or self.by_clock or (jax.process_count() > 1 and step % t.log_every):
+      return False
+    if self._timed_from is None:
+      self._timed_from = (step, seconds)
+    budget = 60 * t.max_minutes
+    left = budget - seconds
+    plan = np.asarray([-1, -1])
+    if left <= t.decay_fraction * budget and step < optim.step_cooldown(t)[0]:
+      timed_step, timed_seconds = self._timed_from if step > self._timed_from[0] else self._first
+      per_step = (seconds - timed_seconds) / max(step - timed_step, 1)
+      fit = max(int(left / max(per_step, 1e-9)), 1)
+      if step + fit < t.steps:
+        plan = np.asarray([step, fit])
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # only multi-process runs need it
+      plan = multihost_utils.broadcast_one_to_all(plan)
+    if plan[0] < 0:
+      return False
+    self.progress.cooldown_start, self.progress.cooldown_steps = int(plan[0]), int(plan[1])
+    return True
+
+  def finished(self, step: int) -> bool:
+    start, length = self.plan
+    return self.by_clock and step >= start + length
+
+  def describe(self) -> str:
+    start, length = self.plan
+    return (f'Cooldown from step {start} for {length} steps (to step {start + length}, train.decay_shape='
+            f'{self.train.decay_shape}): train.decay_fraction={self.train.decay_fraction} of the '
+            f'train.max_minutes={self.train.max_minutes} budget is left, and train.steps={self.train.steps} will '
+            f'not be reached.')

@@ -1,7 +1,11 @@
 """Per-device memory estimate of a training step, printed at start-up to warn before an obvious OOM.
 
 Parameters and optimizer state are counted exactly from the sharded abstract state (each leaf's
-shard shape on the chosen mesh). Gradients are one more copy of the parameter shards. Activations
+shard shape on the chosen mesh), so each `train.optimizer` is counted as it is: AdamW and
+schedule-free AdamW two copies of the parameters, Muon one of its matrices and two of the rest,
+Lion one, Adafactor its factored rows and columns (tests/test_optimizers.py). Gradients are one more
+copy of the parameter shards. (Schedule-free's evaluations and saves make one more, passing, copy:
+the averaged parameters.) Activations
 saved for the backward pass are estimated per layer and token, for the transformer families
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4,
 counted in elements instead of fp16 bytes, without dropout masks):
@@ -11,6 +15,8 @@ counted in elements instead of fp16 bytes, without dropout masks):
   residual stream                                                 1E
   -> 9E + 2F + 2HS per token and layer; model.remat='dots' keeps only the projection outputs and
   the block input (6E + F); 'full' keeps only the block input (E) and recomputes one block at a time.
+  With model.qk_norm the normalised Q and K are kept too: 2E more without remat ('dots' and 'full'
+  recompute them).
 
 plus the float32 logits and their gradient (2V per token). E, H, F, V, the layer count, the
 compute dtype and the remat policy come from the resolved model config's `block_shape()`
@@ -78,7 +84,7 @@ def activation_bytes(config, model_config, mesh) -> int | None:
   shape = model_config.block_shape()
   seq = config.data.seq_len
   split = lambda n: n / mesh.shape['tensor']
-  one_block = 9 * shape.width + split(2 * shape.mlp_width + 2 * shape.heads * seq)
+  one_block = (11 if shape.qk_norm else 9) * shape.width + split(2 * shape.mlp_width + 2 * shape.heads * seq)
   per_token = {'none': one_block, 'dots': 6 * shape.width + split(shape.mlp_width), 'full': shape.width}[shape.remat]
   recomputed = one_block if shape.remat != 'none' else 0  # one block's, live again during its backward pass
   micro_batch = config.train.batch_size / (mesh.shape['data'] * mesh.shape['fsdp']) / config.train.grad_accum

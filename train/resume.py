@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 import storage
 from data import tokenizers
@@ -86,20 +86,24 @@ def rng_impl(config, workdir: str) -> str:
   return saved
 
 
-def restore_latest(spec: StateSpec, state: TrainState, checkpointer: ckpt.Checkpointer, data_iter, log=print
-                   ) -> tuple[TrainState, int, Progress]:
+def restore_latest(spec: StateSpec, state: TrainState, checkpointer: ckpt.Checkpointer, data_iter, log=print,
+                   averages: bool = False) -> tuple[TrainState, int, Progress]:
   """(the newest intact checkpoint's state, its step, the loop's progress), with the input
   iterator moved to its position; (`state`, 0, fresh progress) when the workdir has none.
+  `averages`: the optimizer saves the parameters it trains in its item (schedule-free;
+  train/checkpoint.py), which the state continues from.
 
   Newer checkpoints that do not restore are moved aside with a message (see
   `Checkpointer.restore_newest_intact`)."""
-  abstract_opt = state_lib.with_shardings(spec.abstract.opt_state, spec.shardings.opt_state)
   step, restored = checkpointer.restore_newest_intact(
-      ckpt.restore_target(spec), abstract_opt, set_aside_broken=jax.process_index() == 0, log=log)
+      ckpt.restore_target(spec), ckpt.optimizer_target(spec, averages), set_aside_broken=jax.process_index() == 0,
+      log=log)
   if step is None:
     return state, 0, Progress()
-  state = TrainState(params=restored['model']['params'], extra=restored['model']['extra'],
-                     opt_state=restored['optimizer'], step=jnp.asarray(step, jnp.int32))
+  params, opt_state = ckpt.trained_state(restored, averages)
+  # The step counter placed as the train step places it: an uncommitted scalar would compile the step twice.
+  step_array = jax.make_array_from_callback((), spec.shardings.step, lambda _: np.asarray(step, np.int32))
+  state = TrainState(params=params, extra=restored['model']['extra'], opt_state=opt_state, step=step_array)
   data = restored['data']
   if 'input' not in data:  # checkpoints written before Progress held the iterator state alone
     data = {'input': data, 'progress': {}} if data else {}
@@ -132,6 +136,8 @@ def record_data(config, workdir: str, start_step: int, progress: Progress, check
           '--config.train.allow_data_change=True (the best checkpoint is then tracked anew).')
     print(f'Data changed at step {start_step} (train.allow_data_change): {changes}; the tokenizer stays the run\'s '
           f'own; the best checkpoint is tracked again from step {start_step}.', flush=True)
-    progress = Progress(seconds=progress.seconds)
+    # The clock, the tokens and wsd's cooldown go on; the target, like the best, is met anew on the new data.
+    progress = Progress(seconds=progress.seconds, compile_seconds=progress.compile_seconds, tokens=progress.tokens,
+                        cooldown_start=progress.cooldown_start, cooldown_steps=progress.cooldown_steps)
   checkpointer.data_since = start_step
   return history + [{'step': start_step, **current}], progress

@@ -16,7 +16,7 @@ A sweep file defines `get_sweep()` returning a dict:
              'step' optional), or [32, 64] (a choice)
   sampler    with a space: 'random' (default) | 'qmc' (scrambled Sobol) | 'tpe' | 'gp' (needs torch) |
              'grid' (every combination of a space of choices); a dict {'name': 'tpe', 'n_startup_trials': 5}
-             passes options to Optuna's sampler
+             passes options to Optuna's sampler ('seed' among them is the sweep's seed)
   seed       the sampler's seed (default 0); each trial's proposal depends on (seed, its slot) only
   n_trials   with a space: the budget, met exactly once however many workers and hosts take part
   pruner     'none' (default) | 'median' | 'successive_halving' | 'hyperband', or {'name': 'median',
@@ -25,11 +25,15 @@ A sweep file defines `get_sweep()` returning a dict:
              prunable; the final value is the best checkpoint's over the whole validation split) or a
              test/<name> of the trial's final JSON line
   direction  'minimize' (default) or 'maximize'
+Every mistake in the file (it does not run, get_sweep is missing or raises, a value of the wrong
+shape, a key the trials' config lacks or a value it cannot take) is one line before any trial starts.
 
 Each trial is `python launch.py --config=... --workdir=<workdir>/<trial> --config.<key>=<value> ...`
 in its own process (a crash, OOM or bad config ends that trial only; its log is in
 <workdir>/logs/<trial>.log). Overrides apply in the order: the sweep's `overrides`, --config.*
-flags of the sweep command, the trial's own values.
+flags of the sweep command, the trial's own values. The trial's process knows nothing of the
+sweep: its worker reads the evaluations it logs, reports them to the study and, when the pruner
+says so, stops it through training's SIGTERM path (train/sweep_trial.py).
 
 The study lives in --sweep_storage (default <workdir>/study.journal, an Optuna journal file; a file
 path on a disk several hosts share, or a database URL, lets hosts running the same command with
@@ -39,6 +43,7 @@ trials are not rerun, a trial interrupted by Ctrl-C or SIGTERM resumes from its 
 trial whose worker died (no heartbeat for 2 x --sweep_heartbeat seconds) is failed and run again
 from its checkpoint. Results (train/sweep_report.py), rewritten after every trial: sweep.csv,
 sweep.md (with the best trial's command), eval_loss.png; at the end history.png, importance.png.
+A sweep in which no trial finished ok ends with one error line (exit status 1).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import math
 import os
 import queue
 import re
@@ -54,13 +60,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 import storage
 from train import sweep_report, sweep_study, sweep_trial
@@ -70,6 +77,7 @@ LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 SPEC_KEYS = ('config', 'overrides', 'grid', 'trials', 'space', 'sampler', 'seed', 'n_trials', 'pruner', 'metric',
              'direction')
 POLL_S = 2  # how often a host with no trial left looks whether the others' trials have finished
+WATCH_S = 0.5  # how often a worker reads its running trial's metrics
 CHOICE_TYPES = (str, int, float, bool, type(None))  # what Optuna stores as a categorical value
 SPACE_EXAMPLE = "{'train.lr': {'low': 1e-4, 'high': 3e-2, 'log': True}, 'model.num_layers': {'low': 1, 'high': 3}, " \
                 "'model.width': [32, 64]}"
@@ -90,8 +98,8 @@ class Sweep:
   direction: str
 
   def record(self, extra_args: list[str]) -> dict[str, Any]:
-    """What makes a study this sweep's: hosts joining it and reruns must agree (the budget may grow)."""
-    fields = {k: v for k, v in dataclasses.asdict(self).items() if k != 'n_trials'}
+    """What makes a study this sweep's: hosts joining it and reruns must agree (a search's budget may grow)."""
+    fields = {k: v for k, v in dataclasses.asdict(self).items() if k != 'n_trials' or self.points is not None}
     return json.loads(json.dumps({**fields, 'extra_args': list(extra_args)}))
 
 
@@ -102,26 +110,121 @@ def trial_name(index: int, overrides: dict[str, Any]) -> str:
   return re.sub(r'[^A-Za-z0-9_.=+-]', '_', '-'.join([f'{index:02d}', *parts]))[:120]
 
 
-def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
-  """The trials' own overrides: every combination of `grid`, then each entry of `trials`."""
+def _one_line(error: BaseException) -> str:
+  return ' '.join(f'{type(error).__name__}: {error}'.split())[:300]
+
+
+def load_sweep(path: str, config: str | None = None) -> Sweep:
+  """Read and check a sweep file; `config` (the --config flag) replaces the file's `config`."""
+  if not os.path.isfile(path):
+    raise SweepError(f'--sweep={path} is not a file; sweep files live in configs/sweeps/.')
+  spec_loader = importlib.util.spec_from_file_location('_sweep', path)
+  module = importlib.util.module_from_spec(spec_loader)
+  try:
+    spec_loader.loader.exec_module(module)
+  except SyntaxError as e:
+    raise SweepError(f'{path}, line {e.lineno}: {e.msg}; fix the sweep file.') from None
+  except Exception as e:  # noqa: BLE001 - whatever the file raises, as one line
+    raise SweepError(f'{path} fails when it is read ({_one_line(e)}); fix the sweep file.') from None
+  get_sweep = getattr(module, 'get_sweep', None)
+  if not callable(get_sweep):
+    raise SweepError(f'{path} must define get_sweep() returning a dict (see train/sweep.py).')
+  try:
+    spec = get_sweep()
+  except Exception as e:  # noqa: BLE001
+    raise SweepError(f'{path}: get_sweep() raised {_one_line(e)}; fix the sweep file.') from None
+  if not isinstance(spec, dict):
+    raise SweepError(f'{path}: get_sweep() returned a {type(spec).__name__}, not a dict such as '
+                     f"{{'config': 'configs/gpt.py:tiny', 'grid': {{'train.lr': [1e-3, 3e-3]}}}}.")
+  config = config or spec.get('config')
+  if not config or not isinstance(config, str):
+    raise SweepError(f"{path}: get_sweep() has no 'config' string (e.g. 'configs/gpt.py:tiny') and no --config was "
+                     f'given.')
+  return parse(spec, config)
+
+
+def parse(spec: dict[str, Any], config: str) -> Sweep:
+  """The Sweep of a get_sweep() dict; one SweepError per mistake, before anything runs."""
+  points, space = _points_or_space(spec)
+  name, options = _named(spec.get('sampler', 'grid' if points else 'random'), 'sampler', sweep_study.SAMPLERS)
+  seed = _seed(spec, options)
+  if points is None and name == 'grid':
+    if not all('choices' in entry for entry in space.values()):
+      raise SweepError("sampler 'grid' takes a space of choices only (lists); use 'random' or 'qmc' for ranges.")
+    points = [dict(zip(space, values)) for values in itertools.product(*(e['choices'] for e in space.values()))]
+  elif points is not None and name != 'grid':
+    raise SweepError(f"`grid` and `trials` run as listed; sampler {name!r} needs a `space` instead.")
+  n_trials = spec.get('n_trials', len(points) if points else None)
+  if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1 or (points and n_trials > len(points)):
+    raise SweepError(f'n_trials={n_trials!r}: ' + (f'the grid has {len(points)} points.' if points else
+                                                   'a search over a `space` needs a budget, e.g. n_trials=12.'))
+  metric, direction = spec.get('metric', 'eval/loss'), spec.get('direction', 'minimize')
+  pruner = _named(spec.get('pruner', 'none'), 'pruner', sorted(sweep_study.PRUNERS))
+  _check_objective(metric, direction, pruner[0])
+  keys = list(dict.fromkeys(k for p in points for k in p)) if points else list(space)
+  sweep = Sweep(config, dict(spec.get('overrides') or {}), keys, points and points[:n_trials],
+                None if points else space, (name, options), seed, n_trials, pruner, metric, direction)
+  sweep_study.make_sampler(*sweep.sampler, seed, sweep.points, sweep.space)  # its options are checked now
+  sweep_study.make_pruner(*pruner)
+  return sweep
+
+
+def _seed(spec: dict[str, Any], sampler_options: dict) -> int:
+  """The sweep's seed: `seed`, or the sampler's option 'seed' (taken out of its options)."""
+  seed = spec.get('seed', 0)
+  if 'seed' in sampler_options:
+    given = sampler_options.pop('seed')
+    if 'seed' in spec and given != seed:
+      raise SweepError(f"seed={seed!r} and the sampler's seed={given!r} differ; give the seed once.")
+    seed = given
+  if not isinstance(seed, int) or isinstance(seed, bool):
+    raise SweepError(f'seed={seed!r} must be an integer.')
+  return seed
+
+
+def _points_or_space(spec: dict[str, Any]) -> tuple[list[dict] | None, dict | None]:
   unknown = set(spec) - set(SPEC_KEYS)
   if unknown:
-    raise SweepError(f'Unknown sweep keys {sorted(unknown)}; use {", ".join(SPEC_KEYS)}.')
+    raise SweepError(f'Unknown sweep keys {sorted(unknown, key=str)}; use {", ".join(SPEC_KEYS)}.')
+  _check_overrides(spec.get('overrides') or {}, '`overrides`', '{"train.steps": 60}')
+  if 'space' not in spec:
+    return expand(spec), None
+  if spec.get('grid') or spec.get('trials'):
+    raise SweepError('Give either a `space` to search or a `grid`/`trials` to run as listed, not both.')
+  return None, parse_space(spec['space'])
+
+
+def _check_overrides(overrides: Any, what: str, example: str) -> None:
+  """`overrides` must be {config key: a number, string, boolean or None}."""
+  if not isinstance(overrides, dict):
+    raise SweepError(f'{what} must be a dict {{config key: value}}, e.g. {example}; got {overrides!r}.')
+  for key, value in overrides.items():
+    if not isinstance(key, str) or not key:
+      raise SweepError(f'{what}: the key {key!r} is not a config key such as "train.lr".')
+    if not isinstance(value, CHOICE_TYPES):
+      raise SweepError(f'{what}: {key}={value!r}: swept values must be numbers, strings, booleans or None.')
+
+
+def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
+  """The trials' own overrides: every combination of `grid`, then each entry of `trials`."""
   grid = spec.get('grid') or {}
+  if not isinstance(grid, dict):
+    raise SweepError(f"`grid` must be a dict {{config key: [values, ...]}}, e.g. {{'train.lr': [1e-3, 3e-3]}}; "
+                     f'got {grid!r}.')
   for key, values in grid.items():
     if not isinstance(values, (list, tuple)) or not values:
       raise SweepError(f'grid[{key!r}] must be a non-empty list of values, got {values!r}.')
+    for value in values:
+      _check_overrides({key: value}, '`grid`', "{'train.lr': [1e-3, 3e-3]}")
   combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else []
   extra = spec.get('trials') or []
-  if not all(isinstance(t, dict) for t in extra):
-    raise SweepError('`trials` must be a list of dicts of overrides, e.g. [{"train.lr": 1e-3}].')
+  if not isinstance(extra, (list, tuple)) or not all(isinstance(t, dict) for t in extra):
+    raise SweepError(f'`trials` must be a list of dicts of overrides, e.g. [{{"train.lr": 1e-3}}]; got {extra!r}.')
+  for point in extra:
+    _check_overrides(point, '`trials`', '[{"train.lr": 1e-3}]')
   trials = combos + [dict(t) for t in extra]
   if not trials:
     raise SweepError('The sweep defines no trials: give a non-empty `grid`, `trials` or `space`.')
-  for point in trials:
-    for key, value in point.items():
-      if not isinstance(value, CHOICE_TYPES):
-        raise SweepError(f'{key}={value!r}: swept values must be numbers, strings, booleans or None.')
   return trials
 
 
@@ -131,6 +234,8 @@ def parse_space(space: Any) -> dict[str, dict[str, Any]]:
     raise SweepError(f'`space` must be a non-empty dict of config keys, e.g. {SPACE_EXAMPLE}.')
   checked = {}
   for key, entry in space.items():
+    if not isinstance(key, str) or not key:
+      raise SweepError(f'`space`: the key {key!r} is not a config key such as "train.lr".')
     if isinstance(entry, (list, tuple)) and entry and all(isinstance(v, CHOICE_TYPES) for v in entry):
       checked[key] = {'choices': list(entry)}
     elif isinstance(entry, dict):
@@ -145,7 +250,7 @@ def _check_range(key: str, entry: dict) -> dict[str, Any]:
   unknown = set(entry) - {'low', 'high', 'log', 'step'}
   low, high, log, step = entry.get('low'), entry.get('high'), entry.get('log', False), entry.get('step')
   number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-  problem = (f'unknown keys {sorted(unknown)}' if unknown else
+  problem = (f'unknown keys {sorted(unknown, key=str)}' if unknown else
              "needs numbers 'low' and 'high'" if not (number(low) and number(high)) else
              f"'low' ({low}) must be below 'high' ({high})" if low >= high else
              "'log' must be True or False" if not isinstance(log, bool) else
@@ -172,63 +277,6 @@ def _named(value: Any, what: str, names) -> tuple[str, dict]:
   return name, options
 
 
-def load_sweep(path: str, config: str | None = None) -> Sweep:
-  """Read and check a sweep file; `config` (the --config flag) replaces the file's `config`."""
-  if not os.path.exists(path):
-    raise SweepError(f'--sweep={path} does not exist; sweep files live in configs/sweeps/.')
-  spec_loader = importlib.util.spec_from_file_location('_sweep', path)
-  module = importlib.util.module_from_spec(spec_loader)
-  spec_loader.loader.exec_module(module)
-  if not hasattr(module, 'get_sweep'):
-    raise SweepError(f'{path} must define get_sweep() returning a dict (see train/sweep.py).')
-  spec = module.get_sweep()
-  config = config or spec.get('config')
-  if not config:
-    raise SweepError(f"{path}: get_sweep() has no 'config' (e.g. 'configs/gpt.py:tiny') and no --config was given.")
-  return parse(spec, config)
-
-
-def parse(spec: dict[str, Any], config: str) -> Sweep:
-  """The Sweep of a get_sweep() dict; one SweepError per mistake, before anything runs."""
-  points, space = _points_or_space(spec)
-  sampler = _named(spec.get('sampler', 'grid' if points else 'random'), 'sampler', sweep_study.SAMPLERS)
-  if points is None and sampler[0] == 'grid':
-    if not all('choices' in entry for entry in space.values()):
-      raise SweepError("sampler 'grid' takes a space of choices only (lists); use 'random' or 'qmc' for ranges.")
-    points = [dict(zip(space, values)) for values in itertools.product(*(e['choices'] for e in space.values()))]
-  elif points is not None and sampler[0] != 'grid':
-    raise SweepError(f"`grid` and `trials` run as listed; sampler {sampler[0]!r} needs a `space` instead.")
-  n_trials = spec.get('n_trials', len(points) if points else None)
-  if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1 or (points and n_trials > len(points)):
-    raise SweepError(f'n_trials={n_trials!r}: ' + (f'the grid has {len(points)} points.' if points else
-                                                   'a search over a `space` needs a budget, e.g. n_trials=12.'))
-  metric, direction = spec.get('metric', 'eval/loss'), spec.get('direction', 'minimize')
-  pruner = _named(spec.get('pruner', 'none'), 'pruner', sorted(sweep_study.PRUNERS))
-  _check_objective(metric, direction, pruner[0])
-  seed = spec.get('seed', 0)
-  if not isinstance(seed, int) or isinstance(seed, bool):
-    raise SweepError(f'seed={seed!r} must be an integer.')
-  keys = list(dict.fromkeys(k for p in points for k in p)) if points else list(space)
-  sweep = Sweep(config, dict(spec.get('overrides') or {}), keys, points, None if points else space, sampler, seed,
-                n_trials, pruner, metric, direction)
-  sweep_study.make_sampler(*sampler, seed, sweep.points, sweep.space)  # its options are checked now
-  sweep_study.make_pruner(*pruner)
-  return sweep
-
-
-def _points_or_space(spec: dict[str, Any]) -> tuple[list[dict] | None, dict | None]:
-  unknown = set(spec) - set(SPEC_KEYS)
-  if unknown:
-    raise SweepError(f'Unknown sweep keys {sorted(unknown)}; use {", ".join(SPEC_KEYS)}.')
-  if not isinstance(spec.get('overrides') or {}, dict):
-    raise SweepError('`overrides` must be a dict {config key: value}, e.g. {"train.steps": 60}.')
-  if 'space' not in spec:
-    return expand(spec), None
-  if spec.get('grid') or spec.get('trials'):
-    raise SweepError('Give either a `space` to search or a `grid`/`trials` to run as listed, not both.')
-  return None, parse_space(spec['space'])
-
-
 def _check_objective(metric: Any, direction: Any, pruner: str) -> None:
   if not isinstance(metric, str) or not re.fullmatch(r'(eval|test)/\S+', metric):
     raise SweepError(f'metric={metric!r} is not a result of a trial: use eval/<name> (e.g. eval/loss, scored '
@@ -240,8 +288,27 @@ def _check_objective(metric: Any, direction: Any, pruner: str) -> None:
                      f"end: use an eval/ metric or 'pruner': 'none'.")
 
 
+def override_arg(key: str, value: Any) -> str:
+  return f'--config.{key}={value}'
+
+
+def every_override(sweep: Sweep) -> list[str]:
+  """Every `--config.<key>=<value>` the sweep may give a trial: its overrides, each value of its
+  points and choices, and the bounds of its ranges (as the type the range draws: int or float),
+  so that a value the trials' config cannot take is found before any trial starts."""
+  values = [*sweep.common.items(), *(item for point in sweep.points or [] for item in point.items())]
+  for key, entry in (sweep.space or {}).items():
+    if 'choices' in entry:
+      values += [(key, choice) for choice in entry['choices']]
+    else:
+      kind = int if entry['int'] else float
+      values += [(key, kind(entry['low'])), (key, kind(entry['high']))]
+  return list(dict.fromkeys(override_arg(key, value) for key, value in values))
+
+
 def propose(sweep: Sweep, trial: optuna.Trial, slot: int) -> dict[str, Any]:
-  """The trial's own overrides, through the study's sampler (a retry gets back the values it had)."""
+  """The trial's own overrides: an enqueued point's values, or the study's sampler's proposal (a
+  retry gets back the values it had)."""
   if sweep.points is not None:
     choices = {k: list(dict.fromkeys(p[k] for p in sweep.points if k in p)) for k in sweep.keys}
     return {key: trial.suggest_categorical(key, choices[key]) for key in sweep.points[slot]}
@@ -257,8 +324,8 @@ def name_of(sweep: Sweep, slot: int, own: dict[str, Any]) -> str:
 
 def trial_command(sweep: Sweep, name: str, own: dict[str, Any], workdir: str, extra_args: list[str] = (),
                   program: tuple[str, str] = (sys.executable, LAUNCH)) -> list[str]:
-  common = [f'--config.{k}={v}' for k, v in sweep.common.items()]
-  own = [f'--config.{k}={v}' for k, v in own.items()]
+  common = [override_arg(k, v) for k, v in sweep.common.items()]
+  own = [override_arg(k, v) for k, v in own.items()]
   return [*program, f'--config={sweep.config}', f'--workdir={os.path.join(workdir, name)}', *common, *extra_args,
           *own]
 
@@ -280,16 +347,14 @@ def _last_json(stdout: str) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------- running trials
-class TrialError(Exception):
-  """A trial that ended without a result (the study records it as failed)."""
-
-
-class TrialFailed(TrialError):
-  """The trial's process failed: its error line is the trial's `error`."""
-
-
-class TrialInterrupted(TrialError):
-  """Ctrl-C or SIGTERM stopped the trial after it saved a checkpoint; it is queued to resume."""
+@dataclasses.dataclass
+class Ended:
+  """How a trial's process ended."""
+  returncode: int
+  stdout: str
+  stderr: str
+  seconds: float
+  pruned: dict[str, float] | None  # the evaluation at which the pruner stopped it (a metrics.jsonl line)
 
 
 class DevicePool:
@@ -316,53 +381,98 @@ class DevicePool:
 
 
 class Runner:
-  """Runs a study's trials as launch.py processes, `workers` at a time, until its budget is done."""
+  """Runs a study's trials as launch.py processes, `workers` threads at a time, each asking the
+  study for a trial (`study.ask`), running it, and telling the study how it ended (`study.tell`),
+  until the budget is done here or on other hosts."""
 
-  def __init__(self, sweep: Sweep, study: optuna.Study, location: str, workdir: str, *, workers: int = 1,
+  def __init__(self, sweep: Sweep, study: optuna.Study, workdir: str, *, workers: int = 1,
                devices: DevicePool | None = None, heartbeat: int = 30, extra_args=(), env: dict | None = None):
-    self.sweep, self.study, self.location, self.workdir = sweep, study, location, workdir
+    self.sweep, self.study, self.workdir = sweep, study, workdir
     self.workers, self.devices, self.heartbeat = workers, devices or DevicePool(None, workers), heartbeat
     self.extra_args, self.env = list(extra_args), env
     self.interrupted = False
+    self.error: Exception | None = None  # what stopped a worker; run() raises it
     self.children: set[subprocess.Popen] = set()
-    self.lock = threading.Lock()  # the workers' threads share the children, the result files and stdout
+    self.local: set[int] = set()  # the numbers of the trials this host's workers are running
+    self.waiting_said = False
+    self.lock = threading.Lock()  # the workers share the children, the result files and stdout
 
   def run(self) -> None:
     """Take trials until every slot of the budget is finished, here or on other hosts."""
-    waiting_said = False
     with self._signals():
-      while not self.interrupted:
-        free = sweep_study.unclaimed(self.study, self.sweep.n_trials)
-        if free:  # more threads than trials left would open trials past the budget
-          self.study.optimize(self.objective, n_jobs=min(self.workers, free), callbacks=[self.after_trial],
-                              catch=(TrialError, sweep_study.OverBudget))
-        elif sweep_study.running(self.study):  # on other hosts, or left by a worker that died
-          if not waiting_said:
-            self._say(f'Waiting for {sweep_study.running(self.study)} trial(s) running elsewhere (a dead worker\'s '
-                      f'are run again after {2 * self.heartbeat} s without a heartbeat).')
-            waiting_said = True
-          time.sleep(min(self.heartbeat, POLL_S))
-          sweep_study.fail_stale_trials(self.study)
-        else:
-          return
+      threads = [threading.Thread(target=self._work, name=f'sweep-worker-{i}', daemon=True)
+                 for i in range(self.workers)]
+      for thread in threads:
+        thread.start()
+      for thread in threads:
+        while thread.is_alive():  # in short waits, so that the main thread takes Ctrl-C and SIGTERM
+          thread.join(timeout=0.5)
+    if self.error is not None:
+      raise self.error
 
-  def objective(self, trial: optuna.Trial) -> float:
+  def _work(self) -> None:
+    try:
+      while not self.interrupted:
+        sweep_study.fail_stale_trials(self.study, self.heartbeat)
+        if not sweep_study.unclaimed(self.study, self.sweep.n_trials):
+          with self.lock:
+            elsewhere = set(sweep_study.running(self.study)) - self.local
+          if not elsewhere:  # this host's own running trials end with their workers
+            return
+          self._wait_for(elsewhere)
+          continue
+        self._run_trial(self.study.ask())
+    except Exception as e:  # noqa: BLE001 - a sweep-level failure (a metric no trial logs, a storage error)
+      with self.lock:
+        self.error = self.error or e
+      self.interrupt(forward=True)
+
+  def _wait_for(self, elsewhere: set[int]) -> None:
+    if not self.waiting_said:
+      self.waiting_said = True
+      self._say(f'Waiting for {len(elsewhere)} trial(s) running elsewhere (a dead worker\'s are run again after '
+                f'{2 * self.heartbeat} s without a heartbeat).')
+    time.sleep(min(self.heartbeat, POLL_S))
+
+  def _run_trial(self, trial: optuna.Trial) -> None:
+    sweep_study.beat(trial)
     slot = sweep_study.take_slot(self.study, trial, self.sweep.n_trials)
-    own = propose(self.sweep, trial, slot)
-    if 'name' in trial.user_attrs:  # a retry: clear what its last attempt recorded
-      trial.set_user_attr('interrupted', False)
-      trial.set_user_attr('error', '')
-    else:
-      trial.set_user_attr('name', name_of(self.sweep, slot, own))
-    name = trial.user_attrs['name']
-    if self.interrupted:
-      raise TrialInterrupted('the sweep is stopping')
-    self._say(f'[{slot + 1}/{self.sweep.n_trials}] {name} ...')
-    command = trial_command(self.sweep, name, own, self.workdir, self.extra_args)
-    returncode, stdout, stderr, seconds = self._launch(trial, command)
-    self._write_log(name, stdout + '\n--- stderr ---\n' + stderr)
-    trial.set_user_attr('seconds', seconds)
-    return self._outcome(trial, name, returncode, stdout, stderr, seconds)
+    if slot is None:  # two workers asked for the last slot at once: this one runs nothing
+      self._tell(trial, state=TrialState.FAIL)
+      return
+    with self.lock:
+      self.local.add(trial.number)
+    try:
+      own = propose(self.sweep, trial, slot)
+      if 'name' in trial.user_attrs:  # a retry: clear what its last attempt recorded
+        trial.set_user_attr('interrupted', False)
+        trial.set_user_attr('error', '')
+      else:
+        trial.set_user_attr('name', name_of(self.sweep, slot, own))
+      name = trial.user_attrs['name']
+      if self.interrupted:
+        self._interrupted(trial, name, 0.0)
+        return
+      self._say(f'[{slot + 1}/{self.sweep.n_trials}] {name} ...')
+      command = trial_command(self.sweep, name, own, self.workdir, self.extra_args)
+      ended = self._launch(trial, os.path.join(self.workdir, name), command)
+      self._write_log(name, ended.stdout + '\n--- stderr ---\n' + ended.stderr)
+      trial.set_user_attr('seconds', ended.seconds)
+      self._outcome(trial, name, ended)
+    except BaseException:
+      self._tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+      raise
+    finally:
+      with self.lock:
+        self.local.discard(trial.number)
+        self.write_results()
+
+  def _tell(self, trial: optuna.Trial, **outcome) -> optuna.trial.FrozenTrial | None:
+    """study.tell; None when another host has failed the trial as stale meanwhile (it runs again there)."""
+    try:
+      return self.study.tell(trial, **outcome)
+    except optuna.exceptions.UpdateFinishedTrialError:
+      return None
 
   def _write_log(self, name: str, text: str) -> None:
     """logs/<trial>.log: the trial's stdout and stderr, after those of its earlier attempts."""
@@ -371,65 +481,95 @@ class Runner:
     earlier = log.read_text() + '\n--- the next attempt (resumed) ---\n' if log.exists() else ''
     log.write_text(earlier + text)
 
-  def _launch(self, trial: optuna.Trial, command: list[str]) -> tuple[int, str, str, float]:
-    """Run the trial's process, reporting to the study (train/sweep_trial.py), on its accelerators."""
-    env = {**(self.env or os.environ), **sweep_trial.environment(
-        self.location, self.study.study_name, trial._trial_id, self.sweep.metric, self.sweep.pruner)}
-    with self.devices.take() as device_env:
-      started = time.time()
-      process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**env, **device_env})
+  def _launch(self, trial: optuna.Trial, trial_dir: str, command: list[str]) -> Ended:
+    """Run the trial's process on its accelerators; while it runs, beat its heartbeat and report
+    its evaluations, and SIGTERM it when the pruner says so (train/sweep_trial.py)."""
+    reporter = sweep_trial.Reporter(self.study, trial, trial_dir, self.sweep.metric)
+    prunable = self.sweep.pruner[0] != 'none'
+    with self.devices.take() as device_env, tempfile.TemporaryFile('w+') as out, \
+        tempfile.TemporaryFile('w+') as err:  # files, not pipes: a long trial's output would fill a pipe
+      started = last_beat = time.time()
+      process = subprocess.Popen(command, stdout=out, stderr=err, text=True,
+                                 env={**(self.env or os.environ), **device_env})
       with self.lock:
         self.children.add(process)
       if self.interrupted:  # a SIGTERM that came while it started
         process.terminate()
+      pruned = None
       try:
-        stdout, stderr = process.communicate()
+        while process.poll() is None:
+          with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=WATCH_S)
+          if time.time() - last_beat >= self.heartbeat:
+            sweep_study.beat(trial)
+            last_beat = time.time()
+          if pruned is None and process.returncode is None:
+            pruned = reporter.report(may_prune=prunable and not self.interrupted)
+            if pruned is not None:
+              process.send_signal(signal.SIGTERM)  # training saves a checkpoint and stops
+        if pruned is None:
+          reporter.report(may_prune=False)  # what it logged since the last look
       finally:
         with self.lock:
           self.children.discard(process)
-    return process.returncode, stdout, stderr, time.time() - started
+      out.seek(0)
+      err.seek(0)
+      return Ended(process.returncode, out.read(), err.read(), time.time() - started, pruned)
 
-  def _outcome(self, trial: optuna.Trial, name: str, returncode: int, stdout: str, stderr: str,
-               seconds: float) -> float:
-    """The trial's metric; TrialPruned, TrialInterrupted or TrialFailed when it has none."""
-    final = _last_json(stdout) if returncode == 0 else None
-    if final is not None and not final.get('preempted'):
-      return self._finished(trial, name, final, seconds)
-    if self.interrupted or final is not None or returncode in (130, -signal.SIGINT, -signal.SIGTERM):
-      trial.set_user_attr('interrupted', True)
-      self._say(f'    {name}: interrupted ({seconds:.0f} s); it resumes from its checkpoint when the sweep reruns')
-      raise TrialInterrupted(name)
-    error = _error_line(stderr, returncode) if returncode else 'no final JSON line'
+  def _outcome(self, trial: optuna.Trial, name: str, ended: Ended) -> None:
+    """Tell the study how the trial ended: ok (its metric), pruned, interrupted (queued again) or failed."""
+    final = _last_json(ended.stdout) if ended.returncode == 0 else None
+    if ended.pruned is not None:
+      self._pruned(trial, name, ended, final)
+    elif final is not None and not final.get('preempted'):
+      self._finished(trial, name, final, ended.seconds)
+    elif self.interrupted or final is not None or ended.returncode in (130, -signal.SIGINT, -signal.SIGTERM):
+      self._interrupted(trial, name, ended.seconds)
+    else:
+      self._failed(trial, name, ended)
+
+  def _failed(self, trial: optuna.Trial, name: str, ended: Ended) -> None:
+    error = _error_line(ended.stderr, ended.returncode) if ended.returncode else 'no final JSON line'
     trial.set_user_attr('error', error)
-    self._say(f'    {name}: FAILED: {error} ({seconds:.0f} s)')
-    raise TrialFailed(error)
+    self._tell(trial, state=TrialState.FAIL)
+    self._say(f'    {name}: FAILED: {error} ({ended.seconds:.0f} s)')
 
-  def _finished(self, trial: optuna.Trial, name: str, final: dict, seconds: float) -> float:
+  def _pruned(self, trial: optuna.Trial, name: str, ended: Ended, final: dict | None) -> None:
+    """Its results are the evaluation at which it was pruned; its workdir keeps the checkpoint it
+    saved when stopped (the step of its final line, or its last evaluation if it ended otherwise)."""
+    at = int(ended.pruned['step'])
+    stopped = final.get('step') if final else None
+    trial.set_user_attr('metrics', {k: v for k, v in ended.pruned.items() if k == 'step' or k.startswith('eval/')})
+    trial.set_user_attr('pruned_at', at)
+    trial.set_user_attr('stopped_at', stopped)
+    self._tell(trial, state=TrialState.PRUNED)
+    saved = f', saved at step {stopped}' if stopped is not None else ''
+    self._say(f'    {name}: pruned at step {at}{saved}, {self.sweep.metric}={ended.pruned[self.sweep.metric]:.4f} '
+              f'({ended.seconds:.0f} s)')
+
+  def _finished(self, trial: optuna.Trial, name: str, final: dict, seconds: float) -> None:
     metrics = {k: v for k, v in final.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     trial.set_user_attr('metrics', metrics)
     metric = self.sweep.metric
     if metric not in metrics:  # every trial of a family logs the same names: no trial would have it
-      self.interrupt(forward=True)
+      self._tell(trial, state=TrialState.FAIL)
       raise SweepError(f'metric={metric!r} is not among the results of trial {name}: '
                        f'{", ".join(sorted(metrics))}; set the sweep\'s metric to one of them and use a new --workdir.')
-    pruned_at = next(t for t in self.study.get_trials(deepcopy=False) if t.number == trial.number
-                     ).user_attrs.get('pruned_at')  # written by the trial's process
-    outcome = f'pruned at step {pruned_at}, ' if pruned_at is not None else ''
-    self._say(f'    {name}: {outcome}{metric}={metrics[metric]:.4f} ({seconds:.0f} s)')
-    if pruned_at is not None:
-      raise optuna.TrialPruned(f'pruned at step {pruned_at}')
-    return metrics[metric]
+    if not math.isfinite(metrics[metric]):
+      trial.set_user_attr('error', f'{metric}={metrics[metric]}')
+      self._tell(trial, state=TrialState.FAIL)
+      self._say(f'    {name}: FAILED: {metric}={metrics[metric]} ({seconds:.0f} s)')
+      return
+    self._tell(trial, values=metrics[metric])
+    self._say(f'    {name}: {metric}={metrics[metric]:.4f} ({seconds:.0f} s)')
 
-  def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-    """Optuna's callback after each trial: queue an interrupted trial again, rewrite the results,
-    stop taking trials when none is left (or the sweep is stopping)."""
-    if trial.state == TrialState.FAIL and trial.user_attrs.get('interrupted'):
-      sweep_study.retry(study, trial)
-    with self.lock:
-      self.write_results()
-    if self.interrupted or not sweep_study.unclaimed(study, self.sweep.n_trials):
-      study.stop()
+  def _interrupted(self, trial: optuna.Trial, name: str, seconds: float) -> None:
+    """Ctrl-C or SIGTERM stopped the trial after it saved a checkpoint: queued to resume."""
+    trial.set_user_attr('interrupted', True)
+    failed = self._tell(trial, state=TrialState.FAIL)
+    if failed is not None:
+      sweep_study.retry(self.study, failed, max_retry=None)
+    self._say(f'    {name}: interrupted ({seconds:.0f} s); it resumes from its checkpoint when the sweep reruns')
 
   def write_results(self, final: bool = False) -> None:
     command = lambda t: trial_command(self.sweep, t.user_attrs['name'], {k: t.params[k] for k in self.sweep.keys
@@ -472,28 +612,18 @@ def study_name(workdir: str) -> str:
   return workdir.rstrip('/') or '/'
 
 
-def open_study(sweep: Sweep, workdir: str, location: str, heartbeat: int, extra_args=()) -> optuna.Study:
-  """The sweep's study in `location`, created by the first host (or run) and joined by the others;
-  SweepError when it holds another sweep."""
-  study = optuna.create_study(storage=sweep_study.open_storage(location, heartbeat), study_name=study_name(workdir),
-                              sampler=sweep_study.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space),
-                              pruner=sweep_study.make_pruner(*sweep.pruner), direction=sweep.direction,
-                              load_if_exists=True)
-  record, started = sweep.record(extra_args), study.user_attrs.get('sweep')
-  if started is None:
-    study.set_user_attr('sweep', record)
-  elif started != record:
-    differ = sorted(k for k in record if started.get(k) != record[k])
-    raise SweepError(f'{location} holds the study of another sweep for {workdir} (it differs in {", ".join(differ)}); '
-                     f'rerun that sweep as it was, or pass a new --workdir.')
-  return study
+def open_study(sweep: Sweep, workdir: str, storage_, extra_args=()) -> optuna.Study:
+  """The sweep's study in `storage_` (None: in memory), created by the first host (or run) and
+  joined by the others; SweepError when it holds another sweep."""
+  return sweep_study.create_or_join(
+      storage_, study_name(workdir), sweep_study.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space),
+      sweep_study.make_pruner(*sweep.pruner), sweep.direction, sweep.points, sweep.record(extra_args))
 
 
 def print_commands(sweep: Sweep, workdir: str, extra_args=()) -> None:
   """--sweep_dry_run: the first n_trials proposals, from an in-memory study with no results (TPE
   and GP proposals after their first trials depend on the results)."""
-  study = optuna.create_study(sampler=sweep_study.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space),
-                              direction=sweep.direction)
+  study = open_study(sweep, workdir, None, extra_args)
   for _ in range(sweep.n_trials):
     trial = study.ask()
     slot = sweep_study.take_slot(study, trial, sweep.n_trials)
@@ -505,7 +635,7 @@ def run_sweep(sweep: Sweep, workdir: str, *, storage_location: str | None = None
               devices: str | None = None, heartbeat: int = 30, dry_run: bool = False, extra_args=(),
               env: dict | None = None) -> optuna.Study | None:
   """Run (or with `dry_run` print) the sweep's trials; write the results. KeyboardInterrupt after a
-  Ctrl-C or SIGTERM, once the running trials have saved."""
+  Ctrl-C or SIGTERM, once the running trials have saved; SweepError when no trial finished ok."""
   warnings.filterwarnings('ignore', category=optuna.exceptions.ExperimentalWarning)
   optuna.logging.set_verbosity(optuna.logging.ERROR)  # the sweep prints one line per trial itself
   if dry_run:
@@ -519,10 +649,11 @@ def run_sweep(sweep: Sweep, workdir: str, *, storage_location: str | None = None
   if storage_location is None:
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
   location = storage_location or os.path.join(workdir, 'study.journal')
-  study = open_study(sweep, workdir, location, heartbeat, extra_args)  # a storage that fails leaves no workdir
+  # A storage that fails leaves no workdir.
+  study = open_study(sweep, workdir, sweep_study.open_storage(location), extra_args)
   storage.path(workdir).mkdir(parents=True, exist_ok=True)
-  runner = Runner(sweep, study, location, workdir, workers=workers, devices=pool, heartbeat=heartbeat,
-                  extra_args=extra_args, env=env)
+  runner = Runner(sweep, study, workdir, workers=workers, devices=pool, heartbeat=heartbeat, extra_args=extra_args,
+                  env=env)
   try:
     runner.run()
   finally:
@@ -530,6 +661,7 @@ def run_sweep(sweep: Sweep, workdir: str, *, storage_location: str | None = None
   _summary(runner, location)
   if runner.interrupted:
     raise KeyboardInterrupt
+  _check_some_trial_ok(study, workdir)
   return study
 
 
@@ -541,14 +673,26 @@ def _summary(runner: Runner, location: str) -> None:
         f'importance.png; study: {location} (optuna-dashboard {location})', flush=True)
 
 
-def run_sweep_from_flags(flags, argv: list[str], check_keys=None) -> optuna.Study | None:
+def _check_some_trial_ok(study: optuna.Study, workdir: str) -> None:
+  """SweepError when the sweep ended with no trial ok (every one failed or was pruned)."""
+  trials = sweep_report.budget_trials(study)
+  if any(t.state == TrialState.COMPLETE for t in trials):
+    return
+  failed = [t for t in trials if t.state == TrialState.FAIL]
+  first = f'; the first error: {failed[0].user_attrs["name"]}: {failed[0].user_attrs.get("error")}' if failed else ''
+  raise SweepError(f'No trial of the sweep finished ok ({len(failed)} of {len(trials)} failed{first}); see '
+                   f'{os.path.join(workdir, "sweep.md")} and the trials\' logs in {os.path.join(workdir, "logs")}.')
+
+
+def run_sweep_from_flags(flags, argv: list[str], check_overrides=None) -> optuna.Study | None:
   """launch.py --sweep: the sweep file, --workdir, the --sweep_* flags, and --config / --config.*
-  flags. `check_keys(config, keys)` raises for a key the trials' config lacks."""
+  flags. `check_overrides(config, args)` raises for a `--config.<key>=<value>` the trials' config
+  lacks or cannot take."""
   config = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), None)
   extra = [a for a in argv if a.startswith('--config.')]
   sweep = load_sweep(flags.sweep, config)
-  if check_keys:
-    check_keys(sweep.config, [*sweep.common, *sweep.keys])
+  if check_overrides:
+    check_overrides(sweep.config, list(dict.fromkeys([*every_override(sweep), *extra])))
   if flags.sweep_storage and not flags.workdir:
     raise SweepError('--sweep_storage needs --workdir: every host of a study writes its trials under the same one.')
   name = os.path.splitext(os.path.basename(flags.sweep))[0]

@@ -1,20 +1,26 @@
-"""The Optuna side of a sweep (train/sweep.py): storages, samplers, pruners and the trial budget.
+"""The Optuna side of a sweep (train/sweep.py): storages, samplers, pruners, the trial budget and heartbeats.
 
-Optuna owns the search, the bookkeeping and the coordination; this module only chooses its parts:
+Optuna owns the search, the bookkeeping and the coordination; this module only chooses its parts,
+through Optuna's public API:
 
 * Storage: a journal file (Optuna's JournalFileBackend, safe for several processes and for hosts
   sharing a disk) or any database URL Optuna's RDBStorage takes (sqlite:///, postgresql://, ...).
-  Workers record heartbeats there; a running trial whose worker stopped beating (its host died) is
-  failed and queued again with RetryHeartbeatStaleTrialCallback. RDBStorage has heartbeats; the
-  journal gets the same interface here (`JournalWithHeartbeat`).
-* Slots: a trial's place in the budget, 0..n_trials-1, is the number of trials that are not
-  retries created before it. Storages number trials atomically, so every host computes the same
-  slots and no two trials share one; a retry keeps the slot of the trial it retries.
+* The study is created by one host (`create_study` refuses a second creator atomically in every
+  storage): that host enqueues a grid's and `trials`' points (`enqueue_trial`, slot k's point k-th,
+  so `study.ask` hands them out in the file's order) and then records the sweep; hosts that join
+  wait for that record.
+* Slots: a trial's place in the budget, 0..n_trials-1. An enqueued point carries its slot; a
+  searched trial's slot is the number of trials that are not retries created before it. Storages
+  number trials atomically, so every host computes the same slots and no two trials share one; a
+  retry (`RetryHeartbeatStaleTrialCallback`) keeps the slot of the trial it retries.
 * Samplers propose from (the sweep's seed, the slot), never from a process's random state, so
   hosts started with the same seed propose different trials and slot k gets the same proposal
-  whichever worker asks: grid and `trials` points by slot, random search seeded per slot,
-  quasi-random search as the slot-th point of one scrambled Sobol sequence, TPE and GP seeded per
-  slot (they also read the finished trials).
+  whichever worker asks: random search seeded per slot, quasi-random search as the slot-th point
+  of one scrambled Sobol sequence, TPE and GP seeded per slot (they also read the finished trials).
+* Heartbeats, one way for every storage (Optuna 5.0's RDBStorage has its own, its JournalStorage
+  none): the worker running a trial writes the time into the trial's user attribute `heartbeat`; a
+  running trial silent for twice the interval (its host died) is failed by whichever host sees it
+  first (`study.tell`, which refuses a second teller) and queued again.
 """
 from __future__ import annotations
 
@@ -28,7 +34,6 @@ import numpy as np
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.storages import RetryHeartbeatStaleTrialCallback
-from optuna.storages._heartbeat import BaseHeartbeat  # the interface RDBStorage implements for heartbeats
 from optuna.trial import FrozenTrial, TrialState
 
 import storage as storage_lib
@@ -37,8 +42,9 @@ from errors import UserError
 SAMPLERS = ('grid', 'random', 'qmc', 'tpe', 'gp')
 PRUNERS = {'none': optuna.pruners.NopPruner, 'median': optuna.pruners.MedianPruner,
            'successive_halving': optuna.pruners.SuccessiveHalvingPruner, 'hyperband': optuna.pruners.HyperbandPruner}
-HEARTBEAT_ATTR = 'heartbeat'  # a journal trial's last heartbeat (time.time() of its worker)
+HEARTBEAT_ATTR = 'heartbeat'  # a running trial's last heartbeat (time.time() of its worker)
 MAX_RETRIES = 3  # a trial whose worker dies this often stays failed
+RECORD_WAIT_S = 60  # how long a joining host waits for the creating host to record the sweep
 
 
 class SweepError(UserError):
@@ -46,57 +52,35 @@ class SweepError(UserError):
 
 
 # ---------------------------------------------------------------------------------------------- storage
-class JournalWithHeartbeat(optuna.storages.JournalStorage, BaseHeartbeat):
-  """Optuna's journal file with the heartbeat RDBStorage has: each running trial carries the time
-  of its worker's last beat (a system attribute), and one silent for twice the interval is stale.
-  Hosts' clocks are compared, so they should agree within the interval (NTP)."""
-
-  def __init__(self, path: str, interval: int, on_stale: Callable | None):
-    super().__init__(optuna.storages.journal.JournalFileBackend(path))
-    self._interval, self._on_stale = interval, on_stale
-
-  def record_heartbeat(self, trial_id: int) -> None:
-    try:
-      self.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, time.time())
-    except optuna.exceptions.UpdateFinishedTrialError:
-      pass  # another host failed it as stale meanwhile; its retry runs elsewhere
-
-  def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-    now = time.time()
-    # A retry copies its original's last beat: the start of this attempt counts as a beat too.
-    last_beat = lambda t: max(t.system_attrs[HEARTBEAT_ATTR], t.datetime_start.timestamp())
-    return [t._trial_id for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
-            if HEARTBEAT_ATTR in t.system_attrs and now - last_beat(t) > 2 * self._interval]
-
-  def get_heartbeat_interval(self) -> int:
-    return self._interval
-
-  def get_heartbeat_stale_trial_callback(self) -> Callable | None:
-    return self._on_stale
-
-
-def open_storage(location: str, heartbeat: int | None = None):
-  """The storage at `location`: a database URL (anything with ://) or a journal file path.
-  `heartbeat` (seconds): this process runs trials, so it records heartbeats and retries the trials
-  of dead workers; a trial process, which only reports, passes None."""
-  on_stale = RetryHeartbeatStaleTrialCallback(MAX_RETRIES, inherit_intermediate_values=True) if heartbeat else None
+def open_storage(location: str) -> optuna.storages.BaseStorage:
+  """The storage at `location`: a database URL (anything with ://) or a journal file path."""
   shown = _without_password(location)
   if storage_lib.is_remote(location):
     raise SweepError(f'--sweep_storage={shown}: a journal file must be on a local or mounted shared disk; for a '
                      f'gs:// --workdir pass --sweep_storage=/shared/disk/study.journal or a database URL.')
   try:
     if '://' in location:
-      timeout = {'timeout': 60} if location.startswith('sqlite') else {'connect_timeout': 20}
-      return optuna.storages.RDBStorage(location, engine_kwargs={'connect_args': timeout}, heartbeat_interval=heartbeat,
-                                        heartbeat_stale_trial_callback=on_stale)
-    if heartbeat:
-      return JournalWithHeartbeat(location, heartbeat, on_stale)
+      return _database(location)
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(location))
   except Exception as e:  # noqa: BLE001 - drivers, sockets and files fail in many ways; each is one line
     reason = ' '.join(str(e).split())[:300] or type(e).__name__
     raise SweepError(f'--sweep_storage={shown} cannot be opened ({reason}); pass a reachable database URL '
-                     f'(sqlite:///FILE, postgresql://USER:PASSWORD@HOST/DB with its driver installed) or a journal '
-                     f'file in a directory that exists.') from None
+                     f'(sqlite:///FILE, postgresql://USER:PASSWORD@HOST/DB with requirements-dev.txt\'s psycopg) or a '
+                     f'journal file in a directory that exists.') from None
+
+
+def _database(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+  """RDBStorage at `url`. On a new database the first hosts to open it create Optuna's tables and
+  version row at once, and all but one of them fail on the other's rows: they open it again."""
+  import sqlalchemy
+  timeout = {'timeout': 60} if url.startswith('sqlite') else {'connect_timeout': 20}
+  for attempt in range(attempts):
+    try:
+      return optuna.storages.RDBStorage(url, engine_kwargs={'connect_args': timeout})
+    except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+      if attempt == attempts - 1:
+        raise
+      time.sleep(0.5 * (attempt + 1))
 
 
 def _without_password(location: str) -> str:
@@ -107,6 +91,37 @@ def _without_password(location: str) -> str:
     return sqlalchemy.engine.make_url(location).render_as_string(hide_password=True)
   except Exception:  # noqa: BLE001 - not a URL SQLAlchemy parses: the open will say so
     return location
+
+
+def create_or_join(storage, name: str, sampler, pruner, direction: str, points: list[dict] | None,
+                   record: dict[str, Any]) -> optuna.Study:
+  """The study `name`: created here (its points enqueued, then `record` stored as the user attribute
+  'sweep') or, when another host or an earlier run created it, joined once its record is there.
+  SweepError when the study holds another sweep."""
+  try:
+    study = optuna.create_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner,
+                                direction=direction)
+  except optuna.exceptions.DuplicatedStudyError:
+    study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+    return _joined(study, record)
+  for slot, point in enumerate(points or []):
+    study.enqueue_trial(point, user_attrs={'slot': slot})
+  study.set_user_attr('sweep', record)
+  return study
+
+
+def _joined(study: optuna.Study, record: dict[str, Any]) -> optuna.Study:
+  deadline = time.time() + RECORD_WAIT_S
+  while (started := study.user_attrs.get('sweep')) is None:
+    if time.time() > deadline:
+      raise SweepError(f'Study {study.study_name!r} exists, but the host that created it has not recorded its sweep '
+                       f'in {RECORD_WAIT_S} s (it may have died while starting); pass a new --workdir.')
+    time.sleep(0.5)
+  if started != record:
+    differ = sorted(k for k in record if started.get(k) != record[k])
+    raise SweepError(f'The storage holds the study of another sweep for {study.study_name} (it differs in '
+                     f'{", ".join(differ)}); rerun that sweep as it was, or pass a new --workdir.')
+  return study
 
 
 # ---------------------------------------------------------------------------------------------- search space
@@ -131,24 +146,6 @@ def suggest(trial: optuna.Trial, key: str, entry: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------------------------------------- samplers
 def slot_seed(seed: int, slot: int) -> int:
   return int(np.random.SeedSequence([seed, slot]).generate_state(1)[0])
-
-
-class PointsSampler(optuna.samplers.BaseSampler):
-  """A sweep file's grid and `trials`: the trial in slot k takes point k (in the file's order), as
-  Optuna's GridSampler takes grid point k for trial k, but for any list of points, not only a
-  product. The study's budget is the number of points."""
-
-  def __init__(self, points: list[dict[str, Any]]):
-    self.points = points
-
-  def infer_relative_search_space(self, study, trial) -> dict:
-    return {}
-
-  def sample_relative(self, study, trial, search_space) -> dict:
-    return {}
-
-  def sample_independent(self, study, trial: FrozenTrial, name: str, param_distribution) -> Any:
-    return self.points[trial.user_attrs['slot']][name]
 
 
 class PerSlotSeed(optuna.samplers.BaseSampler):
@@ -228,10 +225,13 @@ def from_unit(dist: BaseDistribution, u: float) -> Any:
 
 def make_sampler(name: str, kwargs: dict, seed: int, points: list[dict] | None,
                  space: dict[str, dict] | None) -> optuna.samplers.BaseSampler:
-  """The study's sampler; SweepError for options the sampler does not take or a missing PyTorch."""
-  if points is not None:
-    return PointsSampler(points)
-  if name == 'qmc':
+  """The study's sampler; SweepError for options the sampler does not take or a missing PyTorch.
+  A grid's and `trials`' points are enqueued (create_or_join), so its sampler proposes nothing."""
+  if points is not None or name == 'qmc':
+    if kwargs:
+      raise SweepError(f"sampler {name!r} takes no options but 'seed', got {kwargs}.")
+    if points is not None:
+      return optuna.samplers.RandomSampler(seed=seed)
     return SobolSampler({key: distribution(entry) for key, entry in space.items()}, seed)
   if name == 'gp' and importlib.util.find_spec('torch') is None:
     raise SweepError("sampler 'gp' needs PyTorch (pip install torch; the CPU build is enough); 'tpe' needs nothing more.")
@@ -256,42 +256,61 @@ def _check_options(what: str, build: Callable, kwargs: dict):
 
 # ---------------------------------------------------------------------------------------------- the budget
 def is_retry(trial: FrozenTrial) -> bool:
-  return 'failed_trial' in trial.system_attrs  # set by RetryHeartbeatStaleTrialCallback
+  return RetryHeartbeatStaleTrialCallback.retried_trial_number(trial) is not None
 
 
-class OverBudget(Exception):
-  """A trial opened after the budget was taken (two workers asked for the last slot at once)."""
-
-
-def take_slot(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> int:
-  """The trial's slot, recorded as its user attribute 'slot' (a retry has its original's).
-  OverBudget, and the study stops, when the trial comes after the budget."""
+def take_slot(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> int | None:
+  """The trial's slot, recorded as its user attribute 'slot' (an enqueued point and a retry have
+  theirs already); None, with the user attribute 'over_budget', when it comes after the budget."""
   if 'slot' in trial.user_attrs:
     return trial.user_attrs['slot']
   slot = sum(1 for t in study.get_trials(deepcopy=False) if t.number < trial.number and not is_retry(t))
   if slot >= n_trials:
     trial.set_user_attr('over_budget', True)
-    study.stop()
-    raise OverBudget(f'slot {slot} of {n_trials}')
+    return None
   trial.set_user_attr('slot', slot)
   return slot
 
 
 def unclaimed(study: optuna.Study, n_trials: int) -> int:
-  """Trials a worker may still take: slots no trial has taken, and queued retries."""
+  """Trials a worker may still take: slots no trial has taken, and queued points and retries."""
   trials = study.get_trials(deepcopy=False)
   fresh = sum(1 for t in trials if not is_retry(t))
   return max(0, n_trials - fresh) + sum(1 for t in trials if t.state == TrialState.WAITING)
 
 
-def running(study: optuna.Study) -> int:
-  return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+def running(study: optuna.Study) -> list[int]:
+  """The numbers of the study's running trials."""
+  return [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
 
 
-def retry(study: optuna.Study, trial: FrozenTrial) -> None:
-  """Queue `trial` again (same parameters, slot and workdir), as Optuna does for a stale one."""
-  RetryHeartbeatStaleTrialCallback(None, inherit_intermediate_values=True)(study, trial)
+def retry(study: optuna.Study, trial: FrozenTrial, max_retry: int | None = MAX_RETRIES) -> None:
+  """Queue `trial` again (same parameters, slot and workdir), with what it reported so far; not when
+  it has been retried `max_retry` times already (None: no limit)."""
+  RetryHeartbeatStaleTrialCallback(max_retry, inherit_intermediate_values=True)(study, trial)
 
 
-def fail_stale_trials(study: optuna.Study) -> None:
-  optuna.storages.fail_stale_trials(study)
+def beat(trial: optuna.Trial) -> None:
+  """Record that the worker running `trial` is alive."""
+  try:
+    trial.set_user_attr(HEARTBEAT_ATTR, time.time())
+  except optuna.exceptions.UpdateFinishedTrialError:
+    pass  # another host failed it as stale meanwhile; its retry runs elsewhere
+
+
+def fail_stale_trials(study: optuna.Study, interval: float) -> None:
+  """Fail the running trials whose worker has been silent for 2 x `interval` seconds, and queue
+  again those that were running a proposal. Hosts' clocks are compared, so they should agree
+  within the interval (NTP)."""
+  now = time.time()
+  for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    # A retry copies its original's last beat: the start of this attempt counts as a beat too.
+    last = max(trial.user_attrs.get(HEARTBEAT_ATTR, 0.0), trial.datetime_start.timestamp())
+    if now - last <= 2 * interval:
+      continue
+    try:
+      failed = study.tell(trial.number, state=TrialState.FAIL)
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+      continue  # another host failed it (or its worker finished it) first
+    if 'name' in failed.user_attrs:  # it ran a proposal (not a trial opened past the budget)
+      retry(study, failed)

@@ -1,73 +1,86 @@
-"""A training that is a sweep's trial reports its evaluations to the study, whose pruner may stop it.
+"""A sweep's trial as the worker that launched it sees it: its evaluations, read as training logs them.
 
-train/sweep.py starts each trial as a `launch.py` process with the environment variable
-`SWEEP_TRIAL` naming the study's storage, the study, the trial, the metric and the pruner. The
-training loop (train/loop.py) hands every evaluation during training to `report`: the value of
-the sweep's metric goes to the study (`Trial.report`, what Optuna's pruners and the dashboard's
-curves read), and when the pruner says so `report` returns the reason to stop. Training then ends
-as after early stopping: the step is saved with its metrics and the final evaluation runs, so a
-pruned trial keeps a checkpoint that reloads. The trial's user attribute `pruned_at` tells the
-sweep to mark it pruned. Without `SWEEP_TRIAL` (every other training) nothing happens.
+Training knows nothing of sweeps. The worker (train/sweep.py) starts a trial's `launch.py` process
+and, while it runs, reads the evaluations it appends to `<trial workdir>/metrics.jsonl`, reports
+the sweep's metric at each to the trial's Optuna Trial (`Trial.report`, what pruners and the
+dashboard's curves read) and asks the study's pruner (`Trial.should_prune`). When the pruner says
+so the worker sends the process SIGTERM, which training takes as a preemption: it saves a
+checkpoint at the next step boundary and ends with `"preempted": true`; the worker marks the trial
+pruned, and its workdir reloads like any run's (`load_run`) from that checkpoint. The last step
+(`train.steps` of the trial's config.json) is reported, never pruned: training ends there anyway,
+and a SIGTERM after the training loop would cut its final evaluation short.
+
+A gs:// workdir's metrics.jsonl is uploaded every 30 s (train/metrics.py), so its trials are
+reported and pruned that much later.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
-import warnings
 
-import jax
+import optuna
 
-from train.multihost import agreed
+import storage
 
-ENV = 'SWEEP_TRIAL'
-
-
-def environment(storage: str, study: str, trial_id: int, metric: str, pruner: tuple[str, dict]) -> dict[str, str]:
-  """The variable that makes a training process report to trial `trial_id` of `study`."""
-  return {ENV: json.dumps({'storage': storage, 'study': study, 'trial_id': trial_id, 'metric': metric,
-                           'pruner': list(pruner)})}
+METRICS_FILE = 'metrics.jsonl'  # train/metrics.py's file, read here as a trial's output
 
 
-def report(step: int, metrics: dict[str, float], last: bool = False) -> str | None:
-  """Report `metrics` at `step` to the sweep's trial; why training should stop (pruned), or None.
-  The `last` step is reported but never pruned: nothing is left to save. With several processes,
-  process 0 reports and every process gets its answer."""
-  if not os.environ.get(ENV):
+class Reporter:
+  """Reports a running trial's evaluations of `metric` to `trial`, each step once."""
+
+  def __init__(self, study: optuna.Study, trial: optuna.Trial, trial_dir: str, metric: str):
+    self.trial, self.trial_dir, self.metric = trial, trial_dir, metric
+    # A retry starts with what its earlier attempts reported (and resumes after those steps).
+    self.reported = set(next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number
+                             ).intermediate_values)
+    self._read_size = -1
+    self._steps: int | None = None
+
+  def report(self, may_prune: bool) -> dict[str, float] | None:
+    """Report the evaluations logged since the last call, in step order; the evaluation (its
+    metrics.jsonl line) at which the pruner stops the trial, or None. With `may_prune` False
+    the pruner is not asked."""
+    for line in self._new_evaluations():
+      step, value = line['step'], line[self.metric]
+      try:
+        self.trial.report(value, step)
+      except optuna.exceptions.UpdateFinishedTrialError:
+        return None  # another host failed the trial as stale; its retry reports from now on
+      self.reported.add(step)
+      if may_prune and step < self._total_steps() and self.trial.should_prune():
+        return line
     return None
-  pruned = _reporter().report(step, metrics, last) if jax.process_index() == 0 else False
-  if agreed(pruned):
-    return f'pruned by the sweep ({_reporter().pruner_name} pruner, {_reporter().metric})'
-  return None
 
+  def _new_evaluations(self) -> list[dict[str, float]]:
+    path = storage.path(os.path.join(self.trial_dir, METRICS_FILE))
+    try:
+      text = path.read_text()
+    except FileNotFoundError:
+      return []
+    if len(text) == self._read_size:
+      return []
+    self._read_size = len(text)
+    lines = []
+    for raw in text.splitlines(keepends=True):
+      if not raw.endswith('\n'):
+        break  # the line being written
+      try:
+        line = json.loads(raw)
+      except ValueError:
+        continue
+      value = line.get(self.metric)
+      if isinstance(value, (int, float)) and math.isfinite(value) and line.get('step') not in self.reported:
+        lines.append(line)
+    return sorted(lines, key=lambda line: line['step'])
 
-class _Reporter:
-
-  def __init__(self, spec: dict):
-    import optuna
-    from train import sweep_study
-    warnings.filterwarnings('ignore', category=optuna.exceptions.ExperimentalWarning)
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    self.metric, self.pruner_name = spec['metric'], spec['pruner'][0]
-    study = optuna.load_study(study_name=spec['study'], storage=sweep_study.open_storage(spec['storage']),
-                              sampler=optuna.samplers.RandomSampler(),  # proposes nothing here
-                              pruner=sweep_study.make_pruner(*spec['pruner']))
-    # The trial that the sweep's worker asked for and runs this process in; Optuna's pruners read
-    # it through a Trial object (its constructor is what study.ask uses).
-    self.trial = optuna.trial.Trial(study, spec['trial_id'])
-
-  def report(self, step: int, metrics: dict[str, float], last: bool) -> bool:
-    value = metrics.get(self.metric)
-    if value is None or not math.isfinite(value):
-      return False
-    self.trial.report(float(value), step)
-    if last or not self.trial.should_prune():
-      return False
-    self.trial.set_user_attr('pruned_at', step)
-    return True
-
-
-@functools.cache
-def _reporter() -> _Reporter:
-  return _Reporter(json.loads(os.environ[ENV]))
+  def _total_steps(self) -> int:
+    """train.steps of the trial's config.json (written before its first step); 0 when unreadable,
+    so that nothing is pruned."""
+    if self._steps is None:
+      try:
+        self._steps = int(json.loads(storage.path(os.path.join(self.trial_dir, 'config.json')).read_text())
+                          ['train']['steps'])
+      except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return self._steps

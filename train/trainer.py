@@ -8,9 +8,12 @@ Stages, in order (each has a banner in `train_and_evaluate`):
                  save config.json and model.json (only now, so a failed resume leaves the run's
                  files as they were)
   4. loop        one jit-compiled step (train/steps.py), periodic eval, checkpoints, metrics
-                 (train/loop.py); SIGTERM or Ctrl-C saves and returns; `train.max_minutes` and
-                 `train.early_stopping_patience` save and go on to stage 5; a NaN/inf loss stops
-                 with the last good checkpoint kept
+                 (train/loop.py); SIGTERM or Ctrl-C saves and returns; `train.max_minutes`,
+                 `train.early_stopping_patience`, `train.stop_at_target` and the end of a wall-clock
+                 wsd cooldown save and go on to stage 5; a NaN/inf loss stops with the last good
+                 checkpoint kept
+Every evaluation, the best checkpoint and what a checkpoint's model holds are the parameters
+`Setup.evaluated` gives: the trained ones, or schedule-free AdamW's average.
   5. final       the whole validation split and the family's own evaluation (BLEU, samples,
                  pictures) of the checkpoint `train.final_eval_from` names (train/evaluation.py)
 """
@@ -30,7 +33,7 @@ import storage
 from errors import UserError
 from train import checkpoint as ckpt
 from train import rundir
-from train import compilation, evaluation, loop, memory, resume, sharding, steps
+from train import compilation, evaluation, loop, memory, optim, resume, sharding, steps
 from train import state as state_lib
 from train.metrics import MetricWriter
 from train.optim import make_optimizer
@@ -55,6 +58,22 @@ class Setup:
   schedule: Callable
   spec: StateSpec
   eval_step: Callable  # jit-compiled (params, extra, batch) -> loss metrics
+  # Jitted (opt_state, params) -> the parameters every evaluation scores and checkpoints hold as the model
+  # (train/optim.py `eval_params`: schedule-free's average); None: the trained parameters themselves.
+  eval_params: Callable | None = None
+  target: loop.Target | None = None  # train.target
+
+  def evaluated(self, state: TrainState) -> TrainState:
+    """`state` with the parameters every evaluation scores and the checkpoint's model holds:
+    schedule-free's averaged ones, else its own."""
+    if self.eval_params is None:
+      return state
+    return dataclasses.replace(state, params=self.eval_params(state.opt_state, state.params))
+
+  def checkpoint_items(self, state: TrainState) -> tuple[dict, Any]:
+    """(the checkpoint's model item, its optimizer item) of `state` (train/checkpoint.py)."""
+    model = {'params': self.evaluated(state).params, 'extra': state.extra}
+    return model, ckpt.optimizer_item(state.opt_state, state.params, self.eval_params is not None)
 
 
 def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = None) -> tuple[Setup, TrainState]:
@@ -76,13 +95,28 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   rng_impl = rng_impl or resume.rng_impl(config, workdir)
   tx, schedule = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
+  split = optim.describe_split(config.train, spec.abstract.params)  # Muon without a matrix stops here
+  averaged = optim.averages(config.train)
+  eval_params = jax.jit(optim.eval_params, out_shardings=spec.shardings.params) if averaged else None
+  setup = Setup(config, task, mesh, tx, schedule, spec, jax.jit(steps.make_eval_step(task, spec.graphdef)),
+                eval_params, loop.parse_target(config.train.target))
+  batches = evaluation.eval_batches(setup)  # an empty eval split stops here, before anything is saved
+  if setup.target is not None:  # a target no evaluation logs stops here, before anything compiles
+    loop.check_target_metric(setup.target, config.train.target, eval_metric_names(setup, batches[0]))
+  if split and jax.process_index() == 0:
+    print(split, flush=True)
   memory.log_estimate(config, task.model_config, spec.abstract, spec.shardings, mesh)
   state = state_lib.init_state(spec, task.build_model, tx, config.seed)
-  setup = Setup(config, task, mesh, tx, schedule, spec, jax.jit(steps.make_eval_step(task, spec.graphdef)))
-  evaluation.eval_batches(setup)  # an empty eval split stops here, before anything is saved
   if config.init_from:
     state = _init_from(setup, state, config.init_from)
   return setup, state
+
+
+def eval_metric_names(setup: Setup, batch) -> list[str]:
+  """The eval/... names every evaluation during training logs, from the eval step's output shapes
+  (traced, not compiled) and the family's derived metrics."""
+  shapes = jax.eval_shape(setup.eval_step, setup.spec.abstract.params, setup.spec.abstract.extra, batch)
+  return sorted(setup.task.summarize({f'eval/{name}': 1.0 for name in shapes}))
 
 
 def _init_from(setup: Setup, state: TrainState, source_workdir: str) -> TrainState:
@@ -121,10 +155,17 @@ def save_run_files(setup: Setup, workdir: str, history: list[dict]) -> None:
 def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, writer: MetricWriter, start_step: int
                ) -> tuple[TrainState, dict[str, Any]]:
   """Steps from `start_step` to `train.steps` (or an earlier stop); returns (the last state,
-  {'step', 'train/compiles', 'stopped'?, 'preempted'?})."""
-  train, checkpointer = setup.config.train, save.checkpointer
+  {'step', 'train/compiles', 'stopped'?, 'preempted'?, 'target/...'?})."""
+  train, checkpointer, progress = setup.config.train, save.checkpointer, save.progress
   train_step = steps.jit_train_step(setup.task, setup.spec, setup.tx, train.grad_accum)
-  logger = loop.StepLogger(train, setup.schedule, writer, checkpointer.directory)
+  cooldown = loop.Cooldown(train, progress, start_step, save.seconds()) if train.schedule == 'wsd' else None
+  if cooldown is not None:  # the plan this run follows (a resume's, or the one train.steps gives now)
+    state = dataclasses.replace(state, opt_state=optim.with_cooldown(state.opt_state, cooldown.plan,
+                                                                     setup.spec.shardings.opt_state))
+    if cooldown.by_clock:
+      writer.log(cooldown.describe())
+  logger = loop.StepLogger(train, setup.schedule if cooldown is None else cooldown.learning_rate, writer,
+                           checkpointer.directory)
   compiled_before = compilation.compiled('train_step')
   compiles = lambda: compilation.compiled('train_step') - compiled_before
   step, stopped = start_step, None
@@ -137,18 +178,32 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
           checkpointer.wait()
           writer.log(f'{watcher.requested or "Preemption"}: saved step {step} to {checkpointer.directory}; rerun the '
                      f'same command to resume.')
-          return state, {'step': step, 'preempted': True, 'train/compiles': compiles()}
+          return state, {'step': step, 'preempted': True, 'train/compiles': compiles(),
+                         **loop.target_results(setup.target, progress)}
         batch = sharding.global_batch(next(data_iter), setup.mesh)
         state, (scalars, metrics) = train_step(state, batch)
         step += 1
-        logger.add(step, scalars, metrics, setup.task.count_tokens(batch)[0])
+        positions = setup.task.count_tokens(batch)[0]
+        progress.tokens += positions
+        logger.add(step, scalars, metrics, positions)
         if loop.budget_spent(train, step, save.seconds()):
           stopped = f'train.max_minutes={train.max_minutes} reached'
+        if cooldown is not None and cooldown.check(step, save.seconds()):
+          state = dataclasses.replace(state, opt_state=optim.with_cooldown(state.opt_state, cooldown.plan,
+                                                                           setup.spec.shardings.opt_state))
+          writer.log(cooldown.describe())
+        if cooldown is not None and cooldown.finished(step):
+          stopped = stopped or f'the wall-clock cooldown ended (train.max_minutes={train.max_minutes})'
         evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
         if evaluated:
-          logger.flush()
+          logger.flush()  # the step has finished: the clock below is its own
+          seconds, compile_seconds = save.seconds(), save.compile_seconds()
           with save.on_failure(step, state):
-            last_eval, early_stop = loop.evaluate_during_training(setup, state, step, save.progress, writer)
+            last_eval, early_stop = loop.evaluate_during_training(setup, setup.evaluated(state), step, progress,
+                                                                  writer)
+          if loop.record_target(setup.target, step, last_eval, progress, seconds, compile_seconds, writer) \
+              and train.stop_at_target:
+            early_stop = f'train.target {setup.target} met'
           stopped = stopped or early_stop
         # Every evaluated step is saved with its metrics, so the best checkpoint is always on disk.
         if evaluated or stopped or step % train.checkpoint_every == 0:
@@ -161,7 +216,10 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
     writer.log(f'The train step was compiled {compiles()} time(s). ' + (compilation.cache_summary() or ''))
   if stopped:
     writer.log(f'Stopped at step {step} of {train.steps}: {stopped}.')
-  return state, {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {})}
+  if setup.target is not None and progress.target is None:
+    writer.log(f'Target {setup.target} not met by step {step}.')
+  return state, {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {}),
+                 **loop.target_results(setup.target, progress)}
 
 
 # ============================================================================ stage 5: final evaluation
@@ -169,12 +227,12 @@ def evaluated_state(setup: Setup, state: TrainState, checkpointer: ckpt.Checkpoi
                     ) -> tuple[TrainState, int]:
   """(the state `train.final_eval_from` names, its step): 'best' is the kept checkpoint with the
   best `train.best_metric` (the current state when no checkpoint has eval metrics), 'last' the
-  current state."""
+  current state; its parameters are the evaluated ones (`Setup.evaluated`, as a checkpoint's model holds)."""
   train = setup.config.train
   best = checkpointer.best_step() if train.final_eval_from == 'best' else None
   if best is None or best[0] == current_step:
     log(f'Final evaluation: step {current_step} (train.final_eval_from={train.final_eval_from}).')
-    return state, current_step
+    return setup.evaluated(state), current_step
   step, value = best
   restored = checkpointer.restore(step, ckpt.restore_target(setup.spec))['model']
   log(f'Final evaluation: the best checkpoint, step {step} ({train.best_metric}={value:.4f}), not the last '
@@ -185,7 +243,7 @@ def evaluated_state(setup: Setup, state: TrainState, checkpointer: ckpt.Checkpoi
 # ============================================================================ entry points
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Train `config` in `workdir` (resuming if it holds a checkpoint); return the final metrics."""
-  started = time.time()
+  started, compile_started = time.time(), compilation.compile_seconds()
   # ------------------------------------------------------------------ 1. config
   validate_config(config)
   with WorkdirGuard(workdir) as guard:
@@ -197,7 +255,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     try:
       # -------------------------------------------------------------- 3. resume
       data_iter = train_iterator(setup)
-      state, start_step, progress = resume.restore_latest(setup.spec, state, checkpointer, data_iter)
+      state, start_step, progress = resume.restore_latest(setup.spec, state, checkpointer, data_iter,
+                                                          averages=setup.eval_params is not None)
       history, progress = resume.record_data(config, workdir, start_step, progress, checkpointer,
                                              setup.task.prepared.datasets.caches)
       save_run_files(setup, workdir, history)
@@ -207,7 +266,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         writer.log(f'Resumed from the checkpoint at step {start_step} in {checkpointer.directory}.')
       writer.log(evaluation.describe(setup))
       # -------------------------------------------------------------- 4. loop
-      save = loop.Saver(checkpointer, data_iter, progress, start_step, started)
+      save = loop.Saver(checkpointer, data_iter, progress, start_step, started, compile_started, setup.checkpoint_items)
       state, results = train_loop(setup, state, save, data_iter, writer, start_step)
       if not results.get('preempted'):
         state, results['final_eval_step'] = evaluated_state(setup, state, checkpointer, results['step'], writer.log)
@@ -249,6 +308,9 @@ def restored_setup(workdir: str, config_overrides: dict | None = None) -> tuple[
     raise ckpt.CheckpointError(f'No checkpoint in {checkpointer.directory}; train first or check --workdir.')
   setup, state = setup_run(config, workdir, model_config, rundir.read_rng_impl(workdir))
   latest, restored = checkpointer.restore_newest_intact(ckpt.restore_target(setup.spec))
+  # A checkpoint's model holds the evaluated parameters (schedule-free's average), so the restored
+  # state is evaluated as it is.
+  setup = dataclasses.replace(setup, eval_params=None)
   state = dataclasses.replace(state, params=restored['model']['params'], extra=restored['model']['extra'])
   state, step = evaluated_state(setup, state, checkpointer, latest)
   checkpointer.close()
@@ -271,7 +333,8 @@ def import_hf_run(config, hf_dir: str, workdir: str) -> dict[str, Any]:
     _, params, extra = nnx.split(model, nnx.Param, ...)
     tx, _ = make_optimizer(config.train)
     checkpointer = ckpt.Checkpointer(workdir, config.train)
-    checkpointer.save(0, {'params': params, 'extra': extra}, tx.init(params), {})
+    checkpointer.save(0, {'params': params, 'extra': extra},
+                      ckpt.optimizer_item(tx.init(params), params, optim.averages(config.train)), {})
     checkpointer.wait()
     checkpointer.close()
   return {'params': int(sum(x.size for x in jax.tree.leaves(params))), 'hf_dir': hf_dir}

@@ -76,7 +76,8 @@ def check_values(config, num_devices: int | None = None) -> None:
   non_negative = {'train.eval_batch_size': t.eval_batch_size, 'train.warmup_steps': t.warmup_steps,
                   'train.eval_steps': t.eval_steps, 'train.weight_decay': t.weight_decay,
                   'train.grad_clip': t.grad_clip, 'data.max_examples': config.data.max_examples,
-                  'train.early_stopping_patience': t.early_stopping_patience, 'train.max_minutes': t.max_minutes}
+                  'train.early_stopping_patience': t.early_stopping_patience, 'train.max_minutes': t.max_minutes,
+                  'train.z_loss': t.z_loss}
   for key, value in non_negative.items():
     if value < 0:
       raise ConfigError(f'config.{key}={value} must be >= 0.')
@@ -86,9 +87,7 @@ def check_values(config, num_devices: int | None = None) -> None:
     raise ConfigError(f"config.train.final_eval_from={t.final_eval_from!r}: use 'best' or 'last'.")
   if t.best_mode not in ('min', 'max'):
     raise ConfigError(f"config.train.best_mode={t.best_mode!r}: use 'min' or 'max'.")
-  from train.optim import SCHEDULES
-  if t.schedule not in SCHEDULES:
-    raise ConfigError(f'config.train.schedule={t.schedule!r} is not one of {SCHEDULES}.')
+  check_optimizer(t)
   if m.get('dtype') not in (None, 'float32', 'bfloat16', 'float16'):
     raise ConfigError(f"config.model.dtype={m.dtype!r}: use 'float32', 'bfloat16' or 'float16'.")
   from models.attention import ATTENTION_IMPLEMENTATIONS
@@ -121,6 +120,34 @@ def check_values(config, num_devices: int | None = None) -> None:
   if t.batch_size % jax.process_count():
     raise ConfigError(f'config.train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} '
                       f'processes.')
+
+
+def check_optimizer(t) -> None:
+  """`config.train`'s optimizer, schedule and target (train/optim.py, train/loop.py)."""
+  from train.loop import parse_target
+  from train.optim import DECAY_SHAPES, OPTIMIZERS, SCHEDULES
+  if t.optimizer not in OPTIMIZERS:
+    raise ConfigError(f'config.train.optimizer={t.optimizer!r} is not one of {OPTIMIZERS}.')
+  if t.schedule not in SCHEDULES:
+    raise ConfigError(f'config.train.schedule={t.schedule!r} is not one of {SCHEDULES}.')
+  if t.optimizer == 'schedule_free_adamw' and t.schedule != 'constant':
+    raise ConfigError(f"config.train.schedule={t.schedule!r}: schedule_free_adamw replaces the schedule (it averages "
+                      "instead of decaying); set train.schedule=constant (train.warmup_steps is its warmup).")
+  if t.optimizer == 'schedule_free_adamw' and not 0 < t.b1 < 1:
+    raise ConfigError(f'config.train.b1={t.b1}: schedule_free_adamw interpolates with b1, which must be in (0, 1).')
+  if t.decay_shape not in DECAY_SHAPES:
+    raise ConfigError(f'config.train.decay_shape={t.decay_shape!r} is not one of {DECAY_SHAPES}.')
+  if not 0 <= t.decay_fraction <= 1:
+    raise ConfigError(f'config.train.decay_fraction={t.decay_fraction} must be in [0, 1].')
+  if not 0 <= t.muon_momentum < 1:
+    raise ConfigError(f'config.train.muon_momentum={t.muon_momentum} must be in [0, 1).')
+  for key in ('adam_lr', 'muon_rms_scale'):
+    if t[key] < 0:
+      raise ConfigError(f'config.train.{key}={t[key]} must be >= 0 (0: {"train.lr" if key == "adam_lr" else "off"}).')
+  parse_target(t.target)
+  if t.stop_at_target and not t.target:
+    raise ConfigError('config.train.stop_at_target=True needs a train.target, e.g. '
+                      "--config.train.target='eval/loss<=3.28'.")
 
 
 def check_decode(config) -> None:

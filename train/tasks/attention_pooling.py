@@ -65,6 +65,9 @@ def squared_error(model, batch):
 
 
 def validate(config):
+  if config.train.z_loss:
+    raise ConfigError(f'config.train.z_loss={config.train.z_loss}: attention pooling regresses with a squared error, '
+                      f'which has no z-loss; leave train.z_loss at 0.')
   if config.data.source != 'd2l_regression':
     raise ConfigError(f"config.data.source={config.data.source!r}: attention_pooling generates its own data; "
                       f"leave it 'd2l_regression'.")

@@ -31,22 +31,24 @@ from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
 from train import task as task_lib
 from train.rundir import run_config
-from train.losses import classification_loss, example_weights, token_cross_entropy
+from train.losses import classification_loss, example_weights, token_cross_entropy, token_losses
 from train import classification
 
 HEADS = {'pretrain': 'pretraining', 'classify': 'classifier', 'features': 'none'}  # config.task -> model heads
 TASKS = tuple(HEADS)
 # Model sizes a fine-tuning run takes from the run it starts from.
 ARCHITECTURE_KEYS = ('vocab_size', 'vocab_multiple', 'max_len', 'type_vocab_size', 'num_layers', 'num_heads', 'width', 'mlp_dim',
-                     'layer_norm_epsilon', 'activation')
+                     'layer_norm_epsilon', 'activation', 'qk_norm')
 
 
-def pretraining_loss(model: BertForPretraining, batch, *, deterministic: bool):
-  """MLM cross-entropy over the chosen positions + NSP cross-entropy -> (loss, metrics)."""
+def pretraining_loss(model: BertForPretraining, batch, *, deterministic: bool, z_loss: float = 0.0):
+  """MLM cross-entropy over the chosen positions + NSP cross-entropy (+ the MLM's z-loss, z_loss *
+  log(Z)^2 averaged like the MLM loss, when z_loss > 0) -> (loss, metrics). The 'loss' metric is the
+  two cross-entropies alone; the z-loss is reported as 'z_loss'."""
   out = model(batch['tokens'], batch['segments'], batch['valid'], masked_positions=batch['masked_positions'],
               deterministic=deterministic)
   weights = example_weights(batch, batch['masked_weights'])  # [B, P]
-  mlm, mlm_correct = token_cross_entropy(out.mlm_logits, batch['masked_labels'])
+  mlm, mlm_z, mlm_correct = token_losses(out.mlm_logits, batch['masked_labels'], z_loss=z_loss)
   mlm_count = weights.sum()
   mlm_sum = (mlm * weights).sum()
   mlm_correct = (mlm_correct * weights).sum()
@@ -55,9 +57,13 @@ def pretraining_loss(model: BertForPretraining, batch, *, deterministic: bool):
   examples = rows.sum()
   nsp_sum = (nsp * rows).sum()
   loss = mlm_sum / jnp.maximum(mlm_count, 1.0) + nsp_sum / jnp.maximum(examples, 1.0)
-  return loss, {'loss': (loss * examples, examples), 'mlm_loss': (mlm_sum, mlm_count),
-                'mlm_accuracy': (mlm_correct, mlm_count), 'nsp_loss': (nsp_sum, examples),
-                'nsp_accuracy': ((nsp_correct * rows).sum(), examples)}
+  metrics = {'loss': (loss * examples, examples), 'mlm_loss': (mlm_sum, mlm_count),
+             'mlm_accuracy': (mlm_correct, mlm_count), 'nsp_loss': (nsp_sum, examples),
+             'nsp_accuracy': ((nsp_correct * rows).sum(), examples)}
+  if not z_loss:
+    return loss, metrics
+  z_sum = (mlm_z * weights).sum()
+  return loss + z_sum / jnp.maximum(mlm_count, 1.0), {**metrics, 'z_loss': (z_sum, mlm_count)}
 
 
 def encoder_of(model: nnx.Module) -> BertEncoder:
@@ -76,6 +82,9 @@ def validate(config):
   if config.data.tokenizer != 'wordpiece':
     raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: BERT needs 'wordpiece' ([CLS], [SEP], "
                       f"[MASK] tokens).")
+  if config.task != 'pretrain' and config.train.z_loss:
+    raise ConfigError(f'config.train.z_loss={config.train.z_loss}: only BERT pretraining (its MLM head) has a '
+                      f'z-loss, not config.task={config.task!r}; leave train.z_loss at 0.')
   if config.features.pooling not in ('none', 'cls', 'mean'):
     raise ConfigError(f"config.features.pooling={config.features.pooling!r}: use 'none', 'cls' or 'mean'.")
 
@@ -164,7 +173,7 @@ class Task(task_lib.Task):
 
   def loss(self, model, batch, *, deterministic):
     if self.config.task == 'pretrain':
-      return pretraining_loss(model, batch, deterministic=deterministic)
+      return pretraining_loss(model, batch, deterministic=deterministic, z_loss=self.config.train.z_loss)
     logits = model(batch['tokens'], batch['segments'], batch['valid'], deterministic=deterministic)
     return classification_loss(logits, batch['label'], self.config.train.label_smoothing, example_weights(batch))
 

@@ -23,6 +23,9 @@ def validate(config):
                       f'{config.model.max_len}; raise model.max_len or lower data.seq_len.')
   if config.model.pooling not in POOLINGS:
     raise ConfigError(f'config.model.pooling={config.model.pooling!r} is not one of {POOLINGS}.')
+  if config.train.z_loss:
+    raise ConfigError(f'config.train.z_loss={config.train.z_loss}: the classifier has no z-loss (it is for '
+                      f'vocabulary softmaxes); leave train.z_loss at 0.')
 
 
 class Task(task_lib.Task):

@@ -25,6 +25,9 @@ def validate(config):
     raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds config.model.max_len='
                       f'{m.max_len}; raise model.max_len or lower data.seq_len.')
   validate_llama_steps(m)
+  if m.logit_softcap < 0:
+    raise ConfigError(f'config.model.logit_softcap={m.logit_softcap} must be >= 0 (0: no cap; the NanoGPT '
+                      f'speedrun uses 15 to 30).')
 
 
 def validate_llama_steps(m):
@@ -75,10 +78,12 @@ class Task(task_lib.Task):
     chunk = self.config.train.loss_chunk_tokens
     if not chunk:
       logits, _ = model(tokens[:, :-1], deterministic=deterministic)
-      return lm_loss(logits, tokens[:, 1:], example_weights(batch), vocab_size=self.model_config.vocab_size)
+      return lm_loss(logits, tokens[:, 1:], example_weights(batch), vocab_size=self.model_config.vocab_size,
+                     z_loss=self.config.train.z_loss)
     # The output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
     hidden, _ = model(tokens[:, :-1], deterministic=deterministic, return_hidden=True)
-    return model.chunked_loss(hidden, tokens[:, 1:], example_weights(batch), chunk_tokens=chunk)
+    return model.chunked_loss(hidden, tokens[:, 1:], example_weights(batch), chunk_tokens=chunk,
+                              z_loss=self.config.train.z_loss)
 
   def count_tokens(self, batch):
     inputs = batch['tokens'][:, :-1]  # windows of seq_len + 1: the model reads seq_len of them

@@ -128,7 +128,7 @@ class Task(task_lib.Task):
     logits, final = model(tokens[:, :-1], state, deterministic=deterministic)
     if carry:
       model.carried.set_value(jax.lax.stop_gradient(final))
-    return lm_loss(logits, tokens[:, 1:], example_weights(batch))
+    return lm_loss(logits, tokens[:, 1:], example_weights(batch), z_loss=self.config.train.z_loss)
 
   def count_tokens(self, batch):
     inputs = batch['tokens'][:, :-1]  # windows of seq_len + 1: the model reads seq_len of them

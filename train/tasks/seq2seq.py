@@ -45,7 +45,7 @@ class Task(TranslationTask):
     pad = self.tokenizer.pad_id
     logits, _ = model(batch['source'], batch['source'] != pad, batch['target_in'], deterministic=deterministic)
     return lm_loss(logits, batch['target_out'], example_weights(batch, batch['target_out'] != pad),
-                   self.config.train.label_smoothing)
+                   self.config.train.label_smoothing, z_loss=self.config.train.z_loss)
 
   def translate_batch(self, model, source, beam_size):
     tok, decode = self.tokenizer, self.config.decode

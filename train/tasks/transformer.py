@@ -75,7 +75,7 @@ class Task(TranslationTask):
     logits = model(batch['source'], batch['target_in'], source_segments=batch.get('source_segments'),
                    target_segments=batch.get('target_segments'), deterministic=deterministic)
     return lm_loss(logits, batch['target_out'], example_weights(batch, batch['target_out'] != self.model_config.pad_id),
-                   self.config.train.label_smoothing)
+                   self.config.train.label_smoothing, z_loss=self.config.train.z_loss)
 
   def flops_per_token(self):
     # 6 x parameters per target token (the encoder runs once per pair, about as long as the target).
