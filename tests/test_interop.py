@@ -195,7 +195,8 @@ def test_bert_classifier_run_exports_with_label_names(tmp_path):
   from train.rundir import load_run
   data = tmp_path / 'reviews.tsv'
   words = {'good': 'pos', 'bad': 'neg', 'fine': 'meh'}
-  data.write_text(''.join(f'a {w} film\t{label}\n' for w, label in words.items() for _ in range(40)))
+  # Distinct lines: copies of one line share their split (data/sources.py), so 3 texts would leave a split empty.
+  data.write_text(''.join(f'a {w} film, take {i}\t{label}\n' for w, label in words.items() for i in range(40)))
   workdir = train(bert.get_config('tiny'), str(tmp_path / 'run'), task='classify', **{'data.source': f'tsv:{data}'})
   run = load_run(workdir)
   labels = list(run.model_config.labels)

@@ -165,9 +165,11 @@ def test_presets_have_the_published_parameter_counts():
   from test_gpt import abstract_params
   assert abstract_params('smollm-135m') == 134_515_008  # HuggingFaceTB/SmolLM-135M
   assert abstract_params('llama-3.2-1b') == 1_235_814_400  # meta-llama/Llama-3.2-1B
-  # The CPU `llama` preset matches the GPT-2 `default` one in size (BPE vocabulary 2,048).
+  # The CPU `llama` preset matches the GPT-2 block of the `default` one in size (BPE vocabulary 2,048);
+  # `default`'s QK-norm adds a 64-wide query and key scale per layer: 4 x 2 x 64 = 512.
   assert abstract_params('llama', vocab_size=2048) == 3_746_048
-  assert abstract_params('default', vocab_size=2048) == 3_749_376
+  assert abstract_params('default', vocab_size=2048, qk_norm=False) == 3_749_376
+  assert abstract_params('default', vocab_size=2048) == 3_749_376 + 512
 
 
 @pytest.mark.parametrize('override, message', [
