@@ -149,7 +149,10 @@ def main():
       workdir = os.path.join(args.out, f'{arm}-{round_}')
       overrides = dict(arms[arm])
       if target:
-        overrides.update({'train.target': target, 'train.stop_at_target': True, 'train.steps': 4 * args.steps})
+        # N steps, as the baseline's first run: a schedule's length (cosine's decay, wsd's cooldown) is part
+        # of the recipe, so the rerun baseline meets the target at step N, and a recipe that has not met
+        # it by then ends with target/met false.
+        overrides.update({'train.target': target, 'train.stop_at_target': True, 'train.steps': args.steps})
       else:
         overrides.update({'train.max_minutes': args.minutes, 'train.steps': 1_000_000})
       load = load_average()
