@@ -174,12 +174,7 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
       while step < train.steps and stopped is None:
         if watcher.should_stop(step):
           logger.flush()
-          save(step, state)
-          checkpointer.wait()
-          writer.log(f'{watcher.requested or "Preemption"}: saved step {step} to {checkpointer.directory}; rerun the '
-                     f'same command to resume.')
-          return state, {'step': step, 'preempted': True, 'train/compiles': compiles(),
-                         **loop.target_results(setup.target, progress)}
+          return state, save_and_leave(setup, state, step, save, writer, watcher.requested, compiles())
         batch = sharding.global_batch(next(data_iter), setup.mesh)
         state, (scalars, metrics) = train_step(state, batch)
         step += 1
@@ -197,13 +192,7 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
         evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
         if evaluated:
           logger.flush()  # the step has finished: the clock below is its own
-          seconds, compile_seconds = save.seconds(), save.compile_seconds()
-          with save.on_failure(step, state):
-            last_eval, early_stop = loop.evaluate_during_training(setup, setup.evaluated(state), step, progress,
-                                                                  writer)
-          if loop.record_target(setup.target, step, last_eval, progress, seconds, compile_seconds, writer) \
-              and train.stop_at_target:
-            early_stop = f'train.target {setup.target} met'
+          last_eval, early_stop = evaluate_step(setup, state, step, save, writer)
           stopped = stopped or early_stop
         # Every evaluated step is saved with its metrics, so the best checkpoint is always on disk.
         if evaluated or stopped or step % train.checkpoint_every == 0:
@@ -220,6 +209,31 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
     writer.log(f'Target {setup.target} not met by step {step}.')
   return state, {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {}),
                  **loop.target_results(setup.target, progress)}
+
+
+def save_and_leave(setup: Setup, state: TrainState, step: int, save: loop.Saver, writer: MetricWriter,
+                   requested: str | bool, compiles: int) -> dict[str, Any]:
+  """A preemption (SIGTERM, Ctrl-C) at `step`: save, wait for the save, say how to resume; the results."""
+  save(step, state)
+  save.checkpointer.wait()
+  writer.log(f'{requested or "Preemption"}: saved step {step} to {save.checkpointer.directory}; rerun the '
+             f'same command to resume.')
+  return {'step': step, 'preempted': True, 'train/compiles': compiles,
+          **loop.target_results(setup.target, save.progress)}
+
+
+def evaluate_step(setup: Setup, state: TrainState, step: int, save: loop.Saver, writer: MetricWriter
+                  ) -> tuple[dict[str, float], str | None]:
+  """The evaluation during training at `step`: (its metrics, why training should stop now or None:
+  early stopping, or train.target met with train.stop_at_target). Records the target's clock (the
+  run's seconds when the step had finished, read before evaluating)."""
+  seconds, compile_seconds = save.seconds(), save.compile_seconds()
+  with save.on_failure(step, state):
+    metrics, early_stop = loop.evaluate_during_training(setup, setup.evaluated(state), step, save.progress, writer)
+  if loop.record_target(setup.target, step, metrics, save.progress, seconds, compile_seconds, writer) \
+      and setup.config.train.stop_at_target:
+    early_stop = f'train.target {setup.target} met'
+  return metrics, early_stop
 
 
 # ============================================================================ stage 5: final evaluation
