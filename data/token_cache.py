@@ -47,6 +47,7 @@ import glob as globlib
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -513,9 +514,9 @@ def _read_json(directory: str, name: str):
 
 class Cache:
   """A built cache: its manifest and shard jsons ({'lengths': {'<split>.<field>': rows}, 'info': what
-  the processor noted}), read at once (a few kilobytes), and its arrays,
-  memory-mapped when first read; a gs:// cache's arrays are copied into a local mirror
-  (LOCAL_MIRROR) then, so that a run fetches the shards as it reaches them."""
+  the processor noted}), read at once (a few kilobytes), and its arrays (ShardArray: rows read
+  from the file when asked for); a gs:// cache's arrays are copied into a local mirror
+  (LOCAL_MIRROR) when first opened, so that a run fetches the shards as it reaches them."""
 
   def __init__(self, directory: str):
     self.directory, self.remote = directory, storage.is_remote(directory)
@@ -529,8 +530,8 @@ class Cache:
     """Rows of the array `name` ('<split>.<field>') of a shard (0: the shard has none)."""
     return self.shards[shard]['lengths'].get(name, 0)
 
-  def array(self, shard: int, name: str) -> np.ndarray:
-    """A shard's array, memory-mapped (a gs:// one mirrored first), checked against its json."""
+  def array(self, shard: int, name: str) -> 'ShardArray':
+    """A shard's array (a gs:// one mirrored first), checked against its json."""
     if (shard, name) not in self._arrays:
       self._arrays[shard, name] = self._open(shard, name)
     return self._arrays[shard, name]
@@ -545,12 +546,12 @@ class Cache:
         with storage.path(os.path.join(self.directory, file)).open('rb') as remote:
           _copy(remote, path)
     try:
-      array = np.load(path, mmap_mode='r', allow_pickle=False)
+      array = ShardArray(path)
     except (OSError, ValueError, EOFError) as e:
       raise DataError(f'Token-cache shard {path} is truncated or corrupt ({e}); delete {self.directory} and rerun '
                       f'(or run --mode=prepare) to rebuild it.') from e
-    if array.ndim == 0 or array.shape[0] != self.length(shard, name):
-      raise DataError(f'Token-cache shard {path} holds {array.shape[0] if array.ndim else 0} rows where its json says '
+    if not array.shape or array.shape[0] != self.length(shard, name):
+      raise DataError(f'Token-cache shard {path} holds {array.shape[0] if array.shape else 0} rows where its json says '
                       f'{self.length(shard, name)}: it is corrupt; delete {self.directory} and rerun (or run '
                       f'--mode=prepare) to rebuild it.')
     return array
@@ -565,6 +566,50 @@ class Cache:
   def info(self, key: str, split: str) -> int:
     """The sum over shards of info[key][split] (counts a processor kept: documents, pairs, ...)."""
     return sum(entry['info'].get(key, {}).get(split, 0) for entry in self.shards)
+
+
+class ShardArray:
+  """A shard's .npy array, its rows read from the file when indexed (`a[i]`, `a[i:j]` -> np.ndarray),
+  nothing mapped: runs read rows scattered over every shard, and a memory map would count each
+  touched page's neighbours in the run's RSS (the kernel maps ~64 KB of cached file around every
+  page a run touches: 5 GB of RSS for a few thousand rows on a 1 GB translation corpus)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    with open(path, 'rb') as f:
+      major, _ = np.lib.format.read_magic(f)
+      read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+      shape, fortran_order, self.dtype = read_header(f)
+      self.offset = f.tell()
+      size = os.fstat(f.fileno()).st_size
+    if fortran_order or self.dtype.hasobject:
+      raise ValueError('not a C-ordered array of numbers')
+    self.shape = tuple(shape)
+    self.row_bytes = self.dtype.itemsize * math.prod(self.shape[1:])
+    if self.shape and size != self.offset + self.shape[0] * self.row_bytes:
+      raise ValueError(f'{size} bytes where its header says {self.offset + self.shape[0] * self.row_bytes}')
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def __getitem__(self, index: int | slice) -> np.ndarray:
+    if isinstance(index, slice):
+      start, stop, step = index.indices(len(self))
+      if step != 1:
+        raise ValueError('A shard array is sliced with step 1 only.')
+      return self._read(start, max(stop - start, 0))
+    if not -len(self) <= index < len(self):
+      raise IndexError(f'row {index} of {len(self)}')
+    return self._read(index % len(self), 1)[0]
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    array = self[:]
+    return array if dtype is None else array.astype(dtype)
+
+  def _read(self, start: int, rows: int) -> np.ndarray:
+    with open(self.path, 'rb', buffering=0) as f:
+      data = os.pread(f.fileno(), rows * self.row_bytes, self.offset + start * self.row_bytes)
+    return np.frombuffer(data, self.dtype).reshape((rows, *self.shape[1:]))
 
 
 class Rows(Sequence):

@@ -24,9 +24,10 @@ data.test_source), so that the final evaluation does not score a gigabyte.
              sample, every shard built, then trained, in one process
   restart    the same command again: resume + 2 more steps (the caches are there)
   small      the same first run and restart on a 1 MB corpus of the kind, the yardstick for `restart`
-and for text also
   raw        HF `tokenizers` encode_batch and encode_batch_fast on 64 MB of the corpus held in
-             memory, with the tokenizer the first run trained: the raw rates on these cores
+             memory as the family's items, with the tokenizer the first run trained: the raw rates
+             on these cores, and the first run's build rate against them
+and for text also
   prepare    launch.py --mode=prepare into another fresh --cache_dir; its MB/s against `raw`
   train      2 training steps in a fresh workdir after that prepare (the cache is there)
 It prints one JSON line per step, then a Markdown table.
@@ -45,12 +46,27 @@ import sys
 import sysconfig
 import tempfile
 import time
+from typing import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_BYTES = 10 << 20
 
 
 # ----------------------------------------------------------------------------- the corpus
+def catalogs() -> Iterator[tuple[str, dict]]:
+  """(language, catalog) of every gettext catalog of this machine, in path order."""
+  for path in sorted(glob.glob('/usr/share/locale/*/LC_MESSAGES/*.mo')):
+    try:
+      with open(path, 'rb') as f:
+        yield path.split('/')[-3], gettext.GNUTranslations(f)._catalog
+    except (OSError, UnicodeDecodeError, IndexError, ValueError):  # a few catalogs have malformed headers
+      continue
+
+
+def english(key) -> str:
+  return key if isinstance(key, str) else key[0]  # a plural message's key is (singular, n)
+
+
 def source_texts() -> list[str]:
   """The machine's own text: standard-library sources and gettext messages (both sides)."""
   sys.path.insert(0, ROOT)
@@ -60,14 +76,8 @@ def source_texts() -> list[str]:
   for key in pystdlib_paths(root):
     with open(os.path.join(root, key), 'rb') as f:
       texts.append(f.read().decode('utf-8', errors='replace'))
-  for path in sorted(glob.glob('/usr/share/locale/*/LC_MESSAGES/*.mo')):
-    try:
-      with open(path, 'rb') as f:
-        catalog = gettext.GNUTranslations(f)._catalog
-    except (OSError, UnicodeDecodeError, IndexError, ValueError):  # a few catalogs have malformed headers
-      continue
-    lines = [f'{key if isinstance(key, str) else key[0]}\n{value}\n' for key, value in catalog.items() if key]
-    texts.append(''.join(lines))
+  for _, catalog in catalogs():
+    texts.append(''.join(f'{english(key)}\n{value}\n' for key, value in catalog.items() if key))
   return texts
 
 
@@ -98,17 +108,9 @@ def make_corpus(out_dir: str, megabytes: int) -> None:
 
 def messages() -> list[tuple[str, str, str]]:
   """(language, English message, its translation) of every gettext catalog of this machine, one line each."""
-  found = []
-  for path in sorted(glob.glob('/usr/share/locale/*/LC_MESSAGES/*.mo')):
-    try:
-      with open(path, 'rb') as f:
-        catalog = gettext.GNUTranslations(f)._catalog
-    except (OSError, UnicodeDecodeError, IndexError, ValueError):  # a few catalogs have malformed headers
-      continue
-    clean = lambda text: ' '.join(text.replace('\t', ' ').split())
-    found += [(path.split('/')[-3], clean(key if isinstance(key, str) else key[0]), clean(value))
-              for key, value in catalog.items() if key and clean(value)]
-  return found
+  clean = lambda text: ' '.join(text.replace('\t', ' ').split())
+  return [(language, clean(english(key)), clean(value)) for language, catalog in catalogs()
+          for key, value in catalog.items() if key and clean(value)]
 
 
 def make_records(kind: str, out_dir: str, megabytes: int) -> None:
@@ -165,32 +167,54 @@ def timed(command: list[str], env: dict | None = None) -> dict:
     raise SystemExit(f'{" ".join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}')
   rss = re.search(r'Maximum resident set size \(kbytes\): (\d+)', result.stderr)
   lines = [line for line in result.stdout.splitlines() if line.startswith('{')]
-  rate = re.search(r'Tokenized .* in ([\d.]+) s \(([\d.]+) MB/s\)', result.stdout)
+  builds = re.findall(r'Tokenized .*\(([\d,.]+) MB of text\).* in [\d.]+ s \(([\d.]+) MB/s\)', result.stdout)
+  rate = max(builds, key=lambda build: float(build[0].replace(',', '')))[1] if builds else None  # the corpus's
   return {'seconds': round(seconds, 1), 'peak_rss_gb': round(int(rss.group(1)) / 1e6, 2),
-          'tokenize_mb_per_s': float(rate.group(2)) if rate else None,
+          'tokenize_mb_per_s': float(rate) if rate else None,
           'result': json.loads(lines[-1]) if lines else None}
 
 
-def raw_rates(tokenizer_dir: str, corpus: str, megabytes: int = 64) -> dict[str, float]:
-  """MB/s of HF tokenizers over `megabytes` of the corpus already in memory, in items of 256 KB (as
-  the cache's pieces): `encode_batch` (the issue's yardstick) and `encode_batch_fast` (what the
-  cache calls: the same ids without character offsets)."""
+def corpus_items(kind: str, path: str, megabytes: int) -> tuple[list[str], int]:
+  """The first `megabytes` of a corpus as the items its family encodes, and their bytes: 256 KB pieces of
+  the text files (GPT), both sides of each pair (translation), each text (classification), each
+  line of the documents (BERT's sentences)."""
+  items, size = [], 0
+  for name in sorted(glob.glob(path)):
+    with open(name, encoding='utf-8') as f:
+      while size < megabytes << 20:
+        chunk = f.read(256 << 10) if kind == 'text' else f.readline()
+        if not chunk:
+          break
+        parts = {'text': [chunk], 'pairs': chunk.rstrip('\n').split('\t'),
+                 'labels': chunk.split('\t')[:1], 'documents': [chunk.strip()]}[kind]
+        items += [part for part in parts if part]
+        size += sum(len(part.encode()) for part in parts)
+  return items, size
+
+
+def raw_rates(cache_dir: str, kind: str, path: str, megabytes: int = 64) -> dict[str, float]:
+  """MB/s of HF tokenizers over `megabytes` of the corpus already in memory, with the tokenizer the first
+  run trained, 4 MB of text per call as the caches' batches: `encode_batch` (the issue's yardstick)
+  and `encode_batch_fast` (the same ids without character offsets, what the caches call)."""
   sys.path.insert(0, ROOT)
   from data.tokenizers import load_tokenizer
-  tokenizer = load_tokenizer(tokenizer_dir).tokenizer
-  texts, size = [], 0
-  for path in sorted(glob.glob(os.path.join(corpus, '*.txt'))):
-    with open(path, encoding='utf-8') as f:
-      text = f.read()
-    texts += [text[i:i + (256 << 10)] for i in range(0, len(text), 256 << 10)]
-    size += len(text.encode())
-    if size >= megabytes << 20:
-      break
+  tokenizers_dir = os.path.join(cache_dir, 'tokenizers-v2')
+  trained = [name for name in os.listdir(tokenizers_dir) if os.path.isdir(os.path.join(tokenizers_dir, name))]
+  tokenizer = load_tokenizer(os.path.join(tokenizers_dir, trained[0])).tokenizer  # beside it: its .lock
+  items, size = corpus_items(kind, path, megabytes)
+  batches, batch, batch_bytes = [], [], 0
+  for item in items:
+    batch.append(item)
+    batch_bytes += len(item)
+    if batch_bytes >= 4 << 20:
+      batches.append(batch)
+      batch, batch_bytes = [], 0
+  batches += [batch] if batch else []
   rates = {}
   for name in ('encode_batch', 'encode_batch_fast'):
     started = time.time()
-    for start in range(0, len(texts), 16):  # 4 MB per call, as the cache's batches
-      getattr(tokenizer, name)(texts[start:start + 16], add_special_tokens=False)
+    for batch in batches:
+      getattr(tokenizer, name)(batch, add_special_tokens=False)
     rates[name] = round(size / 1e6 / (time.time() - started), 2)
   return rates
 
@@ -232,11 +256,12 @@ def measure(corpus: str, cache_dir: str, preset: str, kind: str = 'text') -> lis
     shutil.rmtree(f'{cache_dir}-small', ignore_errors=True)
     rows.append({'step': 'first run, 1 MB corpus', **timed(small_run + ['--config.train.steps=2'])})
     rows.append({'step': 'restart +2 steps, 1 MB corpus', **timed(small_run + ['--config.train.steps=4'])})
+    raw = raw_rates(cache_dir, kind, os.path.join(corpus, name))
+    for rate_name, rate in raw.items():
+      rows.append({'step': f'raw tokenizers {rate_name}', 'mb_per_s': rate})
+    built = rows[0]['tokenize_mb_per_s']
+    rows.append({'step': 'first run\'s build against raw', 'vs_raw': {k: round(built / v, 2) for k, v in raw.items()}})
     if kind == 'text':
-      tokenizers_dir = os.path.join(cache_dir, 'tokenizers-v2')
-      raw = raw_rates(os.path.join(tokenizers_dir, os.listdir(tokenizers_dir)[0]), corpus)
-      for rate_name, rate in raw.items():
-        rows.append({'step': f'raw tokenizers {rate_name}', 'mb_per_s': rate})
       prepared = f'{cache_dir}-prepared'
       shutil.rmtree(prepared, ignore_errors=True)
       prepare = timed(common + [f'--config.data.cache_dir={prepared}', '--mode=prepare'] + sources)
@@ -265,10 +290,10 @@ def main():
   rows = measure(args.corpus, args.cache_dir, args.preset, args.kind)
   for row in rows:
     print(json.dumps(row), flush=True)
-  print('\n| step | wall s | peak RSS GB | MB/s |\n| --- | --- | --- | --- |')
+  print('\n| step | wall s | peak RSS GB | MB/s | against raw |\n| --- | --- | --- | --- | --- |')
   for row in rows:
     print(f"| {row['step']} | {row.get('seconds', '')} | {row.get('peak_rss_gb', '')} | "
-          f"{row.get('tokenize_mb_per_s') or row.get('mb_per_s') or ''} |")
+          f"{row.get('tokenize_mb_per_s') or row.get('mb_per_s') or ''} | {row.get('vs_raw', '')} |")
 
 
 if __name__ == '__main__':
