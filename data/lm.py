@@ -9,7 +9,7 @@ EVAL_FRACTION from a safe cut (data/token_cache.py).
 
 The stream is an example cache with one 1-D field per split, `tokens`: a shard's documents cut
 into ~PIECE_BYTES items at safe places, tokenized BATCH_BYTES at a time by the threaded
-`encode_batch`, each document followed by EOS. A run reads windows of it by memory map.
+`encode_batch`, each document followed by EOS. A run reads windows of it from the shards' files.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Token caches: every source tokenized once into shards on disk, then read back by memory map.
+"""Token caches: every source tokenized once into shards on disk, then read back row by row.
 
 One pipeline for every family (data/lm.py, translation.py, classification.py, bert_data.py), in
 three steps, so that a run holds one shard's text while building and the rows it reads while
@@ -68,7 +68,7 @@ DEFAULT_CACHE_DIR = '~/.cache/attention-lineage/data'  # data.cache_dir's defaul
 SHARD_BYTES = 32 << 20  # text per shard: ~10 M tokens (a build holds ~10 bytes per byte of its shard)
 SAFE_CUT_SEARCH = 4 << 20  # bytes searched for a safe cut before cutting at a character boundary
 WAIT_SECONDS = 3600  # how long a process waits for the shards other processes build
-LOCAL_MIRROR = '~/.cache/attention-lineage/data-mirror'  # where a gs:// cache's shards are copied to be mapped
+LOCAL_MIRROR = '~/.cache/attention-lineage/data-mirror'  # where a gs:// cache's shards are copied to be read
 TOKENIZER_TRAINING_CHARS = 20_000_000  # a tokenizer trains on this much training text: BPE merges stabilise long before
 _SAFE_NEWLINE = re.compile(rb'[!-~](\r?)\n[!-~]')
 BLANK_LINE = re.compile(rb'\n\s*\n')  # documents of data.documents=blank_line end at one

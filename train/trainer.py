@@ -138,8 +138,8 @@ def train_iterator(setup: Setup):
                     f'{batch_size}; use more data or a smaller batch.')
   batches = setup.task.batch_plan().global_batches(examples, batch_size, setup.config.seed, jax.process_index(),
                                                    jax.process_count())
-  # The examples are in memory or memory-mapped token caches (a row is a slice of a page-cached
-  # file): grain's default read-ahead (16 threads, 500 batches) only contends for the GIL with the
+  # The examples are in memory or in token caches (a row is one read of a page-cached file):
+  # grain's default read-ahead (16 threads, 500 batches) only contends for the GIL with the
   # training loop. One thread a few batches ahead keeps the next batch ready.
   return iter(batches.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=READ_AHEAD_BATCHES)))
 
