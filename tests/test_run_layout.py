@@ -16,7 +16,7 @@ from numerics import assert_close, transformer_terms
 from train.rundir import MODEL_SCHEMA, RunDirError, load_run, model_record
 from train.task import task_class
 from train.sharding import use_mesh
-from train.evaluation import evaluate_loss, final_evaluation
+from train.evaluation import evaluate_loss
 from train.trainer import evaluate_run, restored_setup
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'legacy_runs')
@@ -75,9 +75,10 @@ def test_a_gpt_run_saved_before_model_json_reloads_evaluates_and_predicts(tmp_pa
   # The eval loss that run logged (a 2-layer GPT-2, 32 wide, on 222 ids, 2 batches of 8 x 32): rounding apart.
   assert_close(logged_batches['eval/loss'], 5.324365854263306,
                terms=transformer_terms(2, 32, 128, 32, vocab=222, positions=2 * 8 * 32))
-  # --mode=eval (evaluate_run: restored_setup, then final_evaluation) scores the whole validation split.
-  results = final_evaluation(setup, state, workdir, None, step)
-  assert step == 2 and np.isfinite(results['eval/loss'])
+  # --mode=eval scores the whole validation split (~100k windows of the stdlib's text): in batches of
+  # 512, as `--mode=eval --config.train.eval_batch_size=512` would, not in the 8-row batches it trained with.
+  results = evaluate_run(workdir, {'train.eval_batch_size': 512})
+  assert step == results['step'] == 2 and np.isfinite(results['eval/loss'])
   assert abs(results['eval/loss'] - logged_batches['eval/loss']) > 1e-3 * results['eval/loss']
 
 

@@ -76,7 +76,11 @@ def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rn
 def state_spec(build_model, mesh, rng_impl: str, tx: optax.GradientTransformation | None = None) -> StateSpec:
   """Shapes and shardings of the state of `build_model(rngs)` (optimizer state too when `tx` is given)."""
   abstract_model = nnx.eval_shape(lambda: build_model(make_rngs(0, rng_impl)))
-  abstract = jax.eval_shape(_init_fn(build_model, tx, 0, rng_impl))
+  # The state's shapes from that one trace of the model (tracing a model's construction costs more
+  # than its tiny programs take to run): what `_init_fn` returns, abstractly.
+  _, params, extra = nnx.split(abstract_model, nnx.Param, ...)
+  abstract = TrainState(params=params, extra=extra, opt_state=None if tx is None else jax.eval_shape(tx.init, params),
+                        step=jax.ShapeDtypeStruct((), jnp.int32))
   shardings = sharding.state_shardings(abstract, mesh, sharding.kv_head_counts(abstract_model))
   return StateSpec(nnx.graphdef(abstract_model), abstract, shardings, mesh, rng_impl)
 
