@@ -578,6 +578,7 @@ class ShardArray:
   The file stays open (opened at the first read, closed with the array): `os.pread` takes no file
   position, so grain's reader threads share the descriptor, and a row costs one system call, not
   three. A pickled copy (a grain worker process) opens its own."""
+  _open_lock = threading.Lock()  # two reader threads' first reads open one descriptor
 
   def __init__(self, path: str):
     self.path, self._fd = path, None
@@ -616,15 +617,13 @@ class ShardArray:
 
   def _read(self, start: int, rows: int) -> np.ndarray:
     if self._fd is None:
-      with self._open_lock:  # two reader threads' first reads open one descriptor
+      with self._open_lock:
         if self._fd is None:
           fd = os.open(self.path, os.O_RDONLY)
           weakref.finalize(self, os.close, fd)
           self._fd = fd
     data = os.pread(self._fd, rows * self.row_bytes, self.offset + start * self.row_bytes)
     return np.frombuffer(data, self.dtype).reshape((rows, *self.shape[1:]))
-
-  _open_lock = threading.Lock()
 
 
 class Rows(Sequence):

@@ -250,6 +250,23 @@ def test_memory_estimate_counts_each_optimizers_state():
     assert 4 * floats <= estimate.optimizer < 4 * floats + 1024, name  # + step counts and Adafactor's placeholders
 
 
+def test_the_state_spec_describes_the_state_the_initialiser_returns():
+  """state_spec takes the state's shapes from one abstract trace of the model; the jitted initialiser
+  returns exactly that tree (every leaf's path, shape and dtype: parameters, dropout keys, each
+  optimizer's state), so checkpoints restore into it."""
+  model_config = GPT2Config(vocab_size=64, max_len=16, num_layers=1, num_heads=2, width=32, dropout=0.1)
+  build = lambda rngs: GPT(model_config, rngs=rngs)
+  mesh = sharding.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
+  for name in ('adamw', 'muon', 'adafactor', None):
+    tx = optim.make_optimizer(train_config(optimizer=name))[0] if name else None
+    spec = state_lib.state_spec(build, mesh, 'threefry', tx)
+    state = state_lib.init_state(spec, build, tx, seed=0)
+    described = jax.tree_util.tree_flatten_with_path(spec.abstract)
+    built = jax.tree_util.tree_flatten_with_path(state)
+    assert described[1] == built[1], name
+    assert [(p, x.shape, x.dtype) for p, x in described[0]] == [(p, x.shape, x.dtype) for p, x in built[0]], name
+
+
 def test_the_target_clock_records_the_first_evaluation_that_meets_it():
   target = loop.parse_target(' eval/loss <= 3.28 ')
   assert (target.metric, target.relation, target.value, str(target)) == ('eval/loss', '<=', 3.28, 'eval/loss<=3.28')
