@@ -55,7 +55,6 @@ import sys
 import sysconfig
 import threading
 import time
-import weakref
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -573,15 +572,10 @@ class ShardArray:
   """A shard's .npy array, its rows read from the file when indexed (`a[i]`, `a[i:j]` -> np.ndarray),
   nothing mapped: runs read rows scattered over every shard, and a memory map would count each
   touched page's neighbours in the run's RSS (the kernel maps ~64 KB of cached file around every
-  page a run touches: 5 GB of RSS for a few thousand rows on a 1 GB translation corpus).
-
-  The file stays open (opened at the first read, closed with the array): `os.pread` takes no file
-  position, so grain's reader threads share the descriptor, and a row costs one system call, not
-  three. A pickled copy (a grain worker process) opens its own."""
-  _open_lock = threading.Lock()  # two reader threads' first reads open one descriptor
+  page a run touches: 5 GB of RSS for a few thousand rows on a 1 GB translation corpus)."""
 
   def __init__(self, path: str):
-    self.path, self._fd = path, None
+    self.path = path
     with open(path, 'rb') as f:
       major, _ = np.lib.format.read_magic(f)
       read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
@@ -612,17 +606,9 @@ class ShardArray:
     array = self[:]
     return array if dtype is None else array.astype(dtype)
 
-  def __getstate__(self) -> dict:
-    return {**self.__dict__, '_fd': None}
-
   def _read(self, start: int, rows: int) -> np.ndarray:
-    if self._fd is None:
-      with self._open_lock:
-        if self._fd is None:
-          fd = os.open(self.path, os.O_RDONLY)
-          weakref.finalize(self, os.close, fd)
-          self._fd = fd
-    data = os.pread(self._fd, rows * self.row_bytes, self.offset + start * self.row_bytes)
+    with open(self.path, 'rb', buffering=0) as f:
+      data = os.pread(f.fileno(), rows * self.row_bytes, self.offset + start * self.row_bytes)
     return np.frombuffer(data, self.dtype).reshape((rows, *self.shape[1:]))
 
 
