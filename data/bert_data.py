@@ -34,7 +34,7 @@ Masks are drawn per example when batches are drawn.
 """
 from __future__ import annotations
 
-import array
+import bisect
 import dataclasses
 import itertools
 import re
@@ -43,17 +43,19 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from data import sources, token_cache
-from data.tokenizers import Tokenizer
+from data.tokenizers import Tokenizer, bert_layout
 
 # A sentence ends at . ! or ? (perhaps closed by a quote or bracket) followed by space and an
 # upper-case letter, digit or opening quote, unless the dot ends an initial or a title.
-_SENTENCE_END = re.compile(r'(?:(?<=[.!?])|(?<=[.!?]["\')\]]))'
+# The leading (?=\s) only makes it faster: most positions fail on it before the lookbehinds.
+_SENTENCE_END = re.compile(r'(?=\s)(?:(?<=[.!?])|(?<=[.!?]["\')\]]))'
                            r'(?<!\b[A-Z]\.)(?<!\bMr\.)(?<!\bMrs\.)(?<!\bMs\.)(?<!\bDr\.)(?<!\bSt\.)'
                            r'\s+(?=["\'(\[]?[A-Z0-9])')
 EVAL_FRACTION = 0.05
 FIELDS = ('tokens', 'segments', 'valid', 'next_sentence')  # an example's fields (module docstring)
 IN_MEMORY = {'tokens': np.int32, 'segments': np.int32, 'valid': np.bool_, 'next_sentence': np.int32}
-ENCODE_CHARS = 1 << 20  # sentences per encode_batch call: ~10,000, enough for every core
+ENCODE_CHARS = 1 << 20  # characters per encode call: documents of ~10,000 sentences, enough for every core
+ROWS_PER_LAYOUT = 8192  # pairs laid out into rows at once: the index arrays of ~1 M tokens
 SEED_OFFSETS = {'train': 0, 'valid': 1}  # a split's RNG seed is seed + this
 BUILT = ('train', 'valid')  # the splits pretraining reads (test is reported, never paired)
 
@@ -62,96 +64,139 @@ def split_sentences(document: str) -> list[str]:
   """Lines of the document, each cut into sentences; blank lines dropped."""
   sentences = []
   for line in document.splitlines():
-    sentences.extend(s.strip() for s in _SENTENCE_END.split(line) if s.strip())
+    for sentence in _SENTENCE_END.split(line):
+      sentence = sentence.strip()
+      if sentence:
+        sentences.append(sentence)
   return sentences
 
 
-def tokenize_documents(texts: list[str], tokenizer) -> list[list[Sequence[int]]]:
-  """Documents -> sentences -> WordPiece ids (empty sentences dropped), each sentence an
-  array.array of 2 (or 4) bytes per id: a list of Python ints would take 36."""
-  sentences = [split_sentences(t) for t in texts]
-  code = token_cache.token_dtype(tokenizer.vocab_size).char  # 'H' or 'I'
-  flat = []
+@dataclasses.dataclass(frozen=True)
+class TokenizedDocuments:
+  """Documents as sentences of token ids, held flat (2 or 4 bytes an id; a list of Python ints would
+  take 36): sentence j is tokens[bounds[j]:bounds[j + 1]], document d is its sentences
+  spans[d] = (first, end). No sentence or document is empty, so every run of a document's
+  sentences, and every part of one, is one slice of `tokens`: pairs are (start, end) ranges."""
+  tokens: np.ndarray  # [T] ids
+  bounds: list[int]  # [S + 1]: a Python list, as the pairing reads it an element at a time
+  spans: list[tuple[int, int]]  # [D]
+
+  def __len__(self) -> int:
+    return len(self.spans)
+
+  @classmethod
+  def from_lengths(cls, tokens: np.ndarray, lengths: Sequence[int], counts: Sequence[int]) -> 'TokenizedDocuments':
+    """`tokens` of sentences of `lengths`, documents of `counts` sentences; empty ones dropped."""
+    bounds, spans, position = [0], [], 0
+    for count in counts:
+      first = len(bounds) - 1
+      for length in lengths[position:position + count]:
+        if length:
+          bounds.append(bounds[-1] + length)
+      position += count
+      if len(bounds) - 1 > first:
+        spans.append((first, len(bounds) - 1))
+    return cls(tokens, bounds, spans)
+
+  @classmethod
+  def of(cls, documents: Sequence[Sequence[Sequence[int]]], dtype=np.int32) -> 'TokenizedDocuments':
+    """From each document's sentences' ids."""
+    sentences = [sentence for document in documents for sentence in document]
+    lengths = [len(sentence) for sentence in sentences]
+    tokens = np.fromiter(itertools.chain.from_iterable(sentences), dtype, sum(lengths))
+    return cls.from_lengths(tokens, lengths, [len(document) for document in documents])
+
+
+def tokenize_documents(texts: list[str], tokenizer) -> TokenizedDocuments:
+  """Documents -> sentences -> WordPiece ids (empty sentences and documents dropped)."""
+  sentences = [sentence for sentence in map(split_sentences, texts) if sentence]
+  dtype = token_cache.token_dtype(tokenizer.vocab_size)
+  parts, lengths = [], []
   # encode_batch holds ~50 bytes per character until it returns: a shard's text goes in batches.
-  for batch in _batches([s for doc in sentences for s in doc], ENCODE_CHARS):
-    flat.extend(array.array(code, ids) for ids in tokenizer.encode_batch(batch))
-  documents, start = [], 0
-  for doc in sentences:
-    ids = [s for s in flat[start:start + len(doc)] if s]
-    start += len(doc)
-    if ids:
-      documents.append(ids)
-  return documents
+  for batch in _batches(sentences, ENCODE_CHARS):
+    ids, counts = tokenizer.encode_sentences(batch)
+    parts.append(np.fromiter(itertools.chain.from_iterable(ids), dtype, int(counts.sum())))
+    lengths += counts.tolist()
+  tokens = np.concatenate(parts) if parts else np.zeros(0, dtype)
+  return TokenizedDocuments.from_lengths(tokens, lengths, [len(doc) for doc in sentences])
 
 
-def truncate_pair(a: Sequence[int], b: Sequence[int], max_tokens: int, rng: np.random.Generator):
+Run = tuple[int, int]  # tokens [start, end) of TokenizedDocuments.tokens
+
+
+def truncate_pair(a: Run, b: Run, max_tokens: int, rng: np.random.Generator) -> tuple[Run, Run]:
   """(a, b) trimmed until they fit, a token at a time from the longer (b on a tie), from its front or
-  its back at random (one draw per token, as BERT's truncate_seq_pair)."""
-  excess = len(a) + len(b) - max_tokens
+  its back at random (one draw per token, as BERT's truncate_seq_pair). Which side loses each token
+  follows from the lengths alone: the longer one until they are equal, then b, a, b, ... in turn."""
+  length_a, length_b = a[1] - a[0], b[1] - b[0]
+  excess = length_a + length_b - max_tokens
   if excess <= 0:
     return a, b
-  lengths, trims = [len(a), len(b)], [[0, 0], [0, 0]]  # tokens taken from the front and the back of a, of b
-  for front in (rng.random(excess) < 0.5).tolist():
-    side = 0 if lengths[0] > lengths[1] else 1
-    lengths[side] -= 1
-    trims[side][0 if front else 1] += 1
-  return a[trims[0][0]:len(a) - trims[0][1]], b[trims[1][0]:len(b) - trims[1][1]]
+  front = rng.random(excess) < 0.5
+  first = min(abs(length_a - length_b), excess)  # tokens the longer loses before the two are equal
+  taken, from_front = [0, 0], [0, 0]  # tokens a and b lose, and how many of them from the front
+  longer = 0 if length_a > length_b else 1
+  taken[longer], from_front[longer] = first, np.count_nonzero(front[:first])
+  taken[1] += (excess - first + 1) // 2
+  from_front[1] += np.count_nonzero(front[first::2])
+  taken[0] += (excess - first) // 2
+  from_front[0] += np.count_nonzero(front[first + 1::2])
+  return ((a[0] + from_front[0], a[1] - taken[0] + from_front[0]),
+          (b[0] + from_front[1], b[1] - taken[1] + from_front[1]))
 
 
-def random_continuation(documents, exclude: int, length: int, rng: np.random.Generator) -> list[int]:
-  """At least `length` tokens (or a whole document) from a random sentence of another document."""
+def random_continuation(documents: TokenizedDocuments, exclude: int, length: int, rng: np.random.Generator) -> Run:
+  """At least `length` tokens (or the rest of a document): whole sentences from a random sentence of
+  another document."""
   other = int(rng.integers(len(documents) - 1))
   other += other >= exclude
-  sentences = documents[other]
-  tokens = []
-  for sentence in sentences[int(rng.integers(len(sentences))):]:
-    tokens.extend(sentence)
-    if len(tokens) >= length:
-      break
-  return tokens
+  first, end = documents.spans[other]
+  start = first + int(rng.integers(end - first))
+  bounds = documents.bounds
+  stop = min(bisect.bisect_left(bounds, bounds[start] + length, start + 1, end + 1), end)
+  return bounds[start], bounds[stop]
 
 
-def document_pairs(documents: list[list[Sequence[int]]], index: int, max_tokens: int, short_seq_prob: float,
-                   rng: np.random.Generator) -> list[tuple[list[int], list[int], int]]:
-  """(A, B, is_random_next) pairs of at most `max_tokens` tokens from documents[index]."""
-  document = documents[index]
+def document_pairs(documents: TokenizedDocuments, index: int, max_tokens: int, short_seq_prob: float,
+                   rng: np.random.Generator) -> list[tuple[int, int, int, int, int]]:
+  """(A start, A end, B start, B end, is_random_next) of the pairs of at most `max_tokens` tokens
+  from document `index`, A and B ranges of documents.tokens."""
+  first, end = documents.spans[index]
+  bounds = documents.bounds
   target = int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
-  pairs, chunk, length, i = [], [], 0, 0
-  while i < len(document):
-    chunk.append(document[i])
-    length += len(document[i])
-    if i == len(document) - 1 or length >= target:
+  pairs, chunk, i = [], first, first  # the chunk: sentences chunk..i
+  while i < end:
+    if i == end - 1 or bounds[i + 1] - bounds[chunk] >= target:
       random_next = rng.random() < 0.5
-      if len(chunk) == 1:
+      if i == chunk:
         # One sentence fills the chunk: A and B (when B is the real continuation) are its two halves.
-        tokens = chunk[0]
-        if len(tokens) < 2:
-          chunk, length, i = [], 0, i + 1
+        if bounds[i + 1] - bounds[i] < 2:
+          chunk = i = i + 1
           continue
-        cut = int(rng.integers(1, len(tokens)))
-        a, b = tokens[:cut], tokens[cut:]
+        cut = bounds[i] + int(rng.integers(1, bounds[i + 1] - bounds[i]))
+        a, b = (bounds[i], cut), (cut, bounds[i + 1])
       else:
-        a_end = int(rng.integers(1, len(chunk)))
-        a, b = list(itertools.chain.from_iterable(chunk[:a_end])), list(itertools.chain.from_iterable(chunk[a_end:]))
+        a_end = chunk + int(rng.integers(1, i + 1 - chunk))
+        a, b = (bounds[chunk], bounds[a_end]), (bounds[a_end], bounds[i + 1])
         if random_next:
-          i -= len(chunk) - a_end  # the sentences not used as B start the next chunk
+          i = a_end - 1  # the sentences not used as B start the next chunk
       if random_next:
-        b = random_continuation(documents, index, max(target - len(a), 1), rng)
+        b = random_continuation(documents, index, max(target - (a[1] - a[0]), 1), rng)
       a, b = truncate_pair(a, b, max_tokens, rng)
-      if len(a) and len(b):
-        pairs.append((a, b, int(random_next)))
-      chunk, length = [], 0
+      if a[1] > a[0] and b[1] > b[0]:
+        pairs.append((*a, *b, int(random_next)))
+      chunk = i + 1
       target = int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
     i += 1
   return pairs
 
 
-def _batches(texts: list[str], chars: int) -> Iterator[list[str]]:
-  """Consecutive runs of `texts` of about `chars` characters each."""
+def _batches(documents: list[list[str]], chars: int) -> Iterator[list[list[str]]]:
+  """Consecutive runs of `documents` (each its sentences) of about `chars` characters each."""
   batch, size = [], 0
-  for text in texts:
-    batch.append(text)
-    size += len(text)
+  for document in documents:
+    batch.append(document)
+    size += sum(map(len, document))
     if size >= chars:
       yield batch
       batch, size = [], 0
@@ -159,30 +204,26 @@ def _batches(texts: list[str], chars: int) -> Iterator[list[str]]:
     yield batch
 
 
-def sentence_pairs(documents: list[list[Sequence[int]]], tokenizer, seq_len: int, rng: np.random.Generator, *,
+def sentence_pairs(documents: TokenizedDocuments, tokenizer, seq_len: int, rng: np.random.Generator, *,
                    dupe_factor: int, short_seq_prob: float, dtypes: dict = IN_MEMORY) -> dict[str, np.ndarray]:
   """Every pair of `documents` (each cut `dupe_factor` times, in a random order of documents),
-  shuffled: {'tokens', 'segments', 'valid' [N, seq_len], 'next_sentence' [N]} in `dtypes` (N may be 0)."""
-  code = token_cache.token_dtype(tokenizer.vocab_size).char
-  pairs = []  # (A, B, is_random_next), A and B as 2-byte arrays: a shard's pairs take ~1/4 of its rows
-  for _ in range(dupe_factor):
+  shuffled: {'tokens', 'segments', 'valid' [N, seq_len], 'next_sentence' [N]} in `dtypes` (N may be 0;
+  it is when there are fewer than 2 documents: a random B comes from another one)."""
+  pairs = []
+  for _ in range(dupe_factor if len(documents) >= 2 else 0):
     for index in rng.permutation(len(documents)):
-      for a, b, random_next in document_pairs(documents, int(index), seq_len - 3, short_seq_prob, rng):
-        pairs.append((array.array(code, a), array.array(code, b), random_next))
-  order = rng.permutation(len(pairs))
-  examples = {field: np.zeros((len(pairs), seq_len) if field != 'next_sentence' else (len(pairs),), dtypes[field])
+      pairs += document_pairs(documents, int(index), seq_len - 3, short_seq_prob, rng)
+  table = np.asarray(pairs, np.int64).reshape(-1, 5)[rng.permutation(len(pairs))]
+  del pairs
+  examples = {field: np.zeros((len(table), seq_len) if field != 'next_sentence' else (len(table),), dtypes[field])
               for field in FIELDS}
-  tokens, segments, valid = examples['tokens'], examples['segments'], examples['valid']
-  tokens[:], cls, sep = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
-  for row, index in enumerate(order):  # [CLS] A [SEP] B [SEP], padded
-    a, b, random_next = pairs[index]
-    pairs[index] = None  # freed as its row is written
-    middle, end = len(a) + 1, len(a) + len(b) + 3
-    tokens[row, 0], tokens[row, middle], tokens[row, end - 1] = cls, sep, sep
-    tokens[row, 1:middle], tokens[row, middle + 1:end - 1] = a, b
-    segments[row, middle + 1:end] = 1
-    valid[row, :end] = True
-    examples['next_sentence'][row] = random_next
+  for start in range(0, len(table), ROWS_PER_LAYOUT):  # [CLS] A [SEP] B [SEP], padded
+    part = table[start:start + ROWS_PER_LAYOUT]
+    rows = slice(start, start + len(part))
+    examples['tokens'][rows], examples['segments'][rows], examples['valid'][rows] = bert_layout(
+        (documents.tokens, part[:, 0], part[:, 1] - part[:, 0]), (documents.tokens, part[:, 2], part[:, 3] - part[:, 2]),
+        np.ones(len(part), bool), seq_len, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+  examples['next_sentence'][:] = table[:, 4]
   return examples
 
 
@@ -259,7 +300,7 @@ class Documents:
     tokenized = tokenize_documents(documents, tokenizer)
     dtypes = {'tokens': token_cache.token_dtype(tokenizer.vocab_size), 'segments': np.uint8, 'valid': np.bool_,
               'next_sentence': np.uint8}
-    rows = sentence_pairs(tokenized if len(tokenized) >= 2 else [], tokenizer, config.seq_len,
+    rows = sentence_pairs(tokenized, tokenizer, config.seq_len,
                           np.random.default_rng([self.seed + SEED_OFFSETS[split], index]),
                           dupe_factor=config.dupe_factor if split == 'train' else 1,
                           short_seq_prob=config.short_seq_prob, dtypes=dtypes)

@@ -24,6 +24,7 @@ the training split's (the shards' counts), and a held-out label unseen in traini
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 
@@ -31,7 +32,7 @@ import numpy as np
 
 import storage
 from data import sources, token_cache
-from data.tokenizers import encode_pair
+from data.tokenizers import bert_inputs, encode_pair
 
 SPLITS = ('train', 'valid', 'test')
 FRACTIONS = (('train', 0.8), ('valid', 0.1), ('test', 0.1))
@@ -89,12 +90,12 @@ class Labelled:
     else:
       columns = info.setdefault('columns', {'2': 0, '3': 0})
       for number, fields in token_cache.tsv_lines(piece, self.data_config.get('tsv_header', False), info):
-        columns[str(len(fields))] = columns.get(str(len(fields)), 0) + 1
+        count, complete = len(fields), all(fields)
+        columns[str(count)] = columns.get(str(count), 0) + 1
         for layout in LAYOUTS:
-          reason = malformed_reason(fields, layout)
-          if reason:
-            token_cache.note_malformed(info, number, reason, f'@{layout}')
-        if len(fields) in LAYOUTS and all(fields):
+          if count != layout or not complete:  # every line of one layout is malformed in the other's
+            token_cache.note_malformed(info, number, lambda: malformed_reason(fields, layout), f'@{layout}')
+        if count in LAYOUTS and complete:
           *texts, label = fields
           key = '\t'.join(texts)
           yield key, (len(fields), LabelledText(key, texts[0], label, texts[1] if len(texts) == 2 else None))
@@ -105,31 +106,27 @@ class Labelled:
       examples = sorted((e for columns, e in records if columns == layout), key=lambda e: key_digest(e.key))
       if not examples:
         continue
-      names = sorted({e.label for e in examples})
-      info.setdefault('labels', {})[f'{split}@{layout}'] = {name: 0 for name in names}
-      for e in examples:
-        info['labels'][f'{split}@{layout}'][e.label] += 1
+      counts = collections.Counter(e.label for e in examples)
+      names = sorted(counts)
+      info.setdefault('labels', {})[f'{split}@{layout}'] = {name: counts[name] for name in names}
       label_of, parts = {name: i for i, name in enumerate(names)}, []
       for start in range(0, len(examples), EXAMPLES_PER_BATCH):
         batch = examples[start:start + EXAMPLES_PER_BATCH]
-        encoded, cut = encode_rows(batch, self.tokenizer, seq_len)
-        tokens, segments, valid = (np.stack(column) for column in zip(*encoded))
+        tokens, segments, valid, cut = encode_rows(batch, self.tokenizer, seq_len)
         parts.append({'tokens': tokens.astype(dtype), 'segments': segments.astype(np.uint8), 'valid': valid,
                       'label': np.asarray([label_of[e.label] for e in batch], np.int32), 'cut': cut})
       rows.update({f'{field}@{layout}': np.concatenate([part[field] for part in parts]) for field in ROW_FIELDS})
     return rows
 
 
-def encode_rows(examples: list[LabelledText], tokenizer, seq_len: int) -> tuple[list[tuple], np.ndarray]:
-  """([(tokens, segments, valid)] of `encode_pair` per example, bool [N]: whether it was truncated)."""
+def encode_rows(examples: list[LabelledText], tokenizer, seq_len: int) -> tuple[np.ndarray, ...]:
+  """`bert_inputs` of the examples: tokens, segments [N, seq_len], valid [N, seq_len], cut [N]."""
   ids_a = tokenizer.encode_batch([e.text for e in examples])
   pairs = [i for i, e in enumerate(examples) if e.text_b is not None]
   ids_b: list[list[int] | None] = [None] * len(examples)
   for i, ids in zip(pairs, tokenizer.encode_batch([examples[i].text_b for i in pairs]) if pairs else []):
     ids_b[i] = ids
-  cut = np.asarray([len(a) + (len(b) + 1 if b is not None else 0) > seq_len - 2 for a, b in zip(ids_a, ids_b)], bool)
-  special = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
-  return [encode_pair(a, b, seq_len, *special) for a, b in zip(ids_a, ids_b)], cut
+  return bert_inputs(ids_a, ids_b, seq_len, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
 
 
 class LabelledRows(token_cache.Rows):
@@ -159,7 +156,7 @@ class LabelledRows(token_cache.Rows):
     return counts
 
   def truncated(self) -> int:
-    """How many of the split's first len(self) rows `encode_pair` cut to data.seq_len."""
+    """How many of the split's first len(self) rows `bert_inputs` cut to data.seq_len."""
     return sum(int(self.field(shard, 'cut')[:taken].sum()) for shard, taken in enumerate(self.prefix_counts()) if taken)
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:

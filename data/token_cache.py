@@ -55,7 +55,7 @@ import sys
 import sysconfig
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -323,12 +323,13 @@ def tsv_lines(piece: Range, header: bool, info: dict) -> Iterator[tuple[int, lis
     yield number, sources.tsv_fields(line)
 
 
-def note_malformed(info: dict, number: int, reason: str, suffix: str = '') -> None:
-  """Count a malformed line in a shard's info ('malformed_count'; the first 3 kept in 'malformed')."""
+def note_malformed(info: dict, number: int, reason: str | Callable[[], str], suffix: str = '') -> None:
+  """Count a malformed line in a shard's info ('malformed_count'; the first 3 kept in 'malformed',
+  with `reason`, called only for those when it is a function)."""
   info[f'malformed_count{suffix}'] = info.get(f'malformed_count{suffix}', 0) + 1
   shown = info.setdefault(f'malformed{suffix}', [])
   if len(shown) < 3:
-    shown.append((number, reason))
+    shown.append((number, reason() if callable(reason) else reason))
 
 
 def _newlines_before(path: str, offset: int, chunk: int = 16 << 20) -> int:

@@ -10,9 +10,10 @@ The file written is `<directory>/tokenizer.json` (plus `tokenizer_meta.json` nam
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import tokenizers
@@ -64,6 +65,12 @@ class Tokenizer:
 
   def encode_batch(self, texts: list[str]) -> list[list[int]]:
     return [self.encode(t) for t in texts]
+
+  def encode_sentences(self, documents: list[list[str]]) -> tuple[list[list[int]], np.ndarray]:
+    """The ids of every sentence of the documents, each encoded alone, in order: (id lists whose
+    concatenation is them all, int64 [S]: each sentence's id count)."""
+    ids = self.encode_batch([sentence for document in documents for sentence in document])
+    return ids, np.fromiter(map(len, ids), np.int64, len(ids))
 
   def to_json(self) -> str:
     """The contents of tokenizer.json."""
@@ -145,6 +152,18 @@ class HFTokenizer(Tokenizer):
     # The fast variant skips the character offsets (unused here): the same ids, twice the rate.
     return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
+  def encode_sentences(self, documents):
+    # A document's sentences as one pre-tokenized input: each is still normalized, pre-tokenized and
+    # encoded alone (the same ids), but one Encoding per document, not per sentence, crosses into
+    # Python, and its word ids say which sentence each id came from.
+    encodings = self.tokenizer.encode_batch(documents, is_pretokenized=True, add_special_tokens=False)
+    ids = [e.ids for e in encodings]
+    counts = np.fromiter(map(len, documents), np.int64, len(documents))
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    sentence = (np.fromiter(itertools.chain.from_iterable(e.word_ids for e in encodings), np.int64, int(lengths.sum()))
+                + np.repeat(np.cumsum(counts) - counts, lengths))
+    return ids, np.bincount(sentence, minlength=int(counts.sum()))
+
   def encode_pair(self, text_a: str, text_b: str | None = None):
     """BERT input: ([CLS] a [SEP] (b [SEP])) ids and segment ids (WordPiece only)."""
     encoding = self.tokenizer.encode(text_a, text_b, add_special_tokens=True)
@@ -220,25 +239,66 @@ def load_tokenizer(directory: str) -> Tokenizer:
   return HFTokenizer(tokenizers.Tokenizer.from_str(path.read_text()), kind)
 
 
-def encode_pair(ids_a: list[int], ids_b: list[int] | None, seq_len: int, cls_id: int, sep_id: int, pad_id: int):
-  """BERT's input of one or two id lists: [CLS] a [SEP] (b [SEP]) padded to seq_len -> (tokens,
-  segments: int32 [seq_len], valid: bool [seq_len]); the longer text loses tokens from its end
-  first, as in BERT's fine-tuning."""
-  if ids_b is None:
-    ids_a = list(ids_a[:seq_len - 2])
-  else:
-    ids_a, ids_b = list(ids_a), list(ids_b)
-    while len(ids_a) + len(ids_b) > seq_len - 3:
-      (ids_a if len(ids_a) >= len(ids_b) else ids_b).pop()
-  tokens = [cls_id] + ids_a + [sep_id]
-  segments = [0] * len(tokens)
-  if ids_b is not None:
-    tokens += ids_b + [sep_id]
-    segments += [1] * (len(ids_b) + 1)
-  length = len(tokens)
-  pad = seq_len - length
-  return (np.asarray(tokens + [pad_id] * pad, np.int32), np.asarray(segments + [0] * pad, np.int32),
-          np.arange(seq_len) < length)
+def bert_inputs(ids_a: Sequence[Sequence[int]], ids_b: Sequence[Sequence[int] | None] | None, seq_len: int,
+                cls_id: int, sep_id: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """BERT's inputs of N id lists (`ids_b` None) or pairs (an entry of `ids_b` None: that row has no b):
+  [CLS] a [SEP] (b [SEP]) padded to seq_len -> (tokens, segments: int32 [N, seq_len], valid: bool
+  [N, seq_len], cut: bool [N], whether tokens were dropped).
+
+  The text that is longer loses tokens from its end first, one at a time (a on a tie), as in BERT's
+  fine-tuning, until both fit the budget B = seq_len - 3 (one text: seq_len - 2). That loop in
+  closed form: a keeps min(len a, max(B // 2, B - len b)) tokens and b keeps what is left of B, up
+  to its length (one text longer than half: only it is cut; both longer: B // 2 and B - B // 2)."""
+  count = len(ids_a)
+  ids_b = ids_b if ids_b is not None else [None] * count
+  has_b = np.fromiter((b is not None for b in ids_b), bool, count)
+  (flat_a, start_a, length_a), (flat_b, start_b, length_b) = _flat(ids_a), _flat([b or () for b in ids_b])
+  budget = seq_len - 2 - has_b
+  keep_a = np.minimum(length_a, np.maximum(budget // 2, budget - length_b))
+  keep_b = np.minimum(length_b, budget - keep_a)
+  tokens, segments, valid = bert_layout((flat_a, start_a, keep_a), (flat_b, start_b, keep_b), has_b, seq_len,
+                                        cls_id, sep_id, pad_id)
+  return tokens, segments, valid, (keep_a < length_a) | (keep_b < length_b)
+
+
+def bert_layout(a: tuple[np.ndarray, np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray, np.ndarray],
+                has_b: np.ndarray, seq_len: int, cls_id: int, sep_id: int, pad_id: int):
+  """Rows [CLS] a [SEP] (b [SEP]) padded to seq_len, where a and b are runs (flat ids [T], start [N],
+  length [N]) that fit: tokens, segments int32 [N, seq_len], valid bool [N, seq_len]. Row i has b
+  where has_b[i] (bool [N]); segment 1 is b and its [SEP]."""
+  (_, _, length_a), (_, _, length_b) = a, b
+  rows = np.arange(len(has_b))
+  tokens = np.full((len(rows), seq_len), pad_id, np.int32)
+  tokens[:, 0] = cls_id
+  _place_runs(tokens, *a, 1)
+  tokens[rows, length_a + 1] = sep_id
+  _place_runs(tokens, *b, length_a + 2)
+  tokens[rows[has_b], (length_a + length_b + 2)[has_b]] = sep_id
+  positions = np.arange(seq_len)
+  valid = positions < (length_a + 2 + (length_b + 1) * has_b)[:, None]
+  segments = ((positions > (length_a + 1)[:, None]) & valid).astype(np.int32)
+  return tokens, segments, valid
+
+
+def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Id lists as one run each of a flat array: (ids [T], start [N], length [N]), each id read once."""
+  lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+  flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lengths.sum()))
+  return flat, np.cumsum(lengths) - lengths, lengths
+
+
+def _place_runs(out: np.ndarray, flat: np.ndarray, start: np.ndarray, length: np.ndarray, column) -> None:
+  """out[i, column_i + j] = flat[start[i] + j] for j < length[i] (`column` an int or one per row)."""
+  row = np.repeat(np.arange(len(length)), length)
+  within = np.arange(len(row)) - np.repeat(np.cumsum(length) - length, length)
+  out[row, np.broadcast_to(column, length.shape)[row] + within] = flat[start[row] + within]
+
+
+def encode_pair(ids_a: Sequence[int], ids_b: Sequence[int] | None, seq_len: int, cls_id: int, sep_id: int,
+                pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`bert_inputs` of one example: (tokens, segments: int32 [seq_len], valid: bool [seq_len])."""
+  tokens, segments, valid, _ = bert_inputs([ids_a], [ids_b], seq_len, cls_id, sep_id, pad_id)
+  return tokens[0], segments[0], valid[0]
 
 
 def _batched(texts: Iterable[str], size: int = 1000) -> Iterator[list[str]]:

@@ -275,9 +275,9 @@ def test_a_second_run_tokenizes_and_reads_nothing(tmp_path, monkeypatch):
   path.write_text('\n\n'.join(documents(80)))
   config = data_config(f'text:{path}', tmp_path / 'cache', cache_shard_mb=0.005)
   calls = []
-  encode_batch = tokenizers.HFTokenizer.encode_batch
-  monkeypatch.setattr(tokenizers.HFTokenizer, 'encode_batch',
-                      lambda self, texts: (calls.append(len(texts)), encode_batch(self, texts))[1])
+  encode_sentences = tokenizers.HFTokenizer.encode_sentences
+  monkeypatch.setattr(tokenizers.HFTokenizer, 'encode_sentences',
+                      lambda self, documents: (calls.append(len(documents)), encode_sentences(self, documents))[1])
   first = bert_data.pretraining_datasets(config, str(tmp_path / 'run1'), SEED)
   assert calls
   calls.clear()

@@ -9,6 +9,7 @@ from configs import bert
 from configs.base import base_config
 from data import bert_data, classification, sources
 from data.sources import DataError
+from data import tokenizers as tokenizers_lib
 from data.tokenizers import CharTokenizer, train_wordpiece
 from numerics import assert_close
 
@@ -44,11 +45,13 @@ def synthetic_documents(count=60, seed=0):
 
 
 def test_sentence_pairs_next_and_random():
-  documents = synthetic_documents()
+  documents = bert_data.TokenizedDocuments.of(synthetic_documents())
   rng = np.random.default_rng(1)
   max_tokens, labels = 40, []
   for index in range(len(documents)):
-    for a, b, random_next in bert_data.document_pairs(documents, index, max_tokens, 0.1, rng):
+    for a_start, a_end, b_start, b_end, random_next in bert_data.document_pairs(documents, index, max_tokens, 0.1,
+                                                                                rng):
+      a, b = documents.tokens[a_start:a_end].tolist(), documents.tokens[b_start:b_end].tolist()
       labels.append(random_next)
       assert a and b and len(a) + len(b) <= max_tokens
       assert {t // 1000 for t in a} == {index}
@@ -65,7 +68,7 @@ def test_sentence_pairs_next_and_random():
 def test_pretraining_examples_layout(tokenizer):
   documents = [[tokenizer.encode(f'the cat sat on a mat number {i}.'), tokenizer.encode('dogs ran in parks.'),
                 tokenizer.encode('old towns with red houses.')] for i in range(10)]
-  examples = bert_data.sentence_pairs(documents, tokenizer, 24, np.random.default_rng(0), dupe_factor=3,
+  examples = bert_data.sentence_pairs(bert_data.TokenizedDocuments.of(documents), tokenizer, 24, np.random.default_rng(0), dupe_factor=3,
                                       short_seq_prob=0.1)
   cls, sep, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
   assert examples['tokens'].shape[1] == 24
@@ -159,6 +162,42 @@ def test_encode_pair_truncates_longest_first():
   tokens, segments, valid = classification.encode_pair(list(range(10, 20)), [30, 31], 9, 2, 3, 0)
   assert tokens.tolist() == [2, 10, 11, 12, 13, 3, 30, 31, 3]
   assert segments.tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1] and valid.all()
+
+
+def reference_bert_input(a: list[int], b: list[int] | None, seq_len: int, cls=2, sep=3, pad=0):
+  """BERT's fine-tuning truncation as a loop: a token from the end of the longer (a on a tie) until it fits."""
+  a, b = list(a), list(b) if b is not None else None
+  while len(a) + (len(b) + 1 if b is not None else 0) > seq_len - 2:
+    (a if b is None or len(a) >= len(b) else b).pop()
+  tokens = [cls] + a + [sep] + (b + [sep] if b is not None else [])
+  segments = [0] * (len(a) + 2) + [1] * (len(tokens) - len(a) - 2)
+  return tokens + [pad] * (seq_len - len(tokens)), segments + [0] * (seq_len - len(tokens)), len(tokens)
+
+
+def test_bert_inputs_of_a_batch_equal_the_truncation_loop_row_by_row():
+  lengths = [(n_a, n_b) for n_a in range(14) for n_b in [None, *range(14)]]
+  ids_a = [list(range(100, 100 + n_a)) for n_a, _ in lengths]
+  ids_b = [list(range(200, 200 + n_b)) if n_b is not None else None for _, n_b in lengths]
+  for seq_len in range(3, 13):
+    tokens, segments, valid, cut = tokenizers_lib.bert_inputs(ids_a, ids_b, seq_len, 2, 3, 0)
+    for row, (a, b) in enumerate(zip(ids_a, ids_b)):
+      want_tokens, want_segments, length = reference_bert_input(a, b, seq_len)
+      assert tokens[row].tolist() == want_tokens and segments[row].tolist() == want_segments, (seq_len, a, b)
+      assert valid[row].tolist() == [i < length for i in range(seq_len)]
+      assert cut[row] == (len(a) + (len(b) + 1 if b is not None else 0) > seq_len - 2)
+
+
+@pytest.mark.parametrize('kind', ['wordpiece', 'bpe'])
+def test_sentences_encoded_per_document_equal_each_sentence_encoded_alone(kind):
+  texts = ['The cat sat. On the mat!', 'Dogs ran in the park near 3 old towns.', 'Ünïcode ünd "quotes" (here).']
+  trained = (train_wordpiece(texts * 20, vocab_size=150) if kind == 'wordpiece'
+             else tokenizers_lib.train_bpe(texts * 20, vocab_size=300))
+  documents = [['The cat sat.', 'On the mat!'], ['Dogs ran', '', 'in the park near 3 old towns.'], ['Ünïcode ünd'],
+               ['"quotes" (here).', 'The cat.']]
+  ids, lengths = trained.encode_sentences(documents)
+  alone = [trained.encode(sentence) for document in documents for sentence in document]
+  assert lengths.tolist() == [len(x) for x in alone] and lengths[3] == 0  # the empty sentence
+  assert [i for x in ids for i in x] == [i for x in alone for i in x]
 
 
 def test_classification_metrics_by_hand():

@@ -19,6 +19,7 @@ import numpy as np
 
 import storage
 from data import classification
+from data.tokenizers import bert_inputs
 from train import task as task_lib
 
 
@@ -79,20 +80,18 @@ def split_pair(line: str) -> tuple[str, str | None]:
 def predict_labels(logits_fn: Callable, tokenizer, labels: list[str], seq_len: int, lines: list[str],
                    batch_size: int = 32) -> list[dict]:
   """{'label', 'probabilities': {name: p}} per input line."""
-  examples = []
-  for line in lines:
-    a, b = split_pair(line)
-    ids_b = tokenizer.encode(b) if b is not None else None
-    tokens, segments, valid = classification.encode_pair(tokenizer.encode(a), ids_b, seq_len, tokenizer.bos_id,
-                                                         tokenizer.eos_id, tokenizer.pad_id)
-    examples.append({'tokens': tokens, 'segments': segments, 'valid': valid})
+  texts = [split_pair(line) for line in lines]
+  tokens, segments, valid, _ = bert_inputs([tokenizer.encode(a) for a, _ in texts],
+                                           [tokenizer.encode(b) if b is not None else None for _, b in texts],
+                                           seq_len, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+  examples = [{'tokens': t, 'segments': s, 'valid': v} for t, s, v in zip(tokens, segments, valid)]
   probabilities = jax.nn.softmax(batch_logits(logits_fn, examples, batch_size), -1)
   return [{'label': labels[int(p.argmax())], 'probabilities': {n: round(float(q), 4) for n, q in zip(labels, p)}}
           for p in np.asarray(probabilities)]
 
 
 def truncation_notes(tokenizer, seq_len: int, lines: list[str]) -> list[str]:
-  """Notes for the lines `encode_pair` cuts: [CLS] a [SEP] (b [SEP]) holds seq_len tokens."""
+  """Notes for the lines `bert_inputs` cuts: [CLS] a [SEP] (b [SEP]) holds seq_len tokens."""
   notes = []
   for number, line in enumerate(lines, 1):
     a, b = split_pair(line)

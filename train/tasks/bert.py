@@ -26,7 +26,7 @@ from flax import nnx
 
 import storage
 from data import batching, bert_data
-from data.tokenizers import load_tokenizer
+from data.tokenizers import bert_inputs, load_tokenizer
 from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
 from train import task as task_lib
@@ -274,15 +274,15 @@ class Task(task_lib.Task):
 
   def _encode_lines(self, lines):
     """[N, L] tokens, segments, valid for 'text' or 'a<TAB>b' lines (L = the longest, <= seq_len)."""
-    from data.tokenizers import encode_pair
     tok = self.tokenizer
     ids = []
     for line in lines:
       a, b = classification.split_pair(line)
       ids.append((tok.encode(a), tok.encode(b) if b is not None else None))
     length = min(self.config.data.seq_len, max(len(a) + len(b or []) + (3 if b is not None else 2) for a, b in ids))
-    rows = [encode_pair(a, b, length, tok.bos_id, tok.eos_id, tok.pad_id) for a, b in ids]
-    return tuple(np.stack(column) for column in zip(*rows))
+    tokens, segments, valid, _ = bert_inputs([a for a, _ in ids], [b for _, b in ids], length, tok.bos_id,
+                                             tok.eos_id, tok.pad_id)
+    return tokens, segments, valid
 
   def write_features(self, model, lines, workdir):
     """One .npy per line: [T, E] token vectors ('none'), or [E] ('cls', 'mean') of the chosen layer(s)."""
