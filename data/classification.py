@@ -32,7 +32,7 @@ import numpy as np
 
 import storage
 from data import sources, token_cache
-from data.tokenizers import bert_inputs, encode_pair
+from data.tokenizers import bert_inputs
 
 SPLITS = ('train', 'valid', 'test')
 FRACTIONS = (('train', 0.8), ('valid', 0.1), ('test', 0.1))

@@ -252,7 +252,8 @@ def bert_inputs(ids_a: Sequence[Sequence[int]], ids_b: Sequence[Sequence[int] | 
   count = len(ids_a)
   ids_b = ids_b if ids_b is not None else [None] * count
   has_b = np.fromiter((b is not None for b in ids_b), bool, count)
-  (flat_a, start_a, length_a), (flat_b, start_b, length_b) = _flat(ids_a), _flat([b or () for b in ids_b])
+  (flat_a, start_a, length_a) = _flat(ids_a, seq_len)
+  (flat_b, start_b, length_b) = _flat([b or () for b in ids_b], seq_len)
   budget = seq_len - 2 - has_b
   keep_a = np.minimum(length_a, np.maximum(budget // 2, budget - length_b))
   keep_b = np.minimum(length_b, budget - keep_a)
@@ -280,11 +281,13 @@ def bert_layout(a: tuple[np.ndarray, np.ndarray, np.ndarray], b: tuple[np.ndarra
   return tokens, segments, valid
 
 
-def _flat(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Id lists as one run each of a flat array: (ids [T], start [N], length [N]), each id read once."""
+def _flat(lists: Sequence[Sequence[int]], limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The first `limit` ids of each list as one run of a flat array, each id read once: (ids [T],
+  start [N], length [N] of the whole lists). A long text costs no more than `limit` ids."""
   lengths = np.fromiter(map(len, lists), np.int64, len(lists))
-  flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lengths.sum()))
-  return flat, np.cumsum(lengths) - lengths, lengths
+  kept = np.minimum(lengths, limit)
+  flat = np.fromiter(itertools.chain.from_iterable(ids[:limit] for ids in lists), np.int64, int(kept.sum()))
+  return flat, np.cumsum(kept) - kept, lengths
 
 
 def _place_runs(out: np.ndarray, flat: np.ndarray, start: np.ndarray, length: np.ndarray, column) -> None:
