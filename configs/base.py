@@ -51,6 +51,7 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   # shared by every run on the same corpus and tokenizer (and, on a pod, reached by every host).
   c.data.cache_dir = '~/.cache/attention-lineage/data'
   c.data.cache_shard_mb = 32.0  # text per cache shard: the unit of parallel and resumable building
+  c.data.cache_workers = 0  # processes building a cache's shards at once: 0 = one per core (up to 8) from 16 MB of text
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000

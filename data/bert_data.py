@@ -26,7 +26,9 @@ The pairs are an example cache (data/token_cache.py, `pretraining_datasets`):
     test), so pretraining never sees the articles fine-tuning is tested on.
   - Each shard is paired alone (process p builds the shards i with i % P == p): its documents of a
     split tokenized, cut dupe_factor times (validation: once) with an RNG seeded from
-    (seed + SEED_OFFSETS[split], shard index), and shuffled within the shard. A random next
+    (seed + SEED_OFFSETS[split], shard index) (the documents' orders and the shuffle; the cuts and
+    the trimming draw from two generators spawned from it, a block at a time: `Draws`), and
+    shuffled within the shard. A random next
     sentence B comes from another document of the SAME shard, as Google's create_pretraining_data.py
     draws it from the same input file: no shard reads another. A shard with a single document of a
     split gives no pairs of it.
@@ -58,6 +60,7 @@ ENCODE_CHARS = 1 << 20  # characters per encode call: documents of ~10,000 sente
 ROWS_PER_LAYOUT = 8192  # pairs laid out into rows at once: the index arrays of ~1 M tokens
 SEED_OFFSETS = {'train': 0, 'valid': 1}  # a split's RNG seed is seed + this
 BUILT = ('train', 'valid')  # the splits pretraining reads (test is reported, never paired)
+PAIRING = 2  # in every cache's identity: 2 = the draws of `Draws` (1, numpy scalar draws, paired otherwise)
 
 
 def split_sentences(document: str) -> list[str]:
@@ -124,70 +127,101 @@ def tokenize_documents(texts: list[str], tokenizer) -> TokenizedDocuments:
 Run = tuple[int, int]  # tokens [start, end) of TokenizedDocuments.tokens
 
 
-def truncate_pair(a: Run, b: Run, max_tokens: int, rng: np.random.Generator) -> tuple[Run, Run]:
-  """(a, b) trimmed until they fit, a token at a time from the longer (b on a tie), from its front or
-  its back at random (one draw per token, as BERT's truncate_seq_pair). Which side loses each token
-  follows from the lengths alone: the longer one until they are equal, then b, a, b, ... in turn."""
-  length_a, length_b = a[1] - a[0], b[1] - b[0]
-  excess = length_a + length_b - max_tokens
-  if excess <= 0:
-    return a, b
-  front = rng.random(excess) < 0.5
-  first = min(abs(length_a - length_b), excess)  # tokens the longer loses before the two are equal
-  taken, from_front = [0, 0], [0, 0]  # tokens a and b lose, and how many of them from the front
-  longer = 0 if length_a > length_b else 1
-  taken[longer], from_front[longer] = first, np.count_nonzero(front[:first])
-  taken[1] += (excess - first + 1) // 2
-  from_front[1] += np.count_nonzero(front[first::2])
-  taken[0] += (excess - first) // 2
-  from_front[0] += np.count_nonzero(front[first + 1::2])
-  return ((a[0] + from_front[0], a[1] - taken[0] + from_front[0]),
-          (b[0] + from_front[1], b[1] - taken[1] + from_front[1]))
+class Draws:
+  """The pairing's random numbers: uniforms in [0, 1) and fair coins, each from a generator of its
+  own, drawn a block at a time and handed out in order (a numpy scalar draw costs ~1 us, about what a
+  whole pair costs otherwise). Each stream is the sequence that `uniforms.random()` (coins:
+  `coins.random() < 0.5`) called once per number gives, whatever the block size."""
+
+  BLOCK = 1 << 14
+
+  def __init__(self, uniforms: np.random.Generator, coins: np.random.Generator):
+    blocks = iter(lambda: uniforms.random(self.BLOCK).tolist(), None)
+    self.uniform = itertools.chain.from_iterable(blocks).__next__  # () -> the next uniform, a C call
+    self._coins, self._flips = coins, np.zeros(0, bool)
+
+  def below(self, n: int) -> int:
+    """An integer in [0, n) from the next uniform."""
+    return int(self.uniform() * n)
+
+  def flips(self, count: int) -> np.ndarray:
+    """The next `count` coins: bool [count]."""
+    while len(self._flips) < count:
+      self._flips = np.concatenate([self._flips, self._coins.random(max(self.BLOCK, count)) < 0.5])
+    taken, self._flips = self._flips[:count], self._flips[count:]
+    return taken
 
 
-def random_continuation(documents: TokenizedDocuments, exclude: int, length: int, rng: np.random.Generator) -> Run:
+def truncate_pairs(pairs: np.ndarray, max_tokens: int, draws: Draws) -> np.ndarray:
+  """Pairs (A start, A end, B start, B end) int64 [N, 4], each trimmed until it fits `max_tokens`, a
+  token at a time from the longer side (B on a tie), from its front when that token's coin says so
+  (BERT's truncate_seq_pair), the pairs' coins drawn in turn. That loop in closed form: which side
+  loses each token follows from the lengths alone (the longer until the two are equal, then B, A,
+  B, ... in turn), and how many from the front is a count of coins: all of a run, or every other."""
+  a_start, a_end, b_start, b_end = pairs.T
+  length_a, length_b = a_end - a_start, b_end - b_start
+  excess = np.maximum(length_a + length_b - max_tokens, 0)
+  end = np.cumsum(excess)
+  start = end - excess  # each pair's coins: [start, end) of the shard's coins drawn here
+  coins = draws.flips(int(end[-1]) if len(end) else 0)
+  fronts = np.concatenate([[0], np.cumsum(coins)])  # fronts[j]: coins [0, j) that say "front"
+  odd = np.arange(len(coins)) % 2 == 1
+  by_parity = np.stack([np.concatenate([[0], np.cumsum(coins & ~odd)]), np.concatenate([[0], np.cumsum(coins & odd)])])
+
+  def every_other(first, stop):  # fronts among coins first, first + 2, ... before stop
+    first = np.minimum(first, stop)
+    return by_parity[first % 2, stop] - by_parity[first % 2, first]
+
+  first = np.minimum(np.abs(length_a - length_b), excess)  # tokens the longer loses before the two are equal
+  a_longer = length_a > length_b
+  run = fronts[start + first] - fronts[start]  # fronts among the longer side's first coins
+  taken_a = np.where(a_longer, first, 0) + (excess - first) // 2
+  taken_b = np.where(a_longer, 0, first) + (excess - first + 1) // 2
+  front_a = np.where(a_longer, run, 0) + every_other(start + first + 1, end)
+  front_b = np.where(a_longer, 0, run) + every_other(start + first, end)
+  return np.stack([a_start + front_a, a_end - taken_a + front_a, b_start + front_b, b_end - taken_b + front_b], 1)
+
+
+def random_continuation(documents: TokenizedDocuments, exclude: int, length: int, draws: Draws) -> Run:
   """At least `length` tokens (or the rest of a document): whole sentences from a random sentence of
   another document."""
-  other = int(rng.integers(len(documents) - 1))
+  other = draws.below(len(documents) - 1)
   other += other >= exclude
   first, end = documents.spans[other]
-  start = first + int(rng.integers(end - first))
+  start = first + draws.below(end - first)
   bounds = documents.bounds
   stop = min(bisect.bisect_left(bounds, bounds[start] + length, start + 1, end + 1), end)
   return bounds[start], bounds[stop]
 
 
 def document_pairs(documents: TokenizedDocuments, index: int, max_tokens: int, short_seq_prob: float,
-                   rng: np.random.Generator) -> list[tuple[int, int, int, int, int]]:
-  """(A start, A end, B start, B end, is_random_next) of the pairs of at most `max_tokens` tokens
-  from document `index`, A and B ranges of documents.tokens."""
+                   draws: Draws) -> list[tuple[int, int, int, int, int]]:
+  """(A start, A end, B start, B end, is_random_next) of the pairs of document `index`, A and B ranges
+  of documents.tokens, before they are trimmed to `max_tokens` (`truncate_pairs`)."""
   first, end = documents.spans[index]
-  bounds = documents.bounds
-  target = int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
-  pairs, chunk, i = [], first, first  # the chunk: sentences chunk..i
-  while i < end:
-    if i == end - 1 or bounds[i + 1] - bounds[chunk] >= target:
-      random_next = rng.random() < 0.5
-      if i == chunk:
-        # One sentence fills the chunk: A and B (when B is the real continuation) are its two halves.
-        if bounds[i + 1] - bounds[i] < 2:
-          chunk = i = i + 1
-          continue
-        cut = bounds[i] + int(rng.integers(1, bounds[i + 1] - bounds[i]))
-        a, b = (bounds[i], cut), (cut, bounds[i + 1])
-      else:
-        a_end = chunk + int(rng.integers(1, i + 1 - chunk))
-        a, b = (bounds[chunk], bounds[a_end]), (bounds[a_end], bounds[i + 1])
-        if random_next:
-          i = a_end - 1  # the sentences not used as B start the next chunk
+  bounds, uniform = documents.bounds, draws.uniform
+  new_target = lambda: 2 + int(uniform() * (max_tokens - 1)) if uniform() < short_seq_prob else max_tokens
+  target, pairs, chunk = new_target(), [], first
+  while chunk < end:
+    # The chunk: sentences chunk..i, up to the first that reaches the target (or the document's last).
+    i = bisect.bisect_left(bounds, bounds[chunk] + target, chunk + 1, end) - 1
+    random_next = uniform() < 0.5
+    if i == chunk:
+      # One sentence fills the chunk: A and B (when B is the real continuation) are its two halves.
+      if bounds[i + 1] - bounds[i] < 2:
+        chunk += 1
+        continue
+      cut = bounds[i] + 1 + int(uniform() * (bounds[i + 1] - bounds[i] - 1))
+      a, b = (bounds[i], cut), (cut, bounds[i + 1])
+    else:
+      a_end = chunk + 1 + int(uniform() * (i - chunk))
+      a, b = (bounds[chunk], bounds[a_end]), (bounds[a_end], bounds[i + 1])
       if random_next:
-        b = random_continuation(documents, index, max(target - (a[1] - a[0]), 1), rng)
-      a, b = truncate_pair(a, b, max_tokens, rng)
-      if a[1] > a[0] and b[1] > b[0]:
-        pairs.append((*a, *b, int(random_next)))
-      chunk = i + 1
-      target = int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
-    i += 1
+        i = a_end - 1  # the sentences not used as B start the next chunk
+    if random_next:
+      b = random_continuation(documents, index, max(target - (a[1] - a[0]), 1), draws)
+    pairs.append((*a, *b, int(random_next)))
+    chunk, target = i + 1, new_target()
   return pairs
 
 
@@ -209,12 +243,17 @@ def sentence_pairs(documents: TokenizedDocuments, tokenizer, seq_len: int, rng: 
   """Every pair of `documents` (each cut `dupe_factor` times, in a random order of documents),
   shuffled: {'tokens', 'segments', 'valid' [N, seq_len], 'next_sentence' [N]} in `dtypes` (N may be 0;
   it is when there are fewer than 2 documents: a random B comes from another one)."""
-  pairs = []
+  pairs, draws = [], Draws(*rng.spawn(2))
   for _ in range(dupe_factor if len(documents) >= 2 else 0):
-    for index in rng.permutation(len(documents)):
-      pairs += document_pairs(documents, int(index), seq_len - 3, short_seq_prob, rng)
-  table = np.asarray(pairs, np.int64).reshape(-1, 5)[rng.permutation(len(pairs))]
+    for index in rng.permutation(len(documents)).tolist():
+      pairs += document_pairs(documents, index, seq_len - 3, short_seq_prob, draws)
+  table = np.asarray(pairs, np.int64).reshape(-1, 5)
   del pairs
+  for start in range(0, len(table), ROWS_PER_LAYOUT):  # in the order drawn: the coins are taken in turn
+    table[start:start + ROWS_PER_LAYOUT, :4] = truncate_pairs(table[start:start + ROWS_PER_LAYOUT, :4], seq_len - 3,
+                                                              draws)
+  table = table[(table[:, 1] > table[:, 0]) & (table[:, 3] > table[:, 2])]  # a side trimmed away: no pair
+  table = table[rng.permutation(len(table))]
   examples = {field: np.zeros((len(table), seq_len) if field != 'next_sentence' else (len(table),), dtypes[field])
               for field in FIELDS}
   for start in range(0, len(table), ROWS_PER_LAYOUT):  # [CLS] A [SEP] B [SEP], padded
@@ -366,11 +405,12 @@ def pretraining_datasets(data_config, workdir: str, seed: int, tokenizer: Tokeni
   for role, (corpus, carve, origins, blank_lines) in corpora.items():
     identity = {'corpus': corpus.identity, 'carve': dataclasses.asdict(carve), 'shard_bytes': size, 'seed': seed,
                 'seq_len': data_config.seq_len, 'dupe_factor': data_config.dupe_factor,
-                'short_seq_prob': data_config.short_seq_prob, 'tokenizer': token_cache.tokenizer_hash(tokenizer)}
+                'short_seq_prob': data_config.short_seq_prob, 'pairing': PAIRING,
+                'tokenizer': token_cache.tokenizer_hash(tokenizer)}
     name = token_cache.cache_name(Documents.prefix, identity)
     directory = token_cache.cache_directory(token_cache.cache_dir(data_config), name)
     cache = token_cache.build(directory, corpus, Documents(data_config, seed, blank_lines, tokenizer), carve,
-                              identity, process_index, process_count)
+                              identity, process_index, process_count, workers=token_cache.cache_workers(data_config))
     for split, origin in origins.items():
       documents[split] = (cache.info('documents', split), origin, len(origins) > 1)
       if split in BUILT:

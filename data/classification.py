@@ -239,7 +239,7 @@ def labelled_datasets(data_config, workdir: str, tokenizer=None, process_index: 
     name = token_cache.cache_name(Labelled.prefix, identity)
     directory = token_cache.cache_directory(token_cache.cache_dir(data_config), name)
     cache = token_cache.build(directory, corpus, Labelled(data_config, tokenizer), carve, identity, process_index,
-                              process_count)
+                              process_count, workers=token_cache.cache_workers(data_config))
     layout = _layout(corpus, [shard['info'] for shard in cache.shards], data_config)
     for split, origin in origins.items():
       target = role if split == 'heldout' else split

@@ -122,7 +122,8 @@ def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, pro
                 'tokenizer': token_cache.tokenizer_hash(tokenizer)}
     name = token_cache.cache_name(Tokens.prefix, identity)
     directory = token_cache.cache_directory(token_cache.cache_dir(data_config), name)
-    cache = token_cache.build(directory, corpus, Tokens(tokenizer), carve, identity, process_index, process_count)
+    cache = token_cache.build(directory, corpus, Tokens(tokenizer), carve, identity, process_index, process_count,
+                              workers=token_cache.cache_workers(data_config))
     for split in described:
       target = role if split == 'all' else split
       streams[target], caches[target] = token_cache.Stream(cache, split), name

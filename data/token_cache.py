@@ -11,6 +11,8 @@ training, whatever the corpus's size:
          the split rule (sources.Carve) gives each record its split, and the processor encodes each
          split's records into fixed fields. Process p of P builds the shards i with i % P == p
          (every host of a pod its share, no text tokenized twice), then waits for the others'.
+         Within a host, data.cache_workers spawned processes build its shards (one per core by
+         default): each holds one shard at a time, so a build's memory grows with the workers.
   read   `Rows` (the rows of a split, the shards taken in turn), `Stream` (a split's 1-D field,
          the shards joined) and `Texts` (text kept for scoring), each shard opened when first read.
 
@@ -67,6 +69,8 @@ FORMAT = 2  # in every cache's name: a cache of another format is never read
 DEFAULT_CACHE_DIR = '~/.cache/attention-lineage/data'  # data.cache_dir's default: runs on one corpus share it
 SHARD_BYTES = 32 << 20  # text per shard: ~10 M tokens (a build holds ~10 bytes per byte of its shard)
 SAFE_CUT_SEARCH = 4 << 20  # bytes searched for a safe cut before cutting at a character boundary
+MAX_WORKERS = 8  # data.cache_workers=0 starts one build process per core, at most this many
+AUTO_WORKERS_BYTES = 16 << 20  # ... once there is this much text to build
 WAIT_SECONDS = 3600  # how long a process waits for the shards other processes build
 LOCAL_MIRROR = '~/.cache/attention-lineage/data-mirror'  # where a gs:// cache's shards are copied to be read
 TOKENIZER_TRAINING_CHARS = 20_000_000  # a tokenizer trains on this much training text: BPE merges stabilise long before
@@ -346,6 +350,11 @@ def cache_dir(data_config) -> str:
   return data_config.get('cache_dir', DEFAULT_CACHE_DIR)
 
 
+def cache_workers(data_config) -> int:
+  """data.cache_workers (0, one per core, for configs saved before it existed)."""
+  return int(data_config.get('cache_workers', 0))
+
+
 def shard_bytes(data_config, fraction: float = 1.0) -> int:
   """Text per shard: data.cache_shard_mb (SHARD_BYTES for configs saved before it existed) x `fraction`."""
   return max(1, int(data_config.get('cache_shard_mb', SHARD_BYTES / 2**20) * 2**20 * fraction))
@@ -383,10 +392,11 @@ def records(corpus: Corpus, processor, carve: sources.Carve, split: str) -> Iter
 
 
 def build(directory: str, corpus: Corpus, processor, carve: sources.Carve, identity: dict, process_index: int = 0,
-          process_count: int = 1, progress: bool = True) -> 'Cache':
+          process_count: int = 1, progress: bool = True, workers: int = 1) -> 'Cache':
   """Build this process's missing shards of `corpus` into `directory`, wait for the other processes',
   and open the cache. Resumable: a shard with its json is complete and skipped; a complete cache is
-  read without writing."""
+  read without writing. `workers` (data.cache_workers, `worker_count`): processes that build this
+  process's shards at once."""
   count = len(corpus.shards)
   done = _done_shards(directory)
   mine = [i for i in range(count) if i % process_count == process_index and i not in done]
@@ -397,15 +407,16 @@ def build(directory: str, corpus: Corpus, processor, carve: sources.Carve, ident
   if mine:
     from tqdm import tqdm
     total = sum(piece.size for i in mine for piece in corpus.shards[i])
-    what = f'{len(mine)} of {count} shards ({total / 1e6:,.1f} MB of text) into {directory}'
+    workers = worker_count(workers, len(mine), total)
+    what = (f'{len(mine)} of {count} shards ({total / 1e6:,.1f} MB of text) into {directory}'
+            + (f' in {workers} processes' if workers > 1 else ''))
     terminal = progress and sys.stderr.isatty()
     if progress and not terminal:
       print(f'Tokenizing {what} ...', flush=True)
     started = time.monotonic()
     with tqdm(total=total, unit='B', unit_scale=True, unit_divisor=1024, disable=not terminal, desc='Tokenizing',
               mininterval=2) as bar:
-      for index in mine:
-        _build_shard(directory, corpus.shards[index], index, processor, carve, process_index)
+      for index in _build_shards(directory, corpus, mine, processor, carve, process_index, workers):
         bar.update(sum(piece.size for piece in corpus.shards[index]))
     seconds = time.monotonic() - started
     if progress:
@@ -425,6 +436,58 @@ def release_memory() -> None:
     ctypes.CDLL(ctypes.util.find_library('c')).malloc_trim(0)
   except (OSError, AttributeError, TypeError):  # not glibc: nothing to do
     pass
+
+
+def worker_count(requested: int, shards: int, text_bytes: int) -> int:
+  """Processes that build `shards` shards of `text_bytes` bytes: `requested`, or for 0 one per core
+  (at most MAX_WORKERS) once there are AUTO_WORKERS_BYTES to build (below that, starting them costs
+  more than they save); never more than the shards."""
+  if requested <= 0:
+    requested = min(os.cpu_count() or 1, MAX_WORKERS) if text_bytes >= AUTO_WORKERS_BYTES else 1
+  return max(1, min(requested, shards))
+
+
+def _build_shards(directory, corpus, indices, processor, carve, process_index, workers) -> Iterator[int]:
+  """Build the shards `indices`, yielding each index once its shard is written: here, or in `workers`
+  spawned processes that each build one shard at a time and tokenize with their share of the cores.
+  One process per shard keeps the per-record Python (splitting, pairing, layout) on every core, where
+  one process with a multi-threaded tokenizer runs it on one. A worker's error is raised here."""
+  if workers <= 1:
+    for index in indices:
+      _build_shard(directory, corpus.shards[index], index, processor, carve, process_index)
+      yield index
+    return
+  import multiprocessing  # spawn: a fork would copy this process's threads (JAX's, the tokenizer's)
+  from concurrent import futures
+  threads = max(1, (os.cpu_count() or 1) // workers)
+  with futures.ProcessPoolExecutor(workers, multiprocessing.get_context('spawn'), initializer=_start_worker,
+                                   initargs=(directory, processor, carve, process_index, threads)) as pool:
+    pending = [pool.submit(_build_in_worker, index, corpus.shards[index]) for index in indices]
+    try:
+      for done in futures.as_completed(pending):
+        yield done.result()
+    except futures.process.BrokenProcessPool as e:
+      raise DataError(f'A process building the token cache {directory} ended before its shard was written (out of '
+                      f'memory, or a script that starts training when imported, without `if __name__ == '
+                      f'"__main__":`, which spawned processes import again): the finished shards are kept; rerun '
+                      f'with --config.data.cache_workers=1 to build in one process.') from e
+    finally:
+      for future in pending:
+        future.cancel()
+
+
+_WORKER = {}  # a build worker's directory, processor, carve and process index (`_start_worker`)
+
+
+def _start_worker(directory, processor, carve, process_index, threads) -> None:
+  os.environ['RAYON_NUM_THREADS'] = str(threads)  # read when the tokenizer first encodes in parallel
+  _WORKER.update(directory=directory, processor=processor, carve=carve, process_index=process_index)
+
+
+def _build_in_worker(index: int, shard) -> int:
+  _build_shard(_WORKER['directory'], shard, index, _WORKER['processor'], _WORKER['carve'], _WORKER['process_index'])
+  release_memory()
+  return index
 
 
 def _build_shard(directory, shard, index, processor, carve, process_index) -> None:

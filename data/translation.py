@@ -348,7 +348,8 @@ def pair_datasets(data_config, workdir: str, seed: int, process_index: int = 0, 
                 'shard_bytes': size, 'tokenizer': token_cache.tokenizer_hash(tokenizer)}
     name = token_cache.cache_name(Pairs.prefix, identity)
     directory = token_cache.cache_directory(token_cache.cache_dir(data_config), name)
-    cache = token_cache.build(directory, corpus, processor, carve, identity, process_index, process_count)
+    cache = token_cache.build(directory, corpus, processor, carve, identity, process_index, process_count,
+                              workers=token_cache.cache_workers(data_config))
     if corpus.shards[0][0].cut == 'lines':
       sources.report_lines(corpus.source, [shard['info'] for shard in cache.shards],
                            sources.max_malformed_fraction(data_config))

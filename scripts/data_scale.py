@@ -15,7 +15,8 @@ records are equal. By --kind:
 and beside it `<out_dir>.eval/`: small held-out files of the same kind (data.eval_source and
 data.test_source), so that the final evaluation does not score a gigabyte.
 
-`measure` runs, each under /usr/bin/time -v (wall time and peak RSS), launch.py on the corpus:
+`measure` runs, each under /usr/bin/time -v (wall time; peak RSS, of the process tree with its cache-building
+workers, sampled every 0.2 s, where that is larger), launch.py on the corpus:
   text            configs/gpt.py:default (byte-level BPE, 2,048 ids)
   pairs           configs/transformer.py:default, data.seq_len=64
   labels          configs/classifier.py:default, data.seq_len=128
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from typing import Iterator
 
@@ -157,11 +159,50 @@ def make_records(kind: str, out_dir: str, megabytes: int) -> None:
 
 
 # ----------------------------------------------------------------------------- measuring
+def tree_rss(root: int) -> int:
+  """Resident bytes of process `root` and all its descendants now (the cache's build workers too)."""
+  parents = {}
+  for entry in os.listdir('/proc'):
+    if entry.isdigit():
+      try:
+        with open(f'/proc/{entry}/stat') as f:
+          parents[int(entry)] = int(f.read().rsplit(')', 1)[1].split()[1])
+      except (OSError, IndexError, ValueError):  # exited meanwhile
+        pass
+  tree, frontier = {root}, [root]
+  while frontier:
+    children = [pid for pid, parent in parents.items() if parent in frontier]
+    tree.update(children)
+    frontier = children
+  total = 0
+  for pid in tree:
+    try:
+      with open(f'/proc/{pid}/statm') as f:
+        total += int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+    except (OSError, IndexError, ValueError):
+      pass
+  return total
+
+
 def timed(command: list[str], env: dict | None = None) -> dict:
-  """Wall seconds, peak RSS (GB) and the last JSON line of a command run under /usr/bin/time -v."""
+  """Wall seconds, peak RSS (GB) and the last JSON line of a command run under /usr/bin/time -v. The peak
+  is the larger of time's (the largest single process) and the process tree's sum sampled every 0.2 s
+  (the parent and its build workers together)."""
   started = time.time()
-  result = subprocess.run(['/usr/bin/time', '-v', *command], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+  process = subprocess.Popen(['/usr/bin/time', '-v', *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+  tree_peak, finished = [0], threading.Event()
+
+  def sample():
+    while not finished.wait(0.2):
+      tree_peak[0] = max(tree_peak[0], tree_rss(process.pid))
+
+  sampler = threading.Thread(target=sample, daemon=True)
+  sampler.start()
+  stdout, stderr = process.communicate()
+  finished.set()
+  sampler.join()
+  result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
   seconds = time.time() - started
   if result.returncode:
     raise SystemExit(f'{" ".join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}')
@@ -169,7 +210,7 @@ def timed(command: list[str], env: dict | None = None) -> dict:
   lines = [line for line in result.stdout.splitlines() if line.startswith('{')]
   builds = re.findall(r'Tokenized .*\(([\d,.]+) MB of text\).* in [\d.]+ s \(([\d.]+) MB/s\)', result.stdout)
   rate = max(builds, key=lambda build: float(build[0].replace(',', '')))[1] if builds else None  # the corpus's
-  return {'seconds': round(seconds, 1), 'peak_rss_gb': round(int(rss.group(1)) / 1e6, 2),
+  return {'seconds': round(seconds, 1), 'peak_rss_gb': round(max(int(rss.group(1)) * 1e3, tree_peak[0]) / 1e9, 2),
           'tokenize_mb_per_s': float(rate) if rate else None,
           'result': json.loads(lines[-1]) if lines else None}
 

@@ -109,9 +109,13 @@ def reference_pairs(documents, max_tokens, short_seq_prob, dupe, rng) -> list:
   random shorter one with probability short_seq_prob), cut at a random sentence into A and B (a lone
   sentence inside it), B replaced half the time by text from a random sentence of another document
   (the unused sentences start the next chunk), the longer side trimmed at a random end until they
-  fit; then shuffled."""
+  fit; then shuffled. The orders and the shuffle come from `rng`; every other choice from two
+  generators spawned from it, drawn one number at a time: uniforms (an integer in [lo, hi) is
+  lo + floor(u * (hi - lo))) and the trimming's coins (front when < 0.5)."""
+  uniforms, coins = rng.spawn(2)
+  below = lambda n: int(uniforms.random() * n)
   pairs = []
-  new_target = lambda: int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
+  new_target = lambda: 2 + below(max_tokens - 1) if uniforms.random() < short_seq_prob else max_tokens
   for _ in range(dupe):
     for index in rng.permutation(len(documents)):
       document, target = documents[index], new_target()
@@ -120,29 +124,29 @@ def reference_pairs(documents, max_tokens, short_seq_prob, dupe, rng) -> list:
         chunk.append(document[i])
         length += len(document[i])
         if i == len(document) - 1 or length >= target:
-          random_next = rng.random() < 0.5
+          random_next = uniforms.random() < 0.5
           if len(chunk) == 1:
             if len(chunk[0]) < 2:
               chunk, length, i = [], 0, i + 1
               continue
-            cut = int(rng.integers(1, len(chunk[0])))
+            cut = 1 + below(len(chunk[0]) - 1)
             a, b = list(chunk[0][:cut]), list(chunk[0][cut:])
           else:
-            a_end = int(rng.integers(1, len(chunk)))
+            a_end = 1 + below(len(chunk) - 1)
             a, b = sum(map(list, chunk[:a_end]), []), sum(map(list, chunk[a_end:]), [])
             if random_next:
               i -= len(chunk) - a_end
           if random_next:
-            other = int(rng.integers(len(documents) - 1))
+            other = below(len(documents) - 1)
             other += other >= index
             b = []
-            for sentence in documents[other][int(rng.integers(len(documents[other]))):]:
+            for sentence in documents[other][below(len(documents[other])):]:
               b += list(sentence)
               if len(b) >= max(target - len(a), 1):
                 break
           while len(a) + len(b) > max_tokens:
             longer = a if len(a) > len(b) else b
-            if rng.random() < 0.5:
+            if coins.random() < 0.5:
               del longer[0]
             else:
               longer.pop()

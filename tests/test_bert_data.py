@@ -46,11 +46,12 @@ def synthetic_documents(count=60, seed=0):
 
 def test_sentence_pairs_next_and_random():
   documents = bert_data.TokenizedDocuments.of(synthetic_documents())
-  rng = np.random.default_rng(1)
+  draws = bert_data.Draws(np.random.default_rng(1), np.random.default_rng(2))
   max_tokens, labels = 40, []
   for index in range(len(documents)):
-    for a_start, a_end, b_start, b_end, random_next in bert_data.document_pairs(documents, index, max_tokens, 0.1,
-                                                                                rng):
+    pairs = np.asarray(bert_data.document_pairs(documents, index, max_tokens, 0.1, draws), np.int64)
+    pairs[:, :4] = bert_data.truncate_pairs(pairs[:, :4], max_tokens, draws)
+    for a_start, a_end, b_start, b_end, random_next in pairs.tolist():
       a, b = documents.tokens[a_start:a_end].tolist(), documents.tokens[b_start:b_end].tolist()
       labels.append(random_next)
       assert a and b and len(a) + len(b) <= max_tokens
@@ -187,23 +188,37 @@ def test_bert_inputs_of_a_batch_equal_the_truncation_loop_row_by_row():
       assert cut[row] == (len(a) + (len(b) + 1 if b is not None else 0) > seq_len - 2)
 
 
-def test_truncate_pair_equals_bert_truncation_loop_with_the_same_draws():
-  """Every (len a, len b, budget) up to 9 + 9 tokens, several seeds: the closed form keeps the same
-  token ranges as BERT's loop (the longer loses a token, b on a tie, from its front when a draw < 0.5)
-  and leaves the generator where the loop does."""
-  for length_a in range(10):
-    for length_b in range(10):
-      for max_tokens in range(length_a + length_b + 1):
-        for seed in range(4):
-          a, b = list(range(100, 100 + length_a)), list(range(200, 200 + length_b))
-          loop_rng = np.random.default_rng(seed)
-          while len(a) + len(b) > max_tokens:
-            longer = a if len(a) > len(b) else b
-            longer.pop(0 if loop_rng.random() < 0.5 else -1)
-          rng = np.random.default_rng(seed)
-          (a0, a1), (b0, b1) = bert_data.truncate_pair((100, 100 + length_a), (200, 200 + length_b), max_tokens, rng)
-          assert (list(range(a0, a1)), list(range(b0, b1))) == (a, b), (length_a, length_b, max_tokens, seed)
-          assert rng.random() == loop_rng.random()
+def test_truncate_pairs_equal_bert_truncation_loop_with_the_same_coins():
+  """Every (len a, len b, budget) up to 9 + 9 tokens, as one batch of pairs, several seeds: the closed
+  form keeps the token ranges of BERT's loop (the longer loses a token, b on a tie, from its front
+  when its coin, `coins.random() < 0.5` drawn one at a time, says so), the pairs' coins in turn."""
+  cases = [(length_a, length_b, max_tokens) for length_a in range(10) for length_b in range(10)
+           for max_tokens in range(1, length_a + length_b + 1)]
+  for seed in range(4):
+    pairs = {max_tokens: [] for max_tokens in range(1, 19)}  # truncate_pairs takes one budget a call
+    for length_a, length_b, max_tokens in cases:
+      pairs[max_tokens].append((100, 100 + length_a, 200, 200 + length_b))
+    coins = np.random.default_rng([seed, 1])
+    draws = bert_data.Draws(np.random.default_rng([seed, 0]), np.random.default_rng([seed, 1]))
+    for max_tokens, batch in pairs.items():
+      got = bert_data.truncate_pairs(np.asarray(batch, np.int64), max_tokens, draws)
+      for (a0, a1, b0, b1), (g0, g1, h0, h1) in zip(batch, got.tolist()):
+        a, b = list(range(a0, a1)), list(range(b0, b1))
+        while len(a) + len(b) > max_tokens:
+          longer = a if len(a) > len(b) else b
+          longer.pop(0 if coins.random() < 0.5 else -1)
+        assert (list(range(g0, g1)), list(range(h0, h1))) == (a, b), (a1 - a0, b1 - b0, max_tokens, seed)
+    assert draws.flips(1)[0] == (coins.random() < 0.5)  # the next coin of each: none taken twice or skipped
+
+
+def test_draws_are_the_generators_numbers_one_at_a_time():
+  draws = bert_data.Draws(np.random.default_rng(7), np.random.default_rng(8))
+  draws.BLOCK = 5  # blocks much smaller than what is taken
+  uniforms, coins = np.random.default_rng(7), np.random.default_rng(8)
+  assert [draws.uniform() for _ in range(12)] == [uniforms.random() for _ in range(12)]
+  assert draws.below(10) == int(uniforms.random() * 10)
+  for count in (3, 0, 11, 1):
+    assert draws.flips(count).tolist() == [coins.random() < 0.5 for _ in range(count)]
 
 
 @pytest.mark.parametrize('kind', ['wordpiece', 'bpe'])

@@ -1,6 +1,6 @@
 """Two real processes build one example cache of each family (translation pairs, labelled texts,
-BERT sentence pairs), each its share of the shards, both reading every row: what each reads equals
-what one process builds and reads alone."""
+BERT sentence pairs), each its share of the shards (the first in two build workers of its own), both
+reading every row: what each reads equals what one process builds and reads alone."""
 import glob
 import json
 import os
@@ -60,18 +60,21 @@ def family_config(family: str, tmp_path) -> dict:
 @pytest.fixture(scope='module')
 def two_processes(tmp_path_factory):
   """Each family's cache built by two processes at once (each builds its shards of the three caches
-  in turn): {family: (its config, the rows each process read)}."""
+  in turn; process 0 with data.cache_workers=2, process 1 in itself): {family: (its config, the rows
+  each process read)}."""
   root = tmp_path_factory.mktemp('two-processes')
   for family in FAMILIES:
     (root / family).mkdir()
   families = {family: family_config(family, root / family) for family in FAMILIES}
   processes = [subprocess.Popen([sys.executable, '-c', BUILD_AND_READ, str(i), '2', json.dumps(
-      {family: (config, str(root / family / f'run{i}'), str(root / family / f'rows{i}.npz'))
+      {family: ({**config, 'cache_workers': 2 - i}, str(root / family / f'run{i}'), str(root / family / f'rows{i}.npz'))
        for family, config in families.items()})], cwd=support.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True) for i in range(2)]
-  for process in processes:
-    _, stderr = process.communicate(timeout=300)
+  outputs = [process.communicate(timeout=300) for process in processes]
+  for process, (stdout, stderr) in zip(processes, outputs):
     assert process.returncode == 0, stderr[-3000:]
+  assert outputs[0][0].count('in 2 processes') == 2 * len(FAMILIES), outputs[0][0]  # 'Tokenizing', 'Tokenized'
+  assert 'in 2 processes' not in outputs[1][0]
   return {family: (config, [dict(np.load(root / family / f'rows{i}.npz')) for i in range(2)])
           for family, config in families.items()}
 

@@ -468,6 +468,15 @@ def test_two_processes_build_half_of_the_shards_each_and_draw_the_global_batches
   np.testing.assert_array_equal(np.concatenate(rows, axis=1), draw(examples, seed=5))
 
 
+def test_build_workers_write_the_files_one_process_writes(corpus, bpe, tmp_path):
+  """data.cache_workers=2: two spawned processes build the shards, each file as one process builds it."""
+  build(corpus, bpe, tmp_path / 'one-process')
+  build(corpus, bpe, tmp_path / 'workers', workers=2)
+  assert cache_files(tmp_path / 'workers') == cache_files(tmp_path / 'one-process')
+  assert token_cache.worker_count(0, 16, 1 << 20) == 1  # a small build stays in its process
+  assert token_cache.worker_count(0, 1, 1 << 30) == 1 and token_cache.worker_count(3, 2, 0) == 2
+
+
 # ----------------------------------------------------------------------------- reading rows of several shards
 def test_rows_take_the_shards_in_turn(tmp_path):
   """Row i of a split is the i-th of the round-robin order over its shards (shards of 3, 0, 5, 1 rows
