@@ -282,7 +282,7 @@ def measure(corpus: str, cache_dir: str, preset: str, kind: str = 'text') -> lis
     workdir = os.path.join(scratch, 'run')
     run = common + [f'--config.data.cache_dir={cache_dir}', f'--workdir={workdir}'] + sources
     shutil.rmtree(cache_dir, ignore_errors=True)
-    rows.append({'step': 'first run: build + 2 steps, one process', **timed(run + ['--config.train.steps=2'])})
+    rows.append({'step': 'first run: build + 2 steps, one command', **timed(run + ['--config.train.steps=2'])})
     rows.append({'step': 'restart +2 steps', **timed(run + ['--config.train.steps=4'])})
     small = os.path.join(scratch, 'small')
     with open(os.path.join(corpus, name) if kind != 'text' else sorted(glob.glob(os.path.join(corpus, name)))[0],
