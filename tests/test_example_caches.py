@@ -15,6 +15,8 @@ import pytest
 
 import support
 from data import bert_data, classification, translation
+from data.sources import DataError
+from data.tokenizers import train_wordpiece
 
 BUILD_AND_READ = textwrap.dedent('''
     import json, sys
@@ -99,3 +101,19 @@ def test_two_processes_build_and_read_one_cache(family, two_processes, tmp_path)
     assert sorted(rows) == sorted(one) and len(next(v for k, v in one.items() if k.startswith('train.'))) > 100
     for name, value in one.items():
       np.testing.assert_array_equal(rows[name], value, err_msg=name)
+
+
+def test_an_error_in_a_build_worker_is_the_builds_one_line_error(tmp_path, capsys):
+  """A line that is not UTF-8 in a shard that a spawned worker builds: the same DataError, naming the
+  line, as when one process builds it; the shards finished before are kept."""
+  config = family_config('classification', tmp_path)
+  path = tmp_path / 'texts.tsv'
+  lines = path.read_bytes().splitlines(keepends=True)
+  lines[500] = b'caf\xe9\tone\n'  # cp1252, in one of the last shards
+  path.write_bytes(b''.join(lines))
+  config = ml_collections.ConfigDict({**config, 'cache_workers': 2})
+  tokenizer = train_wordpiece([line.decode() for line in lines[:400]], vocab_size=200)  # not from the corpus: no
+  with pytest.raises(DataError, match=r'texts.tsv:501: byte 4 of the line \(0xe9\) is not UTF-8'):  # read here
+    classification.labelled_datasets(config, str(tmp_path / 'run'), tokenizer)
+  assert 'in 2 processes' in capsys.readouterr().out
+  assert glob.glob(os.path.join(config.cache_dir, '*-v*', '00000.json'))  # built before the error: kept
