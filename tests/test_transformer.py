@@ -92,6 +92,26 @@ def test_decoder_is_causal():
   assert np.abs(np.asarray(logits[:, 4:] - reference[:, 4:])).max() > 1e-4
 
 
+def test_the_pictures_batched_padded_weights_are_each_sentences_own():
+  """The heatmaps' one compiled forward over padded rows gives each sentence the weights of its
+  own unpadded forward pass: a pad key with weight, or a cut off row, would show here."""
+  from models.attention import record_attention_weights
+  from train.tasks.transformer import decoder_attention_weights
+  model = tiny(2)
+  source, target = batch(2, rows=3, source_len=7, target_len=9)
+  lengths = [9, 4, 6]
+  target = target.at[1, 4:].set(PAD).at[2, 6:].set(PAD)
+  padded = decoder_attention_weights(model, source, target)
+  for row, length in enumerate(lengths):
+    real = int((source[row] != PAD).sum())
+    _, own = record_attention_weights(model, lambda: model(source[row:row + 1, :real], target[row:row + 1, :length]))
+    assert set(own) == set(padded)
+    for name in ('decoder_blocks/1/cross_attention', 'decoder_blocks/1/self_attention'):
+      columns = real if 'cross' in name else length
+      assert_close(padded[name][row, :, :length, :columns], own[name][0], terms=TERMS)
+      assert np.all(np.asarray(padded[name][row, :, :length, columns:]) == 0)  # no weight on padding or the future
+
+
 def test_dropout_is_active_only_in_training():
   model = tiny(4, dropout=0.3)
   source, target = batch(4)

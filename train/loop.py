@@ -277,6 +277,7 @@ class Cooldown:
     self.train, self.progress = train_config, progress
     self._first = (start_step, seconds)  # this process's first step and the run's clock then
     self._timed_from: tuple[int, float] | None = None  # after the first step, which compiles
+    self._compiled_schedule = None  # (plan, its jitted schedule)
 
   @property
   def by_clock(self) -> bool:
@@ -290,7 +291,10 @@ class Cooldown:
     return optim.step_cooldown(self.train)
 
   def learning_rate(self, count: int) -> float:
-    return float(optim.learning_rate_schedule(self.train, self.plan)(count))
+    plan = self.plan
+    if self._compiled_schedule is None or self._compiled_schedule[0] != plan:  # compiled once per plan
+      self._compiled_schedule = plan, jax.jit(optim.learning_rate_schedule(self.train, plan))
+    return float(self._compiled_schedule[1](count))
 
   def check(self, step: int, seconds: float) -> bool:
     """After `step`, at the run's clock `seconds`: whether the cooldown starts now (the plan changed)."""

@@ -164,7 +164,8 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
                                                                      setup.spec.shardings.opt_state))
     if cooldown.by_clock:
       writer.log(cooldown.describe())
-  logger = loop.StepLogger(train, setup.schedule if cooldown is None else cooldown.learning_rate, writer,
+  # The logged learning rate: one compiled program, not an eager dispatch (and compilation) per op of the schedule.
+  logger = loop.StepLogger(train, jax.jit(setup.schedule) if cooldown is None else cooldown.learning_rate, writer,
                            checkpointer.directory)
   compiled_before = compilation.compiled('train_step')
   compiles = lambda: compilation.compiled('train_step') - compiled_before
@@ -175,10 +176,13 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
         if watcher.should_stop(step):
           logger.flush()
           return state, save_and_leave(setup, state, step, save, writer, watcher.requested, compiles())
-        batch = sharding.global_batch(next(data_iter), setup.mesh)
+        local_batch = next(data_iter)
+        batch = sharding.global_batch(local_batch, setup.mesh)
         state, (scalars, metrics) = train_step(state, batch)
         step += 1
-        positions = setup.task.count_tokens(batch)[0]
+        # From this host's numpy slice: on the global arrays, count_tokens' real-token count would be
+        # eager device ops every step.
+        positions = setup.task.count_tokens(local_batch)[0] * jax.process_count()
         progress.tokens += positions
         logger.add(step, scalars, metrics, positions)
         if loop.budget_spent(train, step, save.seconds()):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from errors import ConfigError
 from models.seq2seq import ATTENTION_TYPES, Seq2Seq, Seq2SeqConfig, translate
@@ -75,10 +77,19 @@ class Task(TranslationTask):
     target_in = np.full((len(source), length), tok.pad_id, np.int32)
     for row, output in enumerate(outputs):
       target_in[row, :len(output)] = [tok.bos_id] + output[:-1]
-    _, weights = model(jnp.asarray(source), jnp.asarray(source != tok.pad_id), jnp.asarray(target_in))
+    weights = jax.device_get(teacher_forced_attention(model, jnp.asarray(source), jnp.asarray(source != tok.pad_id),
+                                                      jnp.asarray(target_in)))
     maps = []
     for row, output in enumerate(outputs):
       source_ids = source[row][source[row] != tok.pad_id]
       maps.append((pictures.token_labels(tok, source_ids), pictures.token_labels(tok, output),
                    np.asarray(weights[row, :len(output), :len(source_ids)])))
     return maps
+
+
+@nnx.jit
+def teacher_forced_attention(model: Seq2Seq, source: jax.Array, source_mask: jax.Array,
+                             target_in: jax.Array) -> jax.Array:
+  """[B, S] source and its mask, [B, T] BOS + target -> [B, T, S] attention weights (one compiled
+  program; run eagerly, the recurrent forward is a dispatch and a compilation per op)."""
+  return model(source, source_mask, target_in)[1]

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from errors import ConfigError
 from data import batching
@@ -96,28 +98,46 @@ class Task(TranslationTask):
   def attention_images(self, model, source, outputs, workdir):
     """Heatmaps of the first `pictures.count` test sentences and their beam-search translations."""
     count = min(int(self.config.pictures.count), len(source))
+    if not count:
+      return {}
     tok = self.tokenizer
     layer = self.config.pictures.layer % self.model_config.decoder_layers
+    # All sentences in one compiled forward of one shape per run: the sources as the test chunk pads
+    # them [count, S], the decoder inputs (BOS + output) padded to the T_max `translate` decodes to.
+    # Neither padding moves a real weight: padded sources are masked, and the decoder is causal.
+    longest = max(min(self.model_config.max_len, max_decode_len(float(self.config.decode.max_len_ratio),
+                                                                source.shape[1])),
+                  *(len(outputs[n]) + 1 for n in range(count)))
+    target_in = np.full((count, longest), tok.pad_id, np.int32)
+    for n in range(count):
+      target_in[n, :len(outputs[n]) + 1] = [tok.bos_id] + outputs[n]
+    weights = jax.device_get(decoder_attention_weights(model, jnp.asarray(source[:count]), jnp.asarray(target_in)))
     images = {}
     for n in range(count):
       source_ids = [int(i) for i in source[n] if i != tok.pad_id]
       target_out = outputs[n] + [tok.eos_id]
-      target_in = [tok.bos_id] + outputs[n]
-      _, weights = record_attention_weights(model, lambda: model(jnp.asarray([source_ids]), jnp.asarray([target_in])))
       source_labels, in_labels, out_labels = (pictures.token_labels(tok, ids)
-                                              for ids in (source_ids, target_in, target_out))
-      cross = weights[f'decoder_blocks/{layer}/cross_attention'][0]
-      self_attention = weights[f'decoder_blocks/{layer}/self_attention'][0]
+                                              for ids in (source_ids, target_in[n, :len(target_out)], target_out))
+      rows, columns = len(target_out), len(source_ids)
+      cross = weights[f'decoder_blocks/{layer}/cross_attention'][n, :, :rows, :columns]
+      self_attention = weights[f'decoder_blocks/{layer}/self_attention'][n, :, :rows, :rows]
       panels = [
-          [pictures.Panel(np.asarray(cross[h]), out_labels, source_labels, f'cross-attention, head {h + 1}',
+          [pictures.Panel(cross[h], out_labels, source_labels, f'cross-attention, head {h + 1}',
                           'source', 'predicted target') for h in range(cross.shape[0])],
-          [pictures.Panel(np.asarray(self_attention[h]), out_labels, in_labels, f'self-attention, head {h + 1}',
+          [pictures.Panel(self_attention[h], out_labels, in_labels, f'self-attention, head {h + 1}',
                           'decoder input', 'predicted target') for h in range(self_attention.shape[0])]]
       path = os.path.join(workdir, f'attention_{n}.png')
       pictures.plot_attention(path, panels, f'Decoder layer {layer + 1}: "{self.prepared.family_data[n][0]}" -> '
                                             f'"{tok.decode(outputs[n])}"')
       images[f'attention/sentence_{n}'] = path
     return images
+
+
+@nnx.jit
+def decoder_attention_weights(model: Transformer, source: jax.Array, target_in: jax.Array) -> dict[str, jax.Array]:
+  """[B, S] source, [B, T] BOS + target -> {'decoder_blocks/i/cross_attention': [B, H, T, S],
+  'decoder_blocks/i/self_attention': [B, H, T, T], encoder blocks' likewise} with teacher forcing."""
+  return record_attention_weights(model, lambda: model(source, target_in))[1]
 
 
 def max_decode_len(max_len_ratio: float, source_len: int) -> int:
