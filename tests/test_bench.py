@@ -107,9 +107,10 @@ def test_bench_task_builds_the_model_training_builds(family):
   config = importlib.import_module(f'configs.{family}').get_config('tiny')
   task = bench_task(config)
   assert task.model_config.vocab_size == config.data.vocab_size
-  model = task.build_model(nnx.Rngs(0))
+  # Jitted: eagerly, every op of the initialiser and the loss compiles on its own (~100 of them).
+  model = nnx.jit(task.build_model)(nnx.Rngs(0))
   batch = {k: jnp.asarray(v) for k, v in task.example_batch(config.train.batch_size).items()}
-  loss, metrics = task.loss(model, batch, deterministic=True)
+  loss, metrics = nnx.jit(lambda m, b: task.loss(m, b, deterministic=True))(model, batch)
   assert np.isfinite(float(loss)) and 'loss' in metrics
   if family == 'bert':
     assert task.model_config.heads == 'pretraining' and 'mlm_loss' in metrics

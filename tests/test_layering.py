@@ -63,9 +63,10 @@ def test_the_check_sees_an_upward_import(tmp_path):
   assert repo_imports(str(path)) == {'train'}
 
 
+@functools.cache  # walked once per root: the private-name check asks for every file it reads
 def module_files(root: str) -> dict[str, str]:
   """{dotted module name: path} of every .py file under `root` (hidden folders aside); a package
-  is named by its __init__.py."""
+  is named by its __init__.py. Read only: the dict is shared by its callers."""
   modules = {}
   for directory, folders, files in os.walk(root):
     folders[:] = [f for f in folders if not f.startswith('.') and f != '__pycache__']
