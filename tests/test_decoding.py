@@ -178,7 +178,7 @@ def test_one_beam_is_greedy(family):
     else:
       model = tiny_transformer(seed)
       source, lengths = ragged_source(TRANSFORMER.vocab_size, seed=seed)
-      cache = model.init_cache(source, model.encode(source), max_len)
+      cache = nnx.jit(lambda m, s: m.init_cache(s, m.encode(s), max_len))(model, source)  # one compilation
     limits = jnp.asarray(limits_for(lengths, 1.0, 2, max_len))
     greedy, greedy_logprob = search(model, cache, limits, 0, max_len)
     beam, beam_logprob = search(model, cache, limits, 1, max_len)

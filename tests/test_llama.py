@@ -107,11 +107,13 @@ def test_splash_takes_grouped_heads_alone_and_split_over_a_mesh():
     mask = attention.AttentionMask(causal=True, query_segment_ids=segments[:len(q)], key_segment_ids=segments[:len(q)])
     return attention.dot_product_attention(q, k, v, mask, implementation=implementation)[0]
 
-  expected = attend('xla', q, k, v)
+  # Jitted (one compilation each, not one per op): the einsum reference, one row through the kernel.
+  expected = jax.jit(functools.partial(attend, 'xla'))(q, k, v)
   # One row alone: the outputs, and the multi-query kernel's backward per K/V head.
   terms = 16 + 2 * 128  # a head's dot product over D = 16, the normalizer and the values over 128 keys
-  assert_close(attend('splash', q[:1], k[:1], v[:1]), expected[:1], terms=terms)
-  key_grad = lambda implementation: jax.grad(lambda k: jnp.sum(jnp.sin(attend(implementation, q[:1], k, v[:1]))))(k[:1])
+  assert_close(jax.jit(functools.partial(attend, 'splash'))(q[:1], k[:1], v[:1]), expected[:1], terms=terms)
+  key_grad = lambda implementation: jax.jit(jax.grad(
+      lambda k: jnp.sum(jnp.sin(attend(implementation, q[:1], k, v[:1])))))(k[:1])
   assert_close(key_grad('splash'), key_grad('xla'), terms=2 * terms + 2 * 128)  # + the sums over queries and groups
   with sharding.use_mesh(sharding.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})):  # 2 KV heads over tensor=2
     out = jax.jit(functools.partial(attend, 'splash'))(q, k, v)

@@ -20,9 +20,10 @@ def test_chunked_cross_entropy_equals_the_plain_one(label_smoothing, chunk):
   table = jax.random.normal(keys[1], (50, 16))
   targets = jax.random.randint(keys[2], (3, 7), 0, 50)
   weights = (jax.random.uniform(keys[3], (3, 7)) > 0.3).astype(jnp.float32)
-  plain = lambda h, w: lm_loss(h @ w.T, targets, weights, label_smoothing)
-  chunked = lambda h, w: chunked_lm_loss(h, w, targets, weights, vocab_size=50, label_smoothing=label_smoothing,
-                                         chunk_tokens=chunk)
+  # Jitted, as training runs them (eagerly, every op would compile on its own).
+  plain = jax.jit(lambda h, w: lm_loss(h @ w.T, targets, weights, label_smoothing))
+  chunked = jax.jit(lambda h, w: chunked_lm_loss(h, w, targets, weights, vocab_size=50,
+                                                 label_smoothing=label_smoothing, chunk_tokens=chunk))
   (loss, metrics), (loss_c, metrics_c) = plain(hidden, table), chunked(hidden, table)
   terms = 16 + 50 + 21  # a logit's dot product, the normalizer over the vocabulary, the sum over 3 x 7 tokens
   assert_close(loss_c, loss, terms=terms)
@@ -30,8 +31,8 @@ def test_chunked_cross_entropy_equals_the_plain_one(label_smoothing, chunk):
   for name in ('loss', 'accuracy'):  # the weight count, and the count of correct tokens: exact
     np.testing.assert_array_equal(metrics_c[name][1], metrics[name][1])
   np.testing.assert_array_equal(metrics_c['accuracy'][0], metrics['accuracy'][0])
-  grads = jax.grad(lambda h, w: plain(h, w)[0], argnums=(0, 1))(hidden, table)
-  grads_c = jax.grad(lambda h, w: chunked(h, w)[0], argnums=(0, 1))(hidden, table)
+  grads = jax.jit(jax.grad(lambda h, w: plain(h, w)[0], argnums=(0, 1)))(hidden, table)
+  grads_c = jax.jit(jax.grad(lambda h, w: chunked(h, w)[0], argnums=(0, 1)))(hidden, table)
   for g, g_c in zip(grads, grads_c):
     assert_close(g_c, g, terms=terms)
 

@@ -107,8 +107,9 @@ def test_beam_search_reorders_the_state_correctly():
   model = make('bahdanau', seed=3)
   src, src_valid, _ = inputs(1)
   bos, eos = 1, 2
-  result = decoding.beam_search(model.decode_step, model.encode(src, src_valid), jnp.full((B, 1), bos),
-                                beam_size=3, max_len=6, eos_id=eos, alpha=0.0)
+  search = nnx.jit(lambda m, src, src_valid: decoding.beam_search(  # jitted: one compilation, not one per op
+      m.decode_step, m.encode(src, src_valid), jnp.full((B, 1), bos), beam_size=3, max_len=6, eos_id=eos, alpha=0.0))
+  result = search(model, src, src_valid)
   best = np.asarray(result.tokens[:, 0])  # [B, 6]: tokens, EOS, then padding
   length = 1 + np.argmax(best == eos, axis=1)
   tgt_in = jnp.asarray(np.concatenate([np.full((B, 1), bos), best[:, :-1]], axis=1))

@@ -126,10 +126,10 @@ def test_a_gpt_trains_the_same_with_splash_as_with_einsum():
   config = dict(vocab_size=64, max_len=L, num_layers=2, num_heads=2, width=32, dropout=0.0)
   tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, size=(2, L)), jnp.int32)
 
-  def loss_and_grads(implementation):
-    model = GPT(GPT2Config(**config, attention=implementation), rngs=nnx.Rngs(0))
+  def loss_and_grads(implementation):  # jitted: eagerly, every op of the model and the kernel compiles alone
+    model = nnx.jit(lambda rngs: GPT(GPT2Config(**config, attention=implementation), rngs=rngs))(nnx.Rngs(0))
     loss = lambda model: jnp.mean(jax.nn.log_softmax(model(tokens)[0].astype(jnp.float32))[..., 0])
-    return nnx.value_and_grad(loss)(model)
+    return nnx.jit(nnx.value_and_grad(loss))(model)
 
   (splash_loss, splash_grads), (einsum_loss, einsum_grads) = loss_and_grads('splash'), loss_and_grads('xla')
   terms = transformer_terms(2, 32, 4 * 32, L, vocab=64, positions=2 * L)

@@ -27,6 +27,10 @@ TINY = TransformerConfig(vocab_size=19, width=32, num_heads=4, encoder_layers=2,
 TERMS = transformer_terms(TINY.encoder_layers + 2 * TINY.decoder_layers, TINY.width, TINY.mlp_dim, 24)
 
 
+# The forward pass jitted (compiled once per shape): run eagerly, each of its ~100 ops compiles on its own.
+forward = nnx.jit(Transformer.__call__)
+
+
 def tiny(seed=0, **overrides):
   return Transformer(dataclasses.replace(TINY, **overrides), rngs=nnx.Rngs(seed))
 
@@ -46,9 +50,8 @@ def batch(seed=0, rows=4, source_len=7, target_len=6):
 def test_cached_decoding_equals_full_forward(overrides):
   model = tiny(**overrides)
   source, target = batch()
-  full = model(source, target)
-  memory = model.encode(source)
-  cache = model.init_cache(source, memory, max_len=TINY.max_len)
+  full = forward(model, source, target)
+  cache = nnx.jit(lambda m, s: m.init_cache(s, m.encode(s), max_len=TINY.max_len))(model, source)
   step = nnx.jit(Transformer.decode_step)
   for index in range(target.shape[1]):
     logits, cache = step(model, target[:, index:index + 1], cache, index)
@@ -59,19 +62,19 @@ def test_padded_source_positions_change_no_logit():
   model = tiny(1)
   source, target = batch(1)
   valid = source != PAD
-  reference = model(source, target)
+  reference = forward(model, source, target)
   # Different tokens at the padded positions, still marked invalid: no logit may move.
   noise = jnp.asarray(np.random.default_rng(9).integers(3, TINY.vocab_size, source.shape), jnp.int32)
   changed = jnp.where(valid, source, noise)
   assert not np.array_equal(changed, source)
-  assert_close(model(changed, target, source_lengths=valid.sum(1)), reference, terms=TERMS)
+  assert_close(forward(model, changed, target, source_lengths=valid.sum(1)), reference, terms=TERMS)
   # Cross-attention alone: huge encoder states at padded positions must not leak either.
-  memory = model.encode(source)
+  memory = nnx.jit(Transformer.encode)(model, source)
   poisoned = jnp.where(valid[:, :, None], memory, 1e3 * jax.random.normal(jax.random.key(0), memory.shape))
-  assert_close(model.decode(target, poisoned, valid.sum(1))[0], reference, terms=TERMS)
+  assert_close(nnx.jit(Transformer.decode)(model, target, poisoned, valid.sum(1))[0], reference, terms=TERMS)
   # A real source token does matter (the checks above are not vacuous).
   flipped = source.at[:, 0].set(jnp.where(source[:, 0] == 5, 6, 5))
-  assert np.abs(np.asarray(model(flipped, target) - reference)).max() > 1e-3
+  assert np.abs(np.asarray(forward(model, flipped, target) - reference)).max() > 1e-3
 
 
 def test_padding_tokens_beyond_real_source_change_no_logit():
@@ -79,15 +82,15 @@ def test_padding_tokens_beyond_real_source_change_no_logit():
   model = tiny(2)
   source, target = batch(2)
   longer = jnp.concatenate([source, jnp.zeros((source.shape[0], 5), jnp.int32)], axis=1)
-  assert_close(model(longer, target), model(source, target), terms=TERMS)
+  assert_close(forward(model, longer, target), forward(model, source, target), terms=TERMS)
 
 
 def test_decoder_is_causal():
   model = tiny(3)
   source, target = batch(3)
-  reference = model(source, target)
+  reference = forward(model, source, target)
   changed = target.at[:, 4].set((target[:, 4] + 1) % TINY.vocab_size)
-  logits = model(source, changed)
+  logits = forward(model, source, changed)
   assert_close(logits[:, :4], reference[:, :4], terms=TERMS)
   assert np.abs(np.asarray(logits[:, 4:] - reference[:, 4:])).max() > 1e-4
 
@@ -287,7 +290,7 @@ def test_attention_never_crosses_segments():
   model = tiny(6, max_len=24)
   packed, _ = pack_pairs(ragged_pairs(8, 24, seed=6), rows=2, pad_id=PAD)
   segments = {name: jnp.asarray(packed[name]) for name in ('source_segments', 'target_segments')}
-  run = lambda source, target_in: model(jnp.asarray(source), jnp.asarray(target_in), **segments)
+  run = lambda source, target_in: forward(model, jnp.asarray(source), jnp.asarray(target_in), **segments)
   reference = run(packed['source'], packed['target_in'])
   # New tokens for segment 2 on both sides: every other position keeps its logits.
   rng = np.random.default_rng(0)
@@ -324,14 +327,14 @@ def test_loss_is_label_smoothed_cross_entropy_over_real_target_tokens(tmp_path):
   config = tiny_config(tmp_path)
   config.data.packing = False  # one pair per row; packed rows have their own test
   task = prepare_task(config, str(tmp_path / 'run'))
-  model = task.build_model(nnx.Rngs(0))
+  model = nnx.jit(task.build_model)(nnx.Rngs(0))  # jitted: one compilation, not one per op
   batch = {k: jnp.asarray(v) for k, v in task.example_batch(3).items()}
   target_out = np.array(batch['target_out'])
   target_out[0, 5:] = task.tokenizer.pad_id  # ragged real lengths
   target_out[2, 1:] = task.tokenizer.pad_id
   batch['target_out'] = jnp.asarray(target_out)
-  loss, metrics = task.loss(model, batch, deterministic=True)
-  logits = np.asarray(model(batch['source'], batch['target_in']), np.float64)
+  loss, metrics = nnx.jit(lambda m, b: task.loss(m, b, deterministic=True))(model, batch)
+  logits = np.asarray(forward(model, batch['source'], batch['target_in']), np.float64)
   logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
       logits.max(-1, keepdims=True)
   eps, vocab = config.train.label_smoothing, logits.shape[-1]
