@@ -148,8 +148,9 @@ def test_short_poor_hypotheses_do_not_end_the_search():
 
   cache = {'deviated': jnp.zeros((2,), bool)}
   bos = jnp.full((2, 1), BOS, jnp.int32)
-  greedy = jax.jit(lambda: decoding.decode(step_fn, cache, bos, max_len=MAX_LEN, eos_id=EOS))()  # jitted: one
-  assert hypothesis(greedy.tokens[0]) == good.tolist()  # compilation, not one per op of the search
+  # Jitted: one compilation each, not one per op of the search.
+  greedy = jax.jit(lambda: decoding.decode(step_fn, cache, bos, max_len=MAX_LEN, eos_id=EOS))()
+  assert hypothesis(greedy.tokens[0]) == good.tolist()
   for alpha in (0.0, 0.6):
     beam = jax.jit(lambda: decoding.beam_search(step_fn, cache, bos, beam_size=3, max_len=MAX_LEN, eos_id=EOS,
                                                 alpha=alpha))()
