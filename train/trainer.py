@@ -158,15 +158,7 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
   {'step', 'train/compiles', 'stopped'?, 'preempted'?, 'target/...'?})."""
   train, checkpointer, progress = setup.config.train, save.checkpointer, save.progress
   train_step = steps.jit_train_step(setup.task, setup.spec, setup.tx, train.grad_accum)
-  cooldown = loop.Cooldown(train, progress, start_step, save.seconds()) if train.schedule == 'wsd' else None
-  if cooldown is not None:  # the plan this run follows (a resume's, or the one train.steps gives now)
-    state = dataclasses.replace(state, opt_state=optim.with_cooldown(state.opt_state, cooldown.plan,
-                                                                     setup.spec.shardings.opt_state))
-    if cooldown.by_clock:
-      writer.log(cooldown.describe())
-  # The logged learning rate: one compiled program, not an eager dispatch (and compilation) per op of the schedule.
-  logger = loop.StepLogger(train, jax.jit(setup.schedule) if cooldown is None else cooldown.learning_rate, writer,
-                           checkpointer.directory)
+  state, cooldown, logger = schedule_and_logger(setup, state, save, writer, start_step)
   compiled_before = compilation.compiled('train_step')
   compiles = lambda: compilation.compiled('train_step') - compiled_before
   step, stopped = start_step, None
@@ -213,6 +205,22 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
     writer.log(f'Target {setup.target} not met by step {step}.')
   return state, {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {}),
                  **loop.target_results(setup.target, progress)}
+
+
+def schedule_and_logger(setup: Setup, state: TrainState, save: loop.Saver, writer: MetricWriter, start_step: int
+                        ) -> tuple[TrainState, loop.Cooldown | None, loop.StepLogger]:
+  """(the state with wsd's cooldown plan in its optimizer state, that plan's Cooldown or None without
+  wsd, the step logger). The plan is a resume's, or the one train.steps gives now."""
+  train = setup.config.train
+  cooldown = loop.Cooldown(train, save.progress, start_step, save.seconds()) if train.schedule == 'wsd' else None
+  if cooldown is not None:
+    state = dataclasses.replace(state, opt_state=optim.with_cooldown(state.opt_state, cooldown.plan,
+                                                                     setup.spec.shardings.opt_state))
+    if cooldown.by_clock:
+      writer.log(cooldown.describe())
+  # The logged learning rate: one compiled program, not an eager dispatch (and compilation) per op of the schedule.
+  learning_rate = jax.jit(setup.schedule) if cooldown is None else cooldown.learning_rate
+  return state, cooldown, loop.StepLogger(train, learning_rate, writer, save.checkpointer.directory)
 
 
 def save_and_leave(setup: Setup, state: TrainState, step: int, save: loop.Saver, writer: MetricWriter,
