@@ -33,6 +33,7 @@ def test_bench_mode_ends_with_one_sane_json_line():
   assert out['tokens_per_s'] == pytest.approx(8 * 32 / (out['step_ms'] / 1000), rel=0.01)
   assert out['real_tokens_per_s'] == pytest.approx(out['tokens_per_s'], rel=0.01)  # LM windows hold no padding
   assert out['achieved_tflops'] == pytest.approx(out['tokens_per_s'] * out['model_flops_per_token'] / 1e12, rel=0.01)
+  assert out['parallel_devices'] == 1  # one CPU process
   assert out['mfu'] == pytest.approx(out['achieved_tflops'] / out['matmul_tflops'], rel=0.01)
   assert out['compile_s'] > 0 and out['peak_rss_mb'] > 50 and np.isfinite(out['final_loss'])
   assert set(out['decode_tokens_per_s']) == {'1', '8'} and all(v > 0 for v in out['decode_tokens_per_s'].values())

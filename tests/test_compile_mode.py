@@ -35,6 +35,9 @@ def test_compile_mode_describes_the_step_bench_compiles(tmp_path):
       [xla['temp'], xla['argument'], xla['output'], xla['alias']]
   assert (out['target'], out['devices'], out['mesh']) == ('cpu-8', 8, {'data': 8, 'fsdp': 1, 'tensor': 1})
   assert (out['params'], out['attention'], out['rng_impl']) == (timed['params'], 'xla', 'threefry')
+  # 8 CPU devices of one process share its cores: the machine's ceiling is one device's matmul.
+  assert timed['parallel_devices'] == 1 and timed['mfu'] == pytest.approx(timed['achieved_tflops'] /
+                                                                            timed['matmul_tflops'], rel=0.01)
   assert out['per_device_total_bytes'] == out['temp_bytes'] + out['argument_bytes'] + out['output_bytes'] - \
       out['alias_bytes']
   assert out['fits'] and out['compile_s'] > 0 and out['init_compile_s'] > 0

@@ -27,10 +27,13 @@ training runs. Ends with one JSON line:
                                     wall time to other jobs on a shared machine)
   model_flops_per_token             `Task.flops_per_token()` (each family documents its formula)
   achieved_tflops                   tokens_per_s x model_flops_per_token
-  matmul_tflops, mfu                a square matmul in the model's dtype, timed in this run before
-                                    and after the steps (the ceiling this machine offers right now);
-                                    mfu = achieved / matmul
-  datasheet_tflops, mfu_datasheet   TPU / GPU only: the vendor's dense peak for the dtype
+  matmul_tflops, mfu                a square matmul in the model's dtype on one device, timed in this
+                                    run before and after the steps (the ceiling it offers right now);
+                                    mfu = achieved / (matmul x parallel_devices)
+  parallel_devices                  how many such ceilings the run's devices add up to: every GPU /
+                                    TPU device; on CPU one per process (its devices share its cores)
+  datasheet_tflops, mfu_datasheet   TPU / GPU only: the vendor's dense peak for the dtype per device;
+                                    mfu_datasheet = achieved / (peak x parallel_devices)
   decode_tokens_per_s               {batch: new tokens/s} of greedy cached generation (prompt 16,
                                     `decode.max_new_tokens` new, prefill included) for families
                                     with a `Task.generate`; null otherwise or with decode=False
@@ -94,7 +97,8 @@ def datasheet_tflops(device_kind: str, dtype: str) -> float | None:
 
 
 def matmul_tflops(dtype: str, size: int | None = None, reps: int = 5) -> float:
-  """TFLOP/s of a jit-compiled square matmul on the first device: the ceiling measured right now."""
+  """TFLOP/s of a jit-compiled square matmul on the default device: the ceiling measured right now.
+  Call it outside a mesh context (inside one, jit replicates the matmul on every device)."""
   size = size or (2048 if jax.default_backend() == 'cpu' else 8192)
   a = jax.random.normal(jax.random.key(0), (size, size), jnp.dtype(dtype))
   b = jax.random.normal(jax.random.key(1), (size, size), jnp.dtype(dtype))
@@ -168,9 +172,12 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    ceiling_before = matmul_tflops(dtype)
-    state, scalars, times, cpu_per_step = _time_steps(compiled, state, batch, steps, warmup, profile_dir)
-    ceiling = (ceiling_before + matmul_tflops(dtype)) / 2
+  # The matmul probe runs outside the mesh: inside it, jit would replicate the probe on every device
+  # (8 fake CPU devices: the machine's cores doing 8 matmuls, an eighth of the ceiling).
+  ceiling_before = matmul_tflops(dtype)
+  state, scalars, times, cpu_per_step = _time_steps(compiled, state, batch, steps, warmup, profile_dir)
+  ceiling = (ceiling_before + matmul_tflops(dtype)) / 2
+  with sharding.use_mesh(mesh):
     model = state_lib.model_of(spec, state)
     new_tokens = decode_new_tokens(config, task.model_config)
     decode_speed = _decode_speed(task, model, new_tokens) if decode else None
@@ -181,6 +188,9 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   achieved = tokens_per_s * flops / 1e12 if flops else None
   device = jax.devices()[0]
   peak = datasheet_tflops(device.device_kind, dtype) if device.platform != 'cpu' else None
+  # Accelerators each compute on their own; a process's CPU devices share its cores, which one
+  # device's matmul already uses.
+  parallel = jax.process_count() if device.platform == 'cpu' else jax.device_count()
   analysis, hlo_text = compiled.memory_analysis(), compiled.as_text()
   return {
       'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
@@ -191,8 +201,10 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'compile_s': round(compile_s, 2), 'init_s': round(init_s, 2), 'rng_impl': spec.rng_impl,
       'model_flops_per_token': flops,
       'achieved_tflops': None if achieved is None else _significant(achieved),
-      'matmul_tflops': _significant(ceiling), 'mfu': None if achieved is None else _significant(achieved / ceiling),
-      'datasheet_tflops': peak, 'mfu_datasheet': None if achieved is None or not peak else _significant(achieved / peak),
+      'matmul_tflops': _significant(ceiling), 'parallel_devices': parallel,
+      'mfu': None if achieved is None else _significant(achieved / (ceiling * parallel)),
+      'datasheet_tflops': peak,
+      'mfu_datasheet': None if achieved is None or not peak else _significant(achieved / (peak * parallel)),
       'decode_tokens_per_s': None if decode_speed is None else {k: round(v, 1) for k, v in decode_speed.items()},
       'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
