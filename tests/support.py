@@ -72,14 +72,82 @@ def xla_flags(devices: int) -> str:
 
 
 def launch(args, devices: int = 1, timeout: int = 300, env_overrides: dict | None = None, **popen):
-  """Run launch.py in a fresh process with `devices` fake CPU devices."""
+  """Run launch.py in a new process with `devices` fake CPU devices: `subprocess.run`'s result, or
+  with Popen arguments (stdin, start_new_session...) the `subprocess.Popen` of a fresh interpreter.
+  Without them the process is forked from tests/preloaded_launcher.py (the imports done), unless
+  `env_overrides` changes a variable JAX reads when it is imported."""
   env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS='cpu',
              **(env_overrides or {}))
   command = [sys.executable, os.path.join(REPO, 'launch.py'), *args]
   if popen:
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **popen)
-  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  launcher = _preloaded_launcher()
+  if _jax_environment(env) != launcher.jax_environment:
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  return launcher.run(command, env, timeout)
+
+
+def _jax_environment(env: dict) -> dict:
+  """The variables JAX reads when it is imported (its config's defaults)."""
+  return {key: value for key, value in env.items() if key.startswith('JAX_')}
+
+
+class _PreloadedLauncher:
+  """The client of one tests/preloaded_launcher.py server (see its docstring)."""
+
+  def __init__(self):
+    import atexit
+    import shutil
+    import tempfile
+    import threading
+    self.jax_environment = _jax_environment(os.environ)
+    self.server = subprocess.Popen([sys.executable, os.path.join(REPO, 'tests', 'preloaded_launcher.py')], cwd=REPO,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+    self.unread = b''
+    self.outputs = tempfile.mkdtemp(prefix='launch-outputs-')
+    atexit.register(shutil.rmtree, self.outputs, ignore_errors=True)
+    self.lock = threading.Lock()
+
+  def reply(self, timeout: float | None = None) -> dict | None:
+    """The server's next JSON line, or None when `timeout` seconds pass without one."""
+    import select
+    while b'\n' not in self.unread:
+      if not select.select([self.server.stdout], [], [], timeout)[0]:
+        return None
+      chunk = os.read(self.server.stdout.fileno(), 4096)
+      if not chunk:
+        raise RuntimeError(f'tests/preloaded_launcher.py exited ({self.server.wait()}); its stderr is above.')
+      self.unread += chunk
+    line, self.unread = self.unread.split(b'\n', 1)
+    return json.loads(line)
+
+  def run(self, command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    import signal
+    with self.lock:
+      stdout, stderr = os.path.join(self.outputs, 'stdout'), os.path.join(self.outputs, 'stderr')
+      request = {'argv': command[2:], 'env': env, 'cwd': REPO, 'stdout': stdout, 'stderr': stderr}
+      self.server.stdin.write((json.dumps(request) + '\n').encode())
+      pid = self.reply()['pid']
+      done = self.reply(timeout)
+      if done is None:  # as subprocess.run(timeout=...): kill it, then raise with what it wrote
+        os.kill(pid, signal.SIGKILL)
+        self.reply()
+      with open(stdout) as out, open(stderr) as err:
+        written = out.read(), err.read()
+    if done is None:
+      raise subprocess.TimeoutExpired(command, timeout, *written)
+    return subprocess.CompletedProcess(command, done['returncode'], *written)
+
+
+_LAUNCHERS = {}
+
+
+def _preloaded_launcher() -> _PreloadedLauncher:
+  """This test process's server (forked children cannot share their parent's)."""
+  if os.getpid() not in _LAUNCHERS:
+    _LAUNCHERS[os.getpid()] = _PreloadedLauncher()
+  return _LAUNCHERS[os.getpid()]
 
 
 def last_json(stdout: str) -> dict:

@@ -1,0 +1,77 @@
+"""launch.py runs for the tests, forked from a process that has already imported what launch.py imports.
+
+Importing JAX, Flax, Grain, Orbax and the trainer takes ~2.5 s of CPU per process, and the suite
+starts launch.py dozens of times. This server (one per test worker, started on first use) imports
+them once, before any JAX backend exists, and serves each request by forking: the child sets the
+request's environment, working directory and argv, redirects stdin from /dev/null and stdout /
+stderr into files, runs launch.py as `__main__` and exits through the interpreter's normal shutdown,
+as `python launch.py ...` would. XLA reads XLA_FLAGS (the fake device count) when the child first
+starts a backend, so each child gets its own; variables JAX reads at import (JAX_*) cannot change
+after the fork, so `support.launch` starts a fresh interpreter for a request that changes them.
+Forking is safe while no backend exists: JAX itself only warns about os.fork once it has started
+one (xla_bridge installs its at-fork warning then). The one thread jaxlib starts at import waits
+idle on a futex; Python 3.12+ warns about any fork of a process with a second thread, so that
+warning is silenced here.
+
+Protocol (one JSON object per line): request {argv, env, cwd, stdout, stderr} on stdin; replies
+{pid} when the child starts and then {returncode} (negative: killed by that signal) on stdout.
+"""
+import json
+import os
+import runpy
+import signal
+import sys
+import warnings
+
+
+def preload() -> None:
+  """Import what launch.py's modes import, and start nothing (no backend, no thread)."""
+  import jax  # noqa: F401
+  import optax  # noqa: F401
+  import tensorboardX  # noqa: F401
+  from flax import nnx  # noqa: F401
+  from train import evaluation, rundir, trainer  # noqa: F401
+
+
+def serve() -> dict | None:
+  """Answer requests until stdin closes (None); in a forked child, return its request."""
+  warnings.filterwarnings('ignore', message=r'.*use of fork\(\) may lead to deadlocks', category=DeprecationWarning)
+  for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+      return request
+    reply({'pid': pid})
+    _, status = os.waitpid(pid, 0)
+    reply({'returncode': os.waitstatus_to_exitcode(status)})
+  return None
+
+
+def reply(message: dict) -> None:
+  sys.stdout.write(json.dumps(message) + '\n')
+  sys.stdout.flush()
+
+
+def run_launch(request: dict) -> None:
+  """In the child: become `cd cwd && env ... python launch.py argv... </dev/null >stdout 2>stderr`."""
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  os.environ.clear()
+  os.environ.update(request['env'])
+  os.chdir(request['cwd'])
+  for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request['stdout'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                          (2, request['stderr'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+    opened = os.open(path, flags, 0o644)
+    os.dup2(opened, fd)
+    os.close(opened)
+  sys.stdin = open(0, closefd=False)
+  script = os.path.join(request['cwd'], 'launch.py')
+  sys.argv = [script, *request['argv']]
+  runpy.run_path(script, run_name='__main__')
+
+
+if __name__ == '__main__':
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, as for launch.py
+  preload()
+  child_request = serve()
+  if child_request is not None:
+    run_launch(child_request)  # its SystemExit (or its return) ends the child like launch.py's process
