@@ -5,7 +5,7 @@ English -> Spanish pairs (issue #33).
   python scripts/make_gettext_corpus.py --out_dir=/tmp/gettext
   python launch.py --sweep=configs/sweeps/transformer_recipe.py --workdir=runs/sweep-transformer --sweep_workers=2
 
-Each trial trains configs/transformer.py:default (2 + 2 layers, width 128) for the preset's 800
+Each trial trains configs/transformer.py:default (2 + 2 layers, width 128) for the preset's 500
 steps on /tmp/gettext/train.tsv and is scored by its validation token accuracy (valid.tsv, the
 best checkpoint; accuracy, not loss, because label smoothing is searched and changes the loss);
 the median pruner stops a trial that is below the median at an evaluation (every 200 steps).
