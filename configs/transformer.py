@@ -8,7 +8,7 @@ cross-attention and decoder self-attention per head) whose paths are printed.
 Measured (seed 0, 500 steps of 32 packed rows, 2 cores of an AMD EPYC, 2026-11-27): test BLEU 99.93
 with beam 4 and greedy, exact match 99.8%, token accuracy 99.98%; the train step compiled once;
 1 min 41 s wall clock (the programs in the compilation cache). The recipe before (Adam, rsqrt, 800
-steps) gave 99.73 in 1 min 48 s, run right after the new one's 1 min 36 s (cache warm for both).
+steps) gave 99.73 in 1 min 48 s, run right before the new one's 1 min 36 s (cache warm for both).
 
 The `default` recipe (issue #33): Muon (lr 4e-3; its AdamW 2e-3 for the shared embedding, norms
 and biases), warmup-stable-decay (100 warmup steps, the last 20% cooled with 1-sqrt), QK-norm,
