@@ -149,6 +149,21 @@ def _decode_speed(task, model, new_tokens: int) -> dict[str, float] | None:
   return speeds
 
 
+def _utilisation(achieved: float | None, ceiling: float, dtype: str) -> dict[str, Any]:
+  """Achieved TFLOP/s against the measured matmul `ceiling` (one device's) and the datasheet peak,
+  times the devices that compute in parallel."""
+  device = jax.devices()[0]
+  peak = datasheet_tflops(device.device_kind, dtype) if device.platform != 'cpu' else None
+  # Accelerators each compute on their own; a process's CPU devices share its cores, which one
+  # device's matmul already uses.
+  parallel = jax.process_count() if device.platform == 'cpu' else jax.device_count()
+  return {'achieved_tflops': None if achieved is None else _significant(achieved),
+          'matmul_tflops': _significant(ceiling), 'parallel_devices': parallel,
+          'mfu': None if achieved is None else _significant(achieved / (ceiling * parallel)),
+          'datasheet_tflops': peak,
+          'mfu_datasheet': None if achieved is None or not peak else _significant(achieved / (peak * parallel))}
+
+
 def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str | None = None,
                   decode: bool = True) -> dict[str, Any]:
   """Compile and time `config`'s train step on synthetic batches; see the module docstring."""
@@ -185,12 +200,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
   tokens_per_s = batch_size * seq_len / step_s
   real_tokens_per_s = float(task.count_tokens(local)[1]) * jax.process_count() / step_s
   flops = task.flops_per_token()
-  achieved = tokens_per_s * flops / 1e12 if flops else None
   device = jax.devices()[0]
-  peak = datasheet_tflops(device.device_kind, dtype) if device.platform != 'cpu' else None
-  # Accelerators each compute on their own; a process's CPU devices share its cores, which one
-  # device's matmul already uses.
-  parallel = jax.process_count() if device.platform == 'cpu' else jax.device_count()
   analysis, hlo_text = compiled.memory_analysis(), compiled.as_text()
   return {
       'model': f'{config.family}:{config.preset}', 'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
@@ -199,12 +209,7 @@ def run_benchmark(config, *, steps: int = 10, warmup: int = 2, profile_dir: str 
       'step_ms': round(1000 * step_s, 2), 'step_ms_min_max': [round(1000 * min(times), 2), round(1000 * max(times), 2)],
       'step_cpu_ms': round(1000 * cpu_per_step, 2),
       'compile_s': round(compile_s, 2), 'init_s': round(init_s, 2), 'rng_impl': spec.rng_impl,
-      'model_flops_per_token': flops,
-      'achieved_tflops': None if achieved is None else _significant(achieved),
-      'matmul_tflops': _significant(ceiling), 'parallel_devices': parallel,
-      'mfu': None if achieved is None else _significant(achieved / (ceiling * parallel)),
-      'datasheet_tflops': peak,
-      'mfu_datasheet': None if achieved is None or not peak else _significant(achieved / (peak * parallel)),
+      'model_flops_per_token': flops, **_utilisation(tokens_per_s * flops / 1e12 if flops else None, ceiling, dtype),
       'decode_tokens_per_s': None if decode_speed is None else {k: round(v, 1) for k, v in decode_speed.items()},
       'peak_rss_mb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       'memory': {'xla_mb': None if analysis is None else memory.xla_sizes_mb(analysis),
