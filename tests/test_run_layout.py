@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import support
 from numerics import assert_close, transformer_terms
 from train.rundir import MODEL_SCHEMA, RunDirError, load_run, model_record
 from train.task import task_class
@@ -24,9 +25,8 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 
 
 def family_config(spec):
   import importlib
-  from support import with_overrides
   family, preset, overrides = spec
-  return with_overrides(importlib.import_module(f'configs.{family}').get_config(preset), overrides)
+  return support.with_overrides(importlib.import_module(f'configs.{family}').get_config(preset), overrides)
 
 
 FAMILIES = [
@@ -75,11 +75,17 @@ def test_a_gpt_run_saved_before_model_json_reloads_evaluates_and_predicts(tmp_pa
   # The eval loss that run logged (a 2-layer GPT-2, 32 wide, on 222 ids, 2 batches of 8 x 32): rounding apart.
   assert_close(logged_batches['eval/loss'], 5.324365854263306,
                terms=transformer_terms(2, 32, 128, 32, vocab=222, positions=2 * 8 * 32))
-  # --mode=eval scores the whole validation split (~100k windows of the stdlib's text): in batches of
-  # 512, as `--mode=eval --config.train.eval_batch_size=512` would, not in the 8-row batches it trained with.
-  results = evaluate_run(workdir, {'train.eval_batch_size': 512})
+  # --mode=eval scores every window of the validation split, not the train.eval_steps batches that
+  # training's evaluations did. The stdlib's split is ~100k windows (~15 s here): a small held-out
+  # corpus in its place, `--mode=eval --config.data.eval_source=...` (at least 3 batches of 8 windows).
+  held_out = {'data.eval_source': support.write_corpus(str(tmp_path / 'eval'), files=1, lines=40)}
+  results = evaluate_run(workdir, held_out)
+  held_out_setup, held_out_state, _ = restored_setup(workdir, held_out)
+  with use_mesh(held_out_setup.mesh):
+    two_batches = evaluate_loss(held_out_setup, held_out_state, held_out_setup.config.train.eval_steps)
+    every_window = evaluate_loss(held_out_setup, held_out_state)
   assert step == results['step'] == 2 and np.isfinite(results['eval/loss'])
-  assert abs(results['eval/loss'] - logged_batches['eval/loss']) > 1e-3 * results['eval/loss']
+  assert results['eval/loss'] == every_window['eval/loss'] != two_batches['eval/loss']
 
 
 def test_a_classify_run_saved_before_model_json_keeps_its_labels(tmp_path):
@@ -106,7 +112,6 @@ def test_a_restored_run_evaluates_to_the_last_digit_as_after_training(spec, tmp_
   config.train.update(steps=2, eval_every=2, checkpoint_every=2, eval_steps=1)
   config.train.batch_size -= config.train.batch_size % 8  # attention_pooling's 50 points: 48 per step on 8 devices
   if config.family == 'gpt':  # a small corpus: the standard library's held-out split takes ~20 s to score twice
-    import support
     config.data.update(source=support.write_corpus(str(tmp_path / 'corpus'), files=2, lines=40),
                        eval_source=support.write_corpus(str(tmp_path / 'eval'), files=1))
   workdir = str(tmp_path / 'run')

@@ -10,7 +10,6 @@ import dataclasses
 import os
 
 import jax
-import numpy as np
 
 import storage
 from data import tokenizers
@@ -86,10 +85,10 @@ def rng_impl(config, workdir: str) -> str:
   return saved
 
 
-def restore_latest(spec: StateSpec, state: TrainState, checkpointer: ckpt.Checkpointer, data_iter, log=print,
+def restore_latest(spec: StateSpec, state: TrainState | None, checkpointer: ckpt.Checkpointer, data_iter, log=print,
                    averages: bool = False) -> tuple[TrainState, int, Progress]:
   """(the newest intact checkpoint's state, its step, the loop's progress), with the input
-  iterator moved to its position; (`state`, 0, fresh progress) when the workdir has none.
+  iterator moved to its position; (`state`, a fresh one, 0, fresh progress) when the workdir has none.
   `averages`: the optimizer saves the parameters it trains in its item (schedule-free;
   train/checkpoint.py), which the state continues from.
 
@@ -101,9 +100,8 @@ def restore_latest(spec: StateSpec, state: TrainState, checkpointer: ckpt.Checkp
   if step is None:
     return state, 0, Progress()
   params, opt_state = ckpt.trained_state(restored, averages)
-  # The step counter placed as the train step places it: an uncommitted scalar would compile the step twice.
-  step_array = jax.make_array_from_callback((), spec.shardings.step, lambda _: np.asarray(step, np.int32))
-  state = TrainState(params=params, extra=restored['model']['extra'], opt_state=opt_state, step=step_array)
+  state = TrainState(params=params, extra=restored['model']['extra'], opt_state=opt_state,
+                     step=state_lib.step_array(spec, step))
   data = restored['data']
   if 'input' not in data:  # checkpoints written before Progress held the iterator state alone
     data = {'input': data, 'progress': {}} if data else {}

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -94,6 +95,11 @@ def init_state(spec: StateSpec, build_model, tx: optax.GradientTransformation | 
   """A freshly initialised state, created sharded on `spec.mesh` (parameters from `seed`, dropout from seed + 1)."""
   with jax.set_mesh(spec.mesh):
     return jit_initialiser(spec, build_model, tx, seed)()
+
+
+def step_array(spec: StateSpec, step: int) -> jax.Array:
+  """The step counter placed as the train step places it: an uncommitted scalar would compile the step twice."""
+  return jax.make_array_from_callback((), spec.shardings.step, lambda _: np.asarray(step, np.int32))
 
 
 def with_shardings(abstract, shardings):
