@@ -18,6 +18,7 @@ import pytest
 
 import support
 from train import checkpoint as ckpt
+from train import compilation
 from train import loop
 from train.trainer import evaluate_run, train_and_evaluate
 
@@ -120,6 +121,8 @@ def test_schedule_free_evaluates_and_saves_its_average_and_resumes_bit_for_bit(c
   # What was evaluated during training, in the result line and by --mode=eval (which reads the model) is x.
   logged = next(m['eval/loss'] for m in metrics(workdir) if m['step'] == 6 and 'eval/loss' in m)
   assert results['eval/loss'] == pytest.approx(logged, abs=1e-6)
+  initialisers = compilation.compiled('init')
+  assert initialisers >= 1  # the straight run's (the count works)
   assert evaluate_run(workdir)['eval/loss'] == pytest.approx(logged, abs=1e-6)
   # The target clock: met at the first evaluation (step 3), in metrics.jsonl and the result line.
   assert (results['target/met'], results['target/step'], results['target/tokens']) == (True, 3, 3 * TOKENS_PER_STEP)
@@ -129,6 +132,8 @@ def test_schedule_free_evaluates_and_saves_its_average_and_resumes_bit_for_bit(c
   copy = resumed_from(workdir, 4, str(tmp_path / 'resumed'))
   again = train_and_evaluate(config, copy)
   assert again['step'] == 6 and again['eval/loss'] == results['eval/loss']
+  # Evaluating and resuming restore every array: neither builds (nor loads) an initialiser.
+  assert compilation.compiled('init') == initialisers
   assert {k: v for k, v in again.items() if k.startswith('target')} == {
       k: v for k, v in results.items() if k.startswith('target')}  # recorded before the resume, kept
   assert_bit_identical(last['model'], saved(copy, 6)['model'])
