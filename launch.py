@@ -37,6 +37,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
+import huge_pages
 import storage
 from errors import UserError
 
@@ -467,4 +468,5 @@ def one_line(error: Exception) -> str:
 
 
 if __name__ == '__main__':
+  huge_pages.restart_with_huge_pages()  # XLA:CPU's per-step temporaries on 2 MiB pages (huge_pages.py)
   app.run(run_main, flags_parser=parse_flags)

@@ -8,6 +8,8 @@ stderr into files, runs launch.py as `__main__` and exits through the interprete
 as `python launch.py ...` would. XLA reads XLA_FLAGS (the fake device count) when the child first
 starts a backend, so each child gets its own; variables JAX reads at import (JAX_*) cannot change
 after the fork, so `support.launch` starts a fresh interpreter for a request that changes them.
+The server restarts itself with glibc's huge-page tunable as launch.py does (huge_pages.py), and
+its children keep that GLIBC_TUNABLES, so launch.py sees it set and does not restart them.
 Forking is safe while no backend exists: JAX itself only warns about os.fork once it has started
 one (xla_bridge installs its at-fork warning then). The one thread jaxlib starts at import waits
 idle on a futex; Python 3.12+ warns about any fork of a process with a second thread, so that
@@ -55,8 +57,11 @@ def reply(message: dict) -> None:
 def run_launch(request: dict) -> None:
   """In the child: become `cd cwd && env ... python launch.py argv... </dev/null >stdout 2>stderr`."""
   signal.signal(signal.SIGINT, signal.default_int_handler)
+  server_tunables = os.environ.get('GLIBC_TUNABLES')
   os.environ.clear()
   os.environ.update(request['env'])
+  if server_tunables is not None:  # the child's malloc is the server's, set up when it started: say so, or
+    os.environ['GLIBC_TUNABLES'] = server_tunables  # launch.py would restart it as the server (huge_pages.py)
   os.chdir(request['cwd'])
   for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request['stdout'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                           (2, request['stderr'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
@@ -71,6 +76,8 @@ def run_launch(request: dict) -> None:
 
 if __name__ == '__main__':
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, as for launch.py
+  import huge_pages
+  huge_pages.restart_with_huge_pages()  # as launch.py does, so that the forked children's malloc is a launch's
   preload()
   child_request = serve()
   if child_request is not None:

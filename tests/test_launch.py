@@ -55,3 +55,43 @@ def test_the_config_file_runs_once_per_launch(tmp_path):
     result = support.launch(args, env_overrides={'CONFIG_RUNS': str(runs)})
     assert result.returncode == 1 and message in result.stderr, (args, result.stderr[-2000:])
     assert runs.read_text() == 'ran\n', args
+
+
+
+HUGE_PAGE_PROBE = """
+import ctypes, os
+import huge_pages
+huge_pages.restart_with_huge_pages()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+size = 96 << 20  # over glibc's largest mmap threshold: malloc maps it afresh, as it does XLA's temporaries
+ctypes.memset(libc.malloc(size), 1, size)
+rollup = dict(line.split(':', 1) for line in open('/proc/self/smaps_rollup') if ':' in line)
+print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), int(rollup['AnonHugePages'].split()[0]) >> 10)
+"""
+
+
+def probe_huge_pages(tunables: str | None) -> tuple[bool, str, int]:
+  """(pid kept, GLIBC_TUNABLES as the probe saw it, MiB of its memory on huge pages)."""
+  env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}
+  env.update({'GLIBC_TUNABLES': tunables} if tunables is not None else {})
+  process = subprocess.Popen([sys.executable, '-c', HUGE_PAGE_PROBE], cwd=support.REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  out, err = process.communicate(timeout=60)
+  assert process.returncode == 0, err[-2000:]
+  pid, seen, huge_mib = out.split()
+  return int(pid) == process.pid, seen, int(huge_mib)
+
+
+def test_a_launch_restarts_once_with_large_mallocs_on_huge_pages():
+  """huge_pages.py: the restart adds the tunable to the user's own (once: no second exec), keeps the
+  pid, and glibc then backs a 96 MiB malloc with transparent huge pages, which it does not without
+  the tunable or with `glibc.malloc.hugetlb=0`. Where the machine cannot (not glibc >= 2.35, the
+  kernel's huge pages off) nothing restarts."""
+  import huge_pages
+  if huge_pages.environment_with_huge_pages({}) is None:
+    assert probe_huge_pages(None)[:2] == (True, 'None')
+    return
+  kept_pid, seen, huge_mib = probe_huge_pages('glibc.malloc.check=0')
+  assert kept_pid and seen == 'glibc.malloc.check=0:glibc.malloc.hugetlb=1' and huge_mib >= 90
+  assert probe_huge_pages('glibc.malloc.hugetlb=0') == (True, 'glibc.malloc.hugetlb=0', 0)
