@@ -33,96 +33,109 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.init_from = ''  # workdir of a run whose parameters initialise this one (fine-tuning)
 
   c.model = ml_collections.ConfigDict()  # the family's model-config fields, filled in by its get_config
-
-  # Splits: a source named for a split is used whole; a split not named is carved out of `source`,
-  # which trains on the rest (the rule: data/sources.py).
-  c.data = ml_collections.ConfigDict()
-  c.data.source = ''  # training: 'tfds:<name>[:<split>]', 'text:<glob>', 'tsv:<path>' or a built-in name
-  c.data.eval_source = ''  # validation (evaluated during training, picks the best checkpoint); '' = out of `source`
-  c.data.test_source = ''  # the final evaluation; '' = the eval_source data (out of `source` when that is '' too)
-  c.data.max_malformed_fraction = 0.01  # tsv: malformed lines are skipped and counted; above this share, an error
-  c.data.tsv_header = False  # tsv: True skips the first line (column names); False warns when it looks like one
-  c.data.seq_len = 128
-  c.data.tokenizer = 'bpe'  # 'char' | 'bpe' | 'wordpiece'
-  c.data.vocab_size = 8192
-  c.data.lowercase = True
-  c.data.max_examples = 0  # 0 = all; a cap for quick runs
-  # Token caches (data/token_cache.py): corpora tokenized once, read by memory map; local or gs://,
-  # shared by every run on the same corpus and tokenizer (and, on a pod, reached by every host).
-  c.data.cache_dir = '~/.cache/attention-lineage/data'
-  c.data.cache_shard_mb = 32.0  # text per cache shard: the unit of parallel and resumable building
-  c.data.cache_workers = 0  # processes building a cache's shards at once: 0 = one per core (up to 8) from 16 MB of text
-
-  c.train = ml_collections.ConfigDict()
-  c.train.steps = 1000
-  c.train.batch_size = 32  # global, across all devices and hosts
-  c.train.grad_accum = 1  # micro-batches per step
-  c.train.lr = 3e-4  # peak learning rate (muon: of the matrices)
-  c.train.schedule = 'cosine'  # 'constant' | 'cosine' | 'linear' | 'rsqrt' | 'wsd' (train/optim.py)
-  c.train.warmup_steps = 100  # linear warmup (schedule_free_adamw: its own warmup)
-  c.train.end_lr_fraction = 0.1  # final lr / peak lr for 'cosine', 'linear' and 'wsd'
-  # wsd: the cooldown's share of train.steps; with train.max_minutes and a train.steps the budget will
-  # not reach, the cooldown starts when this share of the budget is left and the run ends cooled down.
-  c.train.decay_fraction = 0.2
-  c.train.decay_shape = '1-sqrt'  # wsd's cooldown: 'linear' | '1-sqrt' (Hägele et al. 2024)
-  # 'adamw' | 'adam' | 'muon' | 'schedule_free_adamw' | 'lion' | 'adafactor', all Optax's (train/optim.py)
-  c.train.optimizer = 'adamw'
-  c.train.b1 = 0.9  # first-moment decay (Adam, Muon's AdamW, Lion); schedule_free_adamw: its interpolation
-  c.train.b2 = 0.95  # second-moment decay (Adam, Muon's AdamW, schedule_free_adamw); Lion's update decay
-  c.train.eps = 1e-8
-  c.train.weight_decay = 0.1  # decoupled (times the lr), on kernels only; muon: on the matrices it takes
-  c.train.adam_lr = 0.0  # muon: peak lr of its AdamW (embeddings, output layers, norms, biases); 0 = train.lr
-  c.train.muon_momentum = 0.95  # muon: momentum of the matrices' gradients (Nesterov)
-  # muon: each matrix's update scaled to this RMS (Optax's consistent_rms, Moonlight's 0.2: AdamW's),
-  # so Muon takes AdamW's lr and weight decay and its lr holds across widths; 0 = Keller Jordan's
-  # sqrt(max(1, fan_out / fan_in)) scaling, whose lr is ~0.02.
-  c.train.muon_rms_scale = 0.2
-  c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
-  c.train.label_smoothing = 0.0
-  # z-loss (PaLM: 1e-4): this coefficient times log(Z)^2 per token added to the minimised loss of the
-  # families with a vocabulary softmax (GPT, Transformer, BERT pretraining, RNN LM, seq2seq); logged
-  # as train/z_loss and eval/z_loss, while eval/loss stays the plain cross-entropy. 0 = off.
-  c.train.z_loss = 0.0
-  c.train.eval_every = 200
-  c.train.eval_steps = 20  # eval batches per evaluation; 0 = the whole eval split
-  c.train.eval_batch_size = 0  # 0 = train.batch_size
-  c.train.checkpoint_every = 200
-  c.train.keep_checkpoints = 3  # the latest K, plus the best by `best_metric`
-  c.train.best_metric = 'eval/loss'
-  c.train.best_mode = 'min'
-  c.train.final_eval_from = 'best'  # 'best' (by best_metric) | 'last': the checkpoint the final evaluation scores
-  c.train.early_stopping_patience = 0  # stop after this many evaluations without a better best_metric; 0 = off
-  c.train.max_minutes = 0.0  # wall-clock budget (resumes included): save and evaluate when spent; 0 = none
-  # A clock to a target: 'eval/loss<=3.28' (an eval metric, <= or >=): the first evaluation meeting it
-  # records its step, tokens and seconds (target/... in metrics.jsonl and the result); '' = none.
-  c.train.target = ''
-  c.train.stop_at_target = False  # save and end the run (then the final evaluation) when train.target is met
-  c.train.log_every = 10
-  c.train.async_checkpoints = True
-  # Resuming a workdir with other data.source / eval_source / test_source is refused unless True;
-  # then config.json's data_history records each with the step it started at.
-  c.train.allow_data_change = False
-
+  c.data = data_defaults()
+  c.train = train_defaults()
   c.logging = ml_collections.ConfigDict()
   c.logging.wandb_project = ''  # log to Weights & Biases as well as TensorBoard; '' = off
   c.logging.wandb_entity = ''  # W&B team or user; '' = your default entity
-
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1 = all devices not used by the other axes
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
-
-  c.decode = ml_collections.ConfigDict()
-  c.decode.max_new_tokens = 64
-  c.decode.temperature = 1.0  # 0 = greedy
-  c.decode.top_k = 0  # 0 = off
-  c.decode.top_p = 1.0  # 1 = off
-  c.decode.beam_size = 4
-  c.decode.length_penalty = 0.6  # GNMT alpha
-  c.decode.max_len_ratio = 1.5  # beam search: max target length = ratio * source length + 10
-  c.decode.num_samples = 3
-  c.decode.prompts = ''  # '|'-separated prompts printed after training
+  c.decode = decode_defaults()
   return c
+
+
+def data_defaults() -> ml_collections.ConfigDict:
+  """config.data's shared fields: sources, tokenizer, token caches."""
+  # Splits: a source named for a split is used whole; a split not named is carved out of `source`,
+  # which trains on the rest (the rule: data/sources.py).
+  data = ml_collections.ConfigDict()
+  data.source = ''  # training: 'tfds:<name>[:<split>]', 'text:<glob>', 'tsv:<path>' or a built-in name
+  data.eval_source = ''  # validation (evaluated during training, picks the best checkpoint); '' = out of `source`
+  data.test_source = ''  # the final evaluation; '' = the eval_source data (out of `source` when that is '' too)
+  data.max_malformed_fraction = 0.01  # tsv: malformed lines are skipped and counted; above this share, an error
+  data.tsv_header = False  # tsv: True skips the first line (column names); False warns when it looks like one
+  data.seq_len = 128
+  data.tokenizer = 'bpe'  # 'char' | 'bpe' | 'wordpiece'
+  data.vocab_size = 8192
+  data.lowercase = True
+  data.max_examples = 0  # 0 = all; a cap for quick runs
+  # Token caches (data/token_cache.py): corpora tokenized once, read by memory map; local or gs://,
+  # shared by every run on the same corpus and tokenizer (and, on a pod, reached by every host).
+  data.cache_dir = '~/.cache/attention-lineage/data'
+  data.cache_shard_mb = 32.0  # text per cache shard: the unit of parallel and resumable building
+  data.cache_workers = 0  # processes building a cache's shards at once: 0 = one per core (up to 8) from 16 MB of text
+  return data
+
+
+def train_defaults() -> ml_collections.ConfigDict:
+  """config.train's shared fields: the optimizer, schedule, evaluations, checkpoints, budgets."""
+  train = ml_collections.ConfigDict()
+  train.steps = 1000
+  train.batch_size = 32  # global, across all devices and hosts
+  train.grad_accum = 1  # micro-batches per step
+  train.lr = 3e-4  # peak learning rate (muon: of the matrices)
+  train.schedule = 'cosine'  # 'constant' | 'cosine' | 'linear' | 'rsqrt' | 'wsd' (train/optim.py)
+  train.warmup_steps = 100  # linear warmup (schedule_free_adamw: its own warmup)
+  train.end_lr_fraction = 0.1  # final lr / peak lr for 'cosine', 'linear' and 'wsd'
+  # wsd: the cooldown's share of train.steps; with train.max_minutes and a train.steps the budget will
+  # not reach, the cooldown starts when this share of the budget is left and the run ends cooled down.
+  train.decay_fraction = 0.2
+  train.decay_shape = '1-sqrt'  # wsd's cooldown: 'linear' | '1-sqrt' (Hägele et al. 2024)
+  # 'adamw' | 'adam' | 'muon' | 'schedule_free_adamw' | 'lion' | 'adafactor', all Optax's (train/optim.py)
+  train.optimizer = 'adamw'
+  train.b1 = 0.9  # first-moment decay (Adam, Muon's AdamW, Lion); schedule_free_adamw: its interpolation
+  train.b2 = 0.95  # second-moment decay (Adam, Muon's AdamW, schedule_free_adamw); Lion's update decay
+  train.eps = 1e-8
+  train.weight_decay = 0.1  # decoupled (times the lr), on kernels only; muon: on the matrices it takes
+  train.adam_lr = 0.0  # muon: peak lr of its AdamW (embeddings, output layers, norms, biases); 0 = train.lr
+  train.muon_momentum = 0.95  # muon: momentum of the matrices' gradients (Nesterov)
+  # muon: each matrix's update scaled to this RMS (Optax's consistent_rms, Moonlight's 0.2: AdamW's),
+  # so Muon takes AdamW's lr and weight decay and its lr holds across widths; 0 = Keller Jordan's
+  # sqrt(max(1, fan_out / fan_in)) scaling, whose lr is ~0.02.
+  train.muon_rms_scale = 0.2
+  train.grad_clip = 1.0  # global-norm clipping; 0 disables
+  train.label_smoothing = 0.0
+  # z-loss (PaLM: 1e-4): this coefficient times log(Z)^2 per token added to the minimised loss of the
+  # families with a vocabulary softmax (GPT, Transformer, BERT pretraining, RNN LM, seq2seq); logged
+  # as train/z_loss and eval/z_loss, while eval/loss stays the plain cross-entropy. 0 = off.
+  train.z_loss = 0.0
+  train.eval_every = 200
+  train.eval_steps = 20  # eval batches per evaluation; 0 = the whole eval split
+  train.eval_batch_size = 0  # 0 = train.batch_size
+  train.checkpoint_every = 200
+  train.keep_checkpoints = 3  # the latest K, plus the best by `best_metric`
+  train.best_metric = 'eval/loss'
+  train.best_mode = 'min'
+  train.final_eval_from = 'best'  # 'best' (by best_metric) | 'last': the checkpoint the final evaluation scores
+  train.early_stopping_patience = 0  # stop after this many evaluations without a better best_metric; 0 = off
+  train.max_minutes = 0.0  # wall-clock budget (resumes included): save and evaluate when spent; 0 = none
+  # A clock to a target: 'eval/loss<=3.28' (an eval metric, <= or >=): the first evaluation meeting it
+  # records its step, tokens and seconds (target/... in metrics.jsonl and the result); '' = none.
+  train.target = ''
+  train.stop_at_target = False  # save and end the run (then the final evaluation) when train.target is met
+  train.log_every = 10
+  train.async_checkpoints = True
+  # Resuming a workdir with other data.source / eval_source / test_source is refused unless True;
+  # then config.json's data_history records each with the step it started at.
+  train.allow_data_change = False
+  return train
+
+
+def decode_defaults() -> ml_collections.ConfigDict:
+  """config.decode's shared fields: sampling and beam search."""
+  decode = ml_collections.ConfigDict()
+  decode.max_new_tokens = 64
+  decode.temperature = 1.0  # 0 = greedy
+  decode.top_k = 0  # 0 = off
+  decode.top_p = 1.0  # 1 = off
+  decode.beam_size = 4
+  decode.length_penalty = 0.6  # GNMT alpha
+  decode.max_len_ratio = 1.5  # beam search: max target length = ratio * source length + 10
+  decode.num_samples = 3
+  decode.prompts = ''  # '|'-separated prompts printed after training
+  return decode
 
 
 def apply_preset(c: ml_collections.ConfigDict, presets: dict) -> ml_collections.ConfigDict:

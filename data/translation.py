@@ -325,17 +325,9 @@ def pair_datasets(data_config, workdir: str, seed: int, process_index: int = 0, 
     raise sources.DataError(f'data.min_number={minimum} filters numbers_en_fr pairs only; '
                             f'data.source is {data_config.source!r}. Set data.min_number=0.')
   size = token_cache.shard_bytes(data_config, PAIR_SHARD_FRACTION)
-  kind, argument = sources.parse_source(data_config.source)
+  kind = sources.parse_source(data_config.source)[0]
   held_out = sources.held_out_roles(data_config)
-  corpora = {'train': plan_source(data_config.source, 'train', () if kind == 'tfds' else held_out, data_config, seed,
-                              size)}
-  for role in ('valid', 'test'):
-    named = data_config.get({'valid': 'eval_source', 'test': 'test_source'}[role], '')
-    if kind == 'tfds' and role in held_out:  # a TFDS set's own validation / test split
-      own = f'tfds:{sources.split_tfds_source(argument, "train")[0]}:{sources.TFDS_SPLITS[role]}'
-      corpora[role] = plan_source(own, role, (), data_config, seed, size, own=True)
-    elif named:
-      corpora[role] = plan_source(named, role, (), data_config, seed, size)
+  corpora = plan_corpora(data_config, seed, size)
   train, carve, _ = corpora['train']
   processor = Pairs(data_config, seed)
   processor.tokenizer = token_cache.shared_tokenizer(
@@ -368,16 +360,40 @@ def pair_datasets(data_config, workdir: str, seed: int, process_index: int = 0, 
   if 'test' not in splits:  # the valid split, named by data.eval_source
     splits['test'], caches['test'], texts['test'] = splits['valid'], caches['valid'], texts['valid']
     counts['test'] = (*counts['valid'][:2], sources.origin(data_config, 'test'))
+  report_splits(data_config, counts, len(splits['train']))
+  return tokenizer, splits, texts['test'], caches
+
+
+def plan_corpora(data_config, seed: int, size: int) -> dict:
+  """role -> plan_source's (corpus, carve, origins): training from data.source (holding out the
+  splits not named elsewhere), validation and test from a TFDS set's own splits or the sources
+  named for them."""
+  kind, argument = sources.parse_source(data_config.source)
+  held_out = sources.held_out_roles(data_config)
+  corpora = {'train': plan_source(data_config.source, 'train', () if kind == 'tfds' else held_out, data_config, seed,
+                              size)}
+  for role in ('valid', 'test'):
+    named = data_config.get({'valid': 'eval_source', 'test': 'test_source'}[role], '')
+    if kind == 'tfds' and role in held_out:  # a TFDS set's own validation / test split
+      own = f'tfds:{sources.split_tfds_source(argument, "train")[0]}:{sources.TFDS_SPLITS[role]}'
+      corpora[role] = plan_source(own, role, (), data_config, seed, size, own=True)
+    elif named:
+      corpora[role] = plan_source(named, role, (), data_config, seed, size)
+  return corpora
+
+
+def report_splits(data_config, counts: dict, train_rows: int) -> None:
+  """One line per split (its pairs and origin), then the pairs data.seq_len cut; an error when no
+  training pair fits. counts: role -> (pairs, pairs cut, origin)."""
   for role in sources.ROLES:
     total, _, origin = counts[role]
     if role == 'train' and data_config.max_examples and total > data_config.max_examples:
       total, origin = data_config.max_examples, f'{origin}, first {data_config.max_examples} (data.max_examples)'
     sources.report_split(role, total, 'pairs', origin)
-  if not len(splits['train']):
+  if not train_rows:
     raise sources.DataError(f'No training pair fits in data.seq_len={data_config.seq_len} tokens; raise '
                             f'data.seq_len.')
   for role in sources.ROLES:
     report_pair_fit(role, *counts[role][:2], role == 'train', data_config.seq_len, data_config.seq_len)
-  return tokenizer, splits, texts['test'], caches
 
 

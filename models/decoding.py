@@ -154,12 +154,7 @@ def decode(step_fn: StepFn, cache: Any, prompt: jax.Array, rng: jax.Array | None
   Returns:
     Decoded(tokens [B, L], lengths [B], logprobs [B]).
   """
-  if max_lengths is not None and eos_id is None:
-    raise ValueError('max_lengths forces EOS at each row\'s limit, so it needs an eos_id.')
-  if rng is None:
-    if temperature != 0.0:
-      raise ValueError('Sampling (temperature > 0) needs an rng key.')
-    rng = jax.random.key(0)  # split along but never read by argmax
+  rng = _checked_rng(rng, temperature, max_lengths is not None and eos_id is None)
   batch, prompt_len = prompt.shape
   limits = None if max_lengths is None else _row_limits(max_lengths, max_len)
   sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -197,6 +192,18 @@ def decode(step_fn: StepFn, cache: Any, prompt: jax.Array, rng: jax.Array | None
   return Decoded(tokens, lengths, total)
 
 
+def _checked_rng(rng: jax.Array | None, temperature: float, limits_without_eos: bool) -> jax.Array:
+  """decode's rng (a fixed key when greedy decoding is given none), or a ValueError for arguments
+  that contradict each other."""
+  if limits_without_eos:
+    raise ValueError('max_lengths forces EOS at each row\'s limit, so it needs an eos_id.')
+  if rng is None:
+    if temperature != 0.0:
+      raise ValueError('Sampling (temperature > 0) needs an rng key.')
+    rng = jax.random.key(0)  # split along but never read by argmax
+  return rng
+
+
 def beam_search(step_fn: StepFn, cache: Any, prompt: jax.Array, *, beam_size: int, max_len: int, eos_id: int,
                 pad_id: int = 0, alpha: float = 0.6, max_lengths: jax.Array | None = None) -> BeamResult:
   """Beam search with the GNMT length penalty (see the module docstring for the rules).
@@ -213,42 +220,7 @@ def beam_search(step_fn: StepFn, cache: Any, prompt: jax.Array, *, beam_size: in
   """
   (batch, prompt_len), k = prompt.shape, beam_size
   limits = _row_limits(jnp.full((batch,), max_len) if max_lengths is None else max_lengths, max_len)
-  rank = jnp.arange(2 * k)[None, :]
-
-  def top(values, count, *arrays):
-    """The `count` best along axis 1 of values [B, M], with arrays [B, M, ...] gathered alike."""
-    best, index = jax.lax.top_k(values, count)
-    gather = lambda a: jnp.take_along_axis(a, index.reshape(index.shape + (1,) * (a.ndim - 2)), axis=1)
-    return (best, *[gather(a) for a in arrays])
-
-  def expand(i, logits, state):
-    """Extend the live hypotheses by output token i from the step's logits [B * K, T, V].
-
-    Returns the new state, and the last token [B, K] and parent beam [B, K] of every live hypothesis.
-    """
-    live_tokens, live_logprob, fin_tokens, fin_scores, fin_logprob, done = state
-    logprobs = _next_logprobs(logits, eos_id, jnp.repeat(i + 1 >= limits, k))
-    vocab = logprobs.shape[-1]
-    candidates = (live_logprob[:, :, None] + logprobs.reshape(batch, k, vocab)).reshape(batch, k * vocab)
-    cand_logprob, flat = jax.lax.top_k(candidates, 2 * k)
-    cand_beam, cand_token = flat // vocab, (flat % vocab).astype(jnp.int32)
-    cand_tokens = jnp.take_along_axis(live_tokens, cand_beam[:, :, None], axis=1)
-    cand_tokens = cand_tokens.at[:, :, i].set(cand_token)
-    is_eos = cand_token == eos_id
-
-    # EOS among the top K expansions finishes a hypothesis (only while its row is not done).
-    finishing = is_eos & (rank < k) & jnp.isfinite(cand_logprob) & ~done[:, None]
-    cand_scores = jnp.where(finishing, cand_logprob / length_penalty(i + 1.0, alpha), -jnp.inf)
-    fin_scores, fin_tokens, fin_logprob = top(
-        jnp.concatenate([fin_scores, cand_scores], axis=1), k,
-        jnp.concatenate([fin_tokens, cand_tokens], axis=1), jnp.concatenate([fin_logprob, cand_logprob], axis=1))
-
-    # The best K expansions that did not end stay live.
-    live_logprob, live_tokens, last, parent = top(
-        jnp.where(is_eos, -jnp.inf, cand_logprob), k, cand_tokens, cand_token, cand_beam)
-    cannot_improve = fin_scores[:, -1] >= live_logprob[:, 0] / length_penalty(i + 1.0, alpha)
-    done = done | cannot_improve | (i + 1 >= limits)
-    return (live_tokens, live_logprob, fin_tokens, fin_scores, fin_logprob, done), last, parent
+  expand = functools.partial(_expand_beams, eos_id=eos_id, limits=limits, alpha=alpha)
 
   def cond(carry):
     i, _, _, state = carry
@@ -271,6 +243,46 @@ def beam_search(step_fn: StepFn, cache: Any, prompt: jax.Array, *, beam_size: in
   *_, state = jax.lax.while_loop(cond, body, (jnp.int32(1), last, tile_beams(cache, k), state))
   fin_tokens, fin_scores, fin_logprob = state[2:5]
   return BeamResult(fin_tokens, fin_scores, fin_logprob)
+
+
+def _top(values: jax.Array, count: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """The `count` best along axis 1 of values [B, M], with arrays [B, M, ...] gathered alike."""
+  best, index = jax.lax.top_k(values, count)
+  gather = lambda a: jnp.take_along_axis(a, index.reshape(index.shape + (1,) * (a.ndim - 2)), axis=1)
+  return (best, *[gather(a) for a in arrays])
+
+
+def _expand_beams(i, logits: jax.Array, state: tuple, *, eos_id: int, limits: jax.Array, alpha: float):
+  """Extend beam_search's live hypotheses by output token i from the step's logits [B * K, T, V].
+
+  state: (live tokens [B, K, L], live log-probabilities [B, K], finished tokens [B, K, L], their
+  scores and log-probabilities [B, K], done rows [B]). Returns the new state, and the last token
+  [B, K] and parent beam [B, K] of every live hypothesis.
+  """
+  live_tokens, live_logprob, fin_tokens, fin_scores, fin_logprob, done = state
+  batch, k = live_logprob.shape
+  logprobs = _next_logprobs(logits, eos_id, jnp.repeat(i + 1 >= limits, k))
+  vocab = logprobs.shape[-1]
+  candidates = (live_logprob[:, :, None] + logprobs.reshape(batch, k, vocab)).reshape(batch, k * vocab)
+  cand_logprob, flat = jax.lax.top_k(candidates, 2 * k)
+  cand_beam, cand_token = flat // vocab, (flat % vocab).astype(jnp.int32)
+  cand_tokens = jnp.take_along_axis(live_tokens, cand_beam[:, :, None], axis=1)
+  cand_tokens = cand_tokens.at[:, :, i].set(cand_token)
+  is_eos = cand_token == eos_id
+
+  # EOS among the top K expansions finishes a hypothesis (only while its row is not done).
+  finishing = is_eos & (jnp.arange(2 * k)[None, :] < k) & jnp.isfinite(cand_logprob) & ~done[:, None]
+  cand_scores = jnp.where(finishing, cand_logprob / length_penalty(i + 1.0, alpha), -jnp.inf)
+  fin_scores, fin_tokens, fin_logprob = _top(
+      jnp.concatenate([fin_scores, cand_scores], axis=1), k,
+      jnp.concatenate([fin_tokens, cand_tokens], axis=1), jnp.concatenate([fin_logprob, cand_logprob], axis=1))
+
+  # The best K expansions that did not end stay live.
+  live_logprob, live_tokens, last, parent = _top(
+      jnp.where(is_eos, -jnp.inf, cand_logprob), k, cand_tokens, cand_token, cand_beam)
+  cannot_improve = fin_scores[:, -1] >= live_logprob[:, 0] / length_penalty(i + 1.0, alpha)
+  done = done | cannot_improve | (i + 1 >= limits)
+  return (live_tokens, live_logprob, fin_tokens, fin_scores, fin_logprob, done), last, parent
 
 
 def strip(tokens: np.ndarray, eos_id: int) -> list[list[int]]:

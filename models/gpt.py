@@ -127,6 +127,20 @@ REMAT_POLICIES = {
 }
 
 
+def decoder_mask(batch: int, length: int, key_valid: jax.Array | None, segment_ids: jax.Array | None,
+                 cache_index: jax.Array | int | None) -> AttentionMask:
+  """The causal mask of a [B, L] query block starting at `cache_index` (None: 0), with padding keys
+  (key_valid [B, L_keys] bool) or packed segments (segment_ids [B, L]) when given."""
+  mask = AttentionMask(causal=True, q_offset=cache_index)
+  if key_valid is not None:
+    # Left padding is no prefix length: the padding keys become segment 0, which no query is in.
+    mask = dataclasses.replace(mask, query_segment_ids=jnp.ones((batch, length), jnp.int32),
+                               key_segment_ids=key_valid.astype(jnp.int32))
+  if segment_ids is not None:
+    mask = dataclasses.replace(mask, query_segment_ids=segment_ids, key_segment_ids=segment_ids)
+  return mask
+
+
 class GPT(nnx.Module):
 
   def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
@@ -203,13 +217,7 @@ class GPT(nnx.Module):
     if self.config.positions == 'learned':
       x = x + self.position_embedding(positions)
     x = self.dropout(x, deterministic=deterministic)
-    mask = AttentionMask(causal=True, q_offset=cache_index)
-    if key_valid is not None:
-      # Left padding is no prefix length: the padding keys become segment 0, which no query is in.
-      mask = dataclasses.replace(mask, query_segment_ids=jnp.ones((batch, length), jnp.int32),
-                                 key_segment_ids=key_valid.astype(jnp.int32))
-    if segment_ids is not None:
-      mask = dataclasses.replace(mask, query_segment_ids=segment_ids, key_segment_ids=segment_ids)
+    mask = decoder_mask(batch, length, key_valid, segment_ids, cache_index)
 
     def run_block(block, x, layer_cache):
       return block(x, mask, positions=positions, cache=layer_cache, cache_index=cache_index,
