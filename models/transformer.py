@@ -35,6 +35,7 @@ from flax import nnx
 from models import decoding
 from models.attention import AttentionMask
 from models.layers import BlockShape, Embed, TransformerBlock, sinusoidal_positions, zero_init_output_projections
+from models.tracing import tracer_errors_without_origin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,5 +244,6 @@ def count_parameters(model: nnx.Module) -> int:
 
 def parameter_count(config: TransformerConfig) -> int:
   """Parameters of a model with `config`, counted from shapes only (nothing is allocated)."""
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  with tracer_errors_without_origin():
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   return count_parameters(abstract)

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from errors import ConfigError
+from models.tracing import tracer_errors_without_origin
 from train import sharding
 
 RNG_IMPLS = {'threefry': 'threefry2x32', 'rbg': 'rbg', 'unsafe_rbg': 'unsafe_rbg'}  # config name -> JAX's
@@ -59,6 +60,12 @@ def resolve_rng_impl(name: str, platform: str | None = None) -> str:
   return name
 
 
+def _build_traced(build_model, rngs: nnx.Rngs) -> nnx.Module:
+  """`build_model(rngs)` under a trace, in time linear in the model's size (`tracer_errors_without_origin`)."""
+  with tracer_errors_without_origin():
+    return build_model(rngs)
+
+
 def make_rngs(seed: int, rng_impl: str) -> nnx.Rngs:
   """Parameter stream from `seed`, dropout stream from seed + 1."""
   impl = RNG_IMPLS[rng_impl]
@@ -67,7 +74,7 @@ def make_rngs(seed: int, rng_impl: str) -> nnx.Rngs:
 
 def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rng_impl: str):
   def init() -> TrainState:
-    model = build_model(make_rngs(seed, rng_impl))
+    model = _build_traced(build_model, make_rngs(seed, rng_impl))
     _, params, extra = nnx.split(model, nnx.Param, ...)
     return TrainState(params=params, extra=extra, opt_state=None if tx is None else tx.init(params),
                       step=jnp.zeros((), jnp.int32))
@@ -76,7 +83,7 @@ def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rn
 
 def state_spec(build_model, mesh, rng_impl: str, tx: optax.GradientTransformation | None = None) -> StateSpec:
   """Shapes and shardings of the state of `build_model(rngs)` (optimizer state too when `tx` is given)."""
-  abstract_model = nnx.eval_shape(lambda: build_model(make_rngs(0, rng_impl)))
+  abstract_model = nnx.eval_shape(lambda: _build_traced(build_model, make_rngs(0, rng_impl)))
   # The state's shapes from that one trace of the model (tracing a model's construction costs more
   # than its tiny programs take to run): what `_init_fn` returns, abstractly.
   _, params, extra = nnx.split(abstract_model, nnx.Param, ...)

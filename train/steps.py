@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from models.tracing import tracer_errors_without_origin
 from train import sharding
 from train.state import StateSpec, TrainState
 from train.task import Task
@@ -19,7 +20,8 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
   def micro_step(params, extra, batch):
     # copy=True: fresh Variables at this trace level, so the loss may update them (RNG counts, carried RNN state).
     model = nnx.merge(graphdef, params, extra, copy=True)
-    loss, metrics = task.loss(model, batch, deterministic=False)
+    with tracer_errors_without_origin():  # each dropout draw bumps an RNG count (models/tracing.py)
+      loss, metrics = task.loss(model, batch, deterministic=False)
     return loss, (metrics, nnx.state(model, nnx.Not(nnx.Param)))
 
   grad_fn = jax.value_and_grad(micro_step, has_aux=True)
