@@ -15,37 +15,55 @@ one (xla_bridge installs its at-fork warning then). The one thread jaxlib starts
 idle on a futex; Python 3.12+ warns about any fork of a process with a second thread, so that
 warning is silenced here.
 
-Protocol (one JSON object per line): request {argv, env, cwd, stdout, stderr} on stdin; replies
-{pid} when the child starts and then {returncode} (negative: killed by that signal) on stdout.
+Several children may run at once (two hosts of a sweep, two processes of one distributed run).
+Protocol (one JSON object per line): request {id, argv, env, cwd, stdin, stdout, stderr, new_session}
+on stdin (stdin: a file to read, or null for /dev/null; new_session: the child calls setsid, as
+Popen(start_new_session=True) does); replies {id, pid} when the child starts and {id, returncode}
+(negative: killed by that signal) when it ends, on stdout.
 """
 import json
 import os
 import runpy
+import select
 import signal
 import sys
 import warnings
+
+REAP_EVERY_S = 0.02  # how often the server looks for ended children while any runs
 
 
 def preload() -> None:
   """Import what launch.py's modes import, and start nothing (no backend, no thread)."""
   import jax  # noqa: F401
   import optax  # noqa: F401
-  import tensorboardX  # noqa: F401
   from flax import nnx  # noqa: F401
   from train import evaluation, rundir, trainer  # noqa: F401
+  sys.modules['torch'] = None  # tensorboardX as train/metrics.py imports it, without torch (1.2 s)
+  import tensorboardX  # noqa: F401
+  del sys.modules['torch']
 
 
 def serve() -> dict | None:
-  """Answer requests until stdin closes (None); in a forked child, return its request."""
+  """Answer requests until stdin closes and every child has ended (None); in a forked child, return its request."""
   warnings.filterwarnings('ignore', message=r'.*use of fork\(\) may lead to deadlocks', category=DeprecationWarning)
-  for line in sys.stdin:
-    request = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-      return request
-    reply({'pid': pid})
-    _, status = os.waitpid(pid, 0)
-    reply({'returncode': os.waitstatus_to_exitcode(status)})
+  children, unread, reading = {}, b'', True  # children: pid -> request id
+  while reading or children:
+    if select.select([0] if reading else [], [], [], REAP_EVERY_S if children else None)[0]:
+      chunk = os.read(0, 1 << 16)
+      reading, unread = bool(chunk), unread + chunk
+      *lines, unread = unread.split(b'\n')
+      for line in lines:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+          return request
+        children[pid] = request['id']
+        reply({'id': request['id'], 'pid': pid})
+    while children:
+      pid, status = os.waitpid(-1, os.WNOHANG)
+      if pid == 0:
+        break
+      reply({'id': children.pop(pid), 'returncode': os.waitstatus_to_exitcode(status)})
   return None
 
 
@@ -55,7 +73,9 @@ def reply(message: dict) -> None:
 
 
 def run_launch(request: dict) -> None:
-  """In the child: become `cd cwd && env ... python launch.py argv... </dev/null >stdout 2>stderr`."""
+  """In the child: become `cd cwd && env ... python launch.py argv... <stdin >stdout 2>stderr`."""
+  if request['new_session']:
+    os.setsid()
   signal.signal(signal.SIGINT, signal.default_int_handler)
   server_tunables = os.environ.get('GLIBC_TUNABLES')
   os.environ.clear()
@@ -63,8 +83,9 @@ def run_launch(request: dict) -> None:
   if server_tunables is not None:  # the child's malloc is the server's, set up when it started: say so, or
     os.environ['GLIBC_TUNABLES'] = server_tunables  # launch.py would restart it as the server (huge_pages.py)
   os.chdir(request['cwd'])
-  for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request['stdout'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                          (2, request['stderr'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+  written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+  for fd, path, flags in ((0, request['stdin'] or os.devnull, os.O_RDONLY), (1, request['stdout'], written),
+                          (2, request['stderr'], written)):
     opened = os.open(path, flags, 0o644)
     os.dup2(opened, fd)
     os.close(opened)

@@ -3,6 +3,7 @@ import glob
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -71,21 +72,31 @@ def xla_flags(devices: int) -> str:
   return ' '.join(kept + [f'--xla_force_host_platform_device_count={devices}'])
 
 
-def launch(args, devices: int = 1, timeout: int = 300, env_overrides: dict | None = None, **popen):
+def launch(args, devices: int = 1, timeout: int = 300, env_overrides: dict | None = None, *, background: bool = False,
+           stdin=None, start_new_session: bool = False):
   """Run launch.py in a new process with `devices` fake CPU devices: `subprocess.run`'s result, or
-  with Popen arguments (stdin, start_new_session...) the `subprocess.Popen` of a fresh interpreter.
-  Without them the process is forked from tests/preloaded_launcher.py (the imports done), unless
-  `env_overrides` changes a variable JAX reads when it is imported."""
+  with `background` a started process to use as a `subprocess.Popen` (pid, poll, wait, communicate,
+  send_signal; text stdout and stderr; `stdin` an open file or None, `start_new_session` as Popen's).
+  The process is forked from tests/preloaded_launcher.py (the imports done), unless `env_overrides`
+  changes a variable JAX reads when it is imported: then it is a fresh interpreter."""
   env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS='cpu',
              **(env_overrides or {}))
   command = [sys.executable, os.path.join(REPO, 'launch.py'), *args]
-  if popen:
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **popen)
   launcher = _preloaded_launcher()
   if _jax_environment(env) != launcher.jax_environment:
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-  return launcher.run(command, env, timeout)
+    if background:
+      return subprocess.Popen(command, cwd=REPO, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=start_new_session)
+    return subprocess.run(command, cwd=REPO, env=env, stdin=stdin, capture_output=True, text=True, timeout=timeout)
+  process = launcher.start(command, env, stdin, start_new_session)
+  if background:
+    return process
+  try:
+    outputs = process.communicate(timeout)
+  except subprocess.TimeoutExpired:  # as subprocess.run(timeout=...): kill it, then raise with what it wrote
+    process.kill()
+    raise subprocess.TimeoutExpired(command, timeout, *process.communicate()) from None
+  return subprocess.CompletedProcess(command, process.returncode, *outputs)
 
 
 def _jax_environment(env: dict) -> dict:
@@ -98,46 +109,81 @@ class _PreloadedLauncher:
 
   def __init__(self):
     import atexit
+    import itertools
     import shutil
     import tempfile
     import threading
     self.jax_environment = _jax_environment(os.environ)
     self.server = subprocess.Popen([sys.executable, os.path.join(REPO, 'tests', 'preloaded_launcher.py')], cwd=REPO,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-    self.unread = b''
     self.outputs = tempfile.mkdtemp(prefix='launch-outputs-')
     atexit.register(shutil.rmtree, self.outputs, ignore_errors=True)
-    self.lock = threading.Lock()
+    self.ids, self.writing = itertools.count(), threading.Lock()
+    self.replies, self.arrived, self.closed = {}, threading.Condition(), False  # replies: id -> {pid, returncode}
+    threading.Thread(target=self._read_replies, daemon=True).start()
 
-  def reply(self, timeout: float | None = None) -> dict | None:
-    """The server's next JSON line, or None when `timeout` seconds pass without one."""
-    import select
-    while b'\n' not in self.unread:
-      if not select.select([self.server.stdout], [], [], timeout)[0]:
+  def _read_replies(self) -> None:
+    for line in self.server.stdout:
+      message = json.loads(line)
+      with self.arrived:
+        self.replies.setdefault(message['id'], {}).update(message)
+        self.arrived.notify_all()
+    with self.arrived:
+      self.closed = True
+      self.arrived.notify_all()
+
+  def reply(self, request_id: int, key: str, timeout: float | None = None):
+    """The server's `key` ('pid' | 'returncode') for the request, or None when `timeout` seconds pass first."""
+    with self.arrived:
+      if not self.arrived.wait_for(lambda: key in self.replies.get(request_id, {}) or self.closed, timeout):
         return None
-      chunk = os.read(self.server.stdout.fileno(), 4096)
-      if not chunk:
+      if key not in self.replies.get(request_id, {}):
         raise RuntimeError(f'tests/preloaded_launcher.py exited ({self.server.wait()}); its stderr is above.')
-      self.unread += chunk
-    line, self.unread = self.unread.split(b'\n', 1)
-    return json.loads(line)
+      return self.replies[request_id][key]
 
-  def run(self, command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    import signal
-    with self.lock:
-      stdout, stderr = os.path.join(self.outputs, 'stdout'), os.path.join(self.outputs, 'stderr')
-      request = {'argv': command[2:], 'env': env, 'cwd': REPO, 'stdout': stdout, 'stderr': stderr}
+  def start(self, command: list[str], env: dict, stdin, new_session: bool) -> 'PreloadedProcess':
+    request_id = next(self.ids)
+    stdout, stderr = (os.path.join(self.outputs, f'{request_id}.{name}') for name in ('stdout', 'stderr'))
+    request = {'id': request_id, 'argv': command[2:], 'env': env, 'cwd': REPO, 'stdin': stdin and stdin.name,
+               'stdout': stdout, 'stderr': stderr, 'new_session': new_session}
+    with self.writing:
       self.server.stdin.write((json.dumps(request) + '\n').encode())
-      pid = self.reply()['pid']
-      done = self.reply(timeout)
-      if done is None:  # as subprocess.run(timeout=...): kill it, then raise with what it wrote
-        os.kill(pid, signal.SIGKILL)
-        self.reply()
-      with open(stdout) as out, open(stderr) as err:
-        written = out.read(), err.read()
-    if done is None:
-      raise subprocess.TimeoutExpired(command, timeout, *written)
-    return subprocess.CompletedProcess(command, done['returncode'], *written)
+    return PreloadedProcess(self, request_id, command, stdout, stderr)
+
+
+class PreloadedProcess:
+  """A launch.py forked by the server, used as a text-mode `subprocess.Popen` with captured outputs."""
+
+  def __init__(self, launcher: _PreloadedLauncher, request_id: int, args: list[str], stdout: str, stderr: str):
+    self.launcher, self.request_id, self.args, self.outputs = launcher, request_id, args, (stdout, stderr)
+    self.pid, self.returncode = launcher.reply(request_id, 'pid'), None
+
+  def poll(self) -> int | None:
+    if self.returncode is None:
+      self.returncode = self.launcher.reply(self.request_id, 'returncode', 0)
+    return self.returncode
+
+  def wait(self, timeout: float | None = None) -> int:
+    if self.returncode is None:
+      self.returncode = self.launcher.reply(self.request_id, 'returncode', timeout)
+    if self.returncode is None:
+      raise subprocess.TimeoutExpired(self.args, timeout)
+    return self.returncode
+
+  def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+    self.wait(timeout)
+    written = []
+    for path in self.outputs:
+      with open(path) as f:
+        written.append(f.read())
+    return tuple(written)
+
+  def send_signal(self, signum: int) -> None:
+    if self.poll() is None:  # never a pid the server has already reaped (and the system may reuse)
+      os.kill(self.pid, signum)
+
+  def kill(self) -> None:
+    self.send_signal(signal.SIGKILL)
 
 
 _LAUNCHERS = {}

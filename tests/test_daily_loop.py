@@ -114,7 +114,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
   workdir = str(tmp_path / 'run')
   args = ['--config=configs/gpt.py:tiny', f'--workdir={workdir}', f'--config.data.source={corpus}',
           '--config.train.steps=2000', '--config.train.log_every=1']
-  process = support.launch(args, start_new_session=True)
+  process = support.launch(args, background=True, start_new_session=True)
   deadline = time.time() + 120
   while time.time() < deadline and not (os.path.exists(f'{workdir}/metrics.jsonl') and len(metrics(workdir)) >= 5):
     time.sleep(0.05)
@@ -284,7 +284,7 @@ def test_predict_says_when_an_input_is_cut_to_the_window(corpus, tmp_path):
   cp1252.write_bytes(b'alpha\ncaf\xe9 beta\n')
   from_file = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={cp1252}'])
   with open(cp1252, 'rb') as stdin:
-    process = support.launch(['--mode=predict', f'--workdir={workdir}', '--input=-'], stdin=stdin)
+    process = support.launch(['--mode=predict', f'--workdir={workdir}', '--input=-'], background=True, stdin=stdin)
     _, stdin_errors = process.communicate(timeout=300)
   for name, returncode, stderr in ((str(cp1252), from_file.returncode, from_file.stderr),
                                    ('<stdin>', process.returncode, stdin_errors)):

@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
   address = f'localhost:{free_port()}'
   processes = [support.launch(args + [f'--workdir={root}/multi', f'--config.data.cache_dir={root}/multi-cache',
                                       f'--coordinator_address={address}', '--num_processes=2', f'--process_id={i}'],
-                              devices=4, start_new_session=True)
+                              devices=4, background=True, start_new_session=True)
                for i in range(2)]
   outputs = [p.communicate(timeout=240) for p in processes]
   for p, (_, stderr) in zip(processes, outputs):

@@ -12,8 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -29,7 +27,6 @@ from train import sweep as sweep_lib
 from train import sweep_study
 
 pytestmark = pytest.mark.filterwarnings('ignore::optuna.exceptions.ExperimentalWarning')  # as run_sweep does
-ENV = dict(os.environ, XLA_FLAGS=support.xla_flags(1), JAX_PLATFORMS='cpu')
 SWEEP_FILE = '''
 def get_sweep():
   return {{
@@ -59,10 +56,10 @@ def get_sweep():
 KILLED, PRUNED = '01-lr=0.01-steps=200-eval_every=25', '02-lr=1e-07-steps=200'
 
 
-def sweep_process(sweep_file: str, workdir: str, *args: str, **popen) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, 'launch.py', f'--sweep={sweep_file}', f'--workdir={workdir}', *args],
-                          cwd=support.REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          **popen)
+def sweep_process(sweep_file: str, workdir: str, *args: str, start_new_session: bool = False):
+  """The sweep command, started (a `subprocess.Popen` alike: support.launch)."""
+  return support.launch([f'--sweep={sweep_file}', f'--workdir={workdir}', *args], background=True,
+                        start_new_session=start_new_session)
 
 
 def load_study(workdir: str, location: str | None = None) -> optuna.Study:
@@ -278,9 +275,8 @@ def test_sigterm_stops_the_sweep_with_its_trial_saved_and_queued_again(corpus, c
 
 
 def test_dry_run_prints_one_launch_command_per_trial(sweep_file, tmp_path):
-  result = subprocess.run([sys.executable, 'launch.py', f'--sweep={sweep_file}', '--sweep_dry_run',
-                           f'--workdir={tmp_path}/dry', '--config.train.steps=3'],
-                          cwd=support.REPO, capture_output=True, text=True, timeout=120)
+  result = support.launch([f'--sweep={sweep_file}', '--sweep_dry_run', f'--workdir={tmp_path}/dry',
+                           '--config.train.steps=3'], timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
   commands = result.stdout.strip().splitlines()
   assert len(commands) == 4 and not os.path.exists(tmp_path / 'dry')

@@ -107,7 +107,7 @@ def test_sigterm_saves_exits_zero_and_resumes_to_identical_results(corpus, tmp_p
   assert straight.returncode == 0, straight.stderr[-3000:]
 
   workdir = f'{tmp_path}/interrupted'
-  process = support.launch(args + [f'--workdir={workdir}'], devices=1, start_new_session=True)
+  process = support.launch(args + [f'--workdir={workdir}'], devices=1, background=True, start_new_session=True)
   metrics_file = os.path.join(workdir, 'metrics.jsonl')
   deadline = time.time() + 240
   while time.time() < deadline:
