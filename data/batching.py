@@ -14,8 +14,8 @@ the grain iterator's position and reads on), global batch b the same whatever th
 
   Shuffled       independent examples in a reshuffled order each epoch (the default), optionally
                  with per-position random draws (BERT's MLM masks)
-  LengthBuckets  one translation pair per row, windows of pairs sorted by length, each batch cut
-                 to one of a few bucket lengths
+  LengthBuckets  one example per row (a translation pair, a text to classify), windows of examples
+                 sorted by length, each batch cut to one of a few bucket lengths
   Packed         several translation pairs per row (`pack_pairs`), one batch shape
   Stream         rows of one token stream walked together, for a state carried across batches
 
@@ -158,38 +158,45 @@ def bucket_lengths(seq_len: int, smallest: int) -> list[int]:
   return lengths + [seq_len]
 
 
-def trim(batch: Example, pad_id: int, buckets: list[int]) -> Example:
-  """Drop trailing all-padding columns: source and target both keep the smallest bucket length that
-  holds every real token of either, so the compiled shapes are the buckets, not their pairs."""
-  used = max(int((batch[name] != pad_id).sum(axis=1).max()) for name in ('source', 'target_out'))
+def trim(batch: Example, pad_id: int, buckets: list[int], length_fields: tuple[str, ...]) -> Example:
+  """Drop trailing all-padding columns: every [B, L] array keeps the smallest bucket length that
+  holds every real token (not `pad_id`) of the `length_fields`, so the compiled shapes are the
+  buckets (a translation pair's source and target share one); [B] arrays stay whole."""
+  used = max(int((batch[name] != pad_id).sum(axis=1).max()) for name in length_fields)
   kept = next(length for length in buckets if length >= used)
-  return {name: array[:, :kept] for name, array in batch.items()}
+  return {name: array[:, :kept] if array.ndim == 2 else array for name, array in batch.items()}
 
 
 def bucketed_batches(window: Example, rng: np.random.Generator, batch_size: int, pad_id: int,
-                     buckets: list[int]) -> list[Example]:
-  """A window of BATCH_WINDOW * batch_size examples, sorted by length, cut into batches of similar
-  lengths (each trimmed to a bucket), in a seeded random order."""
-  lengths = np.maximum((window['source'] != pad_id).sum(1), (window['target_out'] != pad_id).sum(1))
+                     buckets: list[int], length_fields: tuple[str, ...]) -> list[Example]:
+  """A window of BATCH_WINDOW * batch_size examples, sorted by length (the longest of the
+  `length_fields`), cut into batches of similar lengths (each trimmed to a bucket), in a seeded
+  random order."""
+  lengths = np.max([(window[name] != pad_id).sum(1) for name in length_fields], axis=0)
   window = {k: v[np.argsort(lengths, kind='stable')] for k, v in window.items()}
-  return [trim({k: v[slot * batch_size:(slot + 1) * batch_size] for k, v in window.items()}, pad_id, buckets)
+  return [trim({k: v[slot * batch_size:(slot + 1) * batch_size] for k, v in window.items()}, pad_id, buckets,
+               length_fields)
           for slot in rng.permutation(BATCH_WINDOW)]
 
 
 @dataclasses.dataclass(frozen=True)
 class LengthBuckets:
-  """One translation pair ({'source', 'target_in', 'target_out'} [L], padded with `pad_id`) per
-  row. A window of BATCH_WINDOW * batch_size shuffled pairs is sorted by length and cut into
-  BATCH_WINDOW batches served in a seeded order, each trimmed to the smallest of
-  `bucket_lengths(seq_len, smallest)` that holds its pairs: a run has a handful of batch shapes
-  (each distinct shape is one XLA compilation of the train step)."""
+  """One example per row, right-padded with `pad_id` to `seq_len`: a translation pair
+  ({'source', 'target_in', 'target_out'} [L]) or a text to classify ({'tokens', 'segments',
+  'valid'} [L], 'label' []). A window of BATCH_WINDOW * batch_size shuffled examples is sorted by
+  length (real tokens of the `length_fields`) and cut into BATCH_WINDOW batches served in a seeded
+  order, each trimmed to the smallest of `bucket_lengths(seq_len, smallest)` that holds its
+  examples: a run has a handful of batch shapes (each distinct shape is one XLA compilation of the
+  train step)."""
   pad_id: int
   seq_len: int
   smallest: int
+  length_fields: tuple[str, ...] = ('source', 'target_out')
 
   def global_batches(self, examples, batch_size, seed, process_index, process_count):
     make_batches = functools.partial(bucketed_batches, batch_size=batch_size, pad_id=self.pad_id,
-                                     buckets=bucket_lengths(self.seq_len, self.smallest))
+                                     buckets=bucket_lengths(self.seq_len, self.smallest),
+                                     length_fields=self.length_fields)
     return _rows_of_window_batches(examples, BATCH_WINDOW * batch_size, make_batches, batch_size, seed,
                                    process_index, process_count)
 

@@ -121,6 +121,30 @@ def test_length_buckets_group_lengths_and_cover_each_window():
   assert spread < np.mean([np.ptp(lengths(random_batches[i])) for i in range(window)])
 
 
+def test_length_buckets_cut_texts_to_classify_and_keep_their_labels():
+  """Classification rows: tokens, segments and valid [L] are cut together, the label [] stays
+  with its text, and no real token is cut off."""
+  rng = np.random.default_rng(6)
+  count, length = 160, 40
+  lengths = rng.integers(2, length + 1, count)
+  tokens = np.where(np.arange(length) < lengths[:, None], rng.integers(3, 50, (count, length)), PAD).astype(np.int32)
+  examples = as_dataset({'tokens': tokens, 'segments': np.zeros_like(tokens), 'valid': tokens != PAD,
+                         'label': np.arange(count, dtype=np.int32)})  # the label names its row
+  batches = batching.LengthBuckets(PAD, seq_len=length, smallest=8, length_fields=('tokens',)).global_batches(
+      examples, 4, 3, 0, 1)
+  widths = set()
+  for i in range(batching.BATCH_WINDOW):
+    b = batches[i]
+    width = b['tokens'].shape[1]
+    widths.add(width)
+    assert b['segments'].shape == b['valid'].shape == (4, width) and b['label'].shape == (4,)
+    for row, label in enumerate(b['label']):
+      np.testing.assert_array_equal(b['tokens'][row], tokens[label, :width])
+      assert lengths[label] <= width
+      np.testing.assert_array_equal(b['valid'][row], np.arange(width) < lengths[label])
+  assert widths <= set(batching.bucket_lengths(length, 8)) and len(widths) > 1
+
+
 def test_packed_batches_have_one_shape_and_several_pairs_per_row():
   batches = batching.Packed(PAD).global_batches(as_dataset(ragged_pairs(300, 24, seed=4, max_tokens=8)), 4, 3, 0, 1)
   pairs = 0

@@ -73,18 +73,31 @@ def test_trains_on_a_tsv_and_reloads_with_label_names(tmp_path):
   lines = []
   for i in range(200):
     label = ('sport', 'money')[i % 2]
-    text = ' '.join(rng.choice(filler + words[label], 8))
+    text = ' '.join(rng.choice(filler + words[label], rng.integers(3, 14)))
     lines.append(f'{text} {words[label][i % 4]}\t{label}\n')
   (tmp_path / 'toy.tsv').write_text(''.join(lines))
   config = classifier_configs.get_config('tiny')
   config.data.source = f'tsv:{tmp_path / "toy.tsv"}'
   config.data.vocab_size = 100
   config.train.update(steps=40, lr=3e-3, eval_every=40, checkpoint_every=40)
+  config.data.min_bucket_len = 8  # texts of 6-17 tokens: batches cut to 8, 12, 16 or 24 of the 32 positions
   workdir = str(tmp_path / 'run')
   results = train_and_evaluate(config, workdir)
   assert results['test/accuracy'] >= 0.95 and results['test/macro_f1'] >= 0.95
+  assert results['train/compiles'] > 1  # one train step per bucket length
   assert os.path.exists(os.path.join(workdir, 'confusion.png'))
   run = load_run(workdir)
   predictions = run.predict(['goal goal team match win', 'bank profit shares market'])
   assert [p['label'] for p in predictions] == ['sport', 'money']
   assert run.model_config.labels == ('money', 'sport')
+
+
+def test_a_negative_bucket_length_fails_before_any_workdir(tmp_path):
+  from configs import classifier as classifier_configs
+  from errors import ConfigError
+  from train.trainer import train_and_evaluate
+  config = classifier_configs.get_config('tiny')
+  config.data.min_bucket_len = -8
+  with pytest.raises(ConfigError, match='min_bucket_len=-8 is negative'):
+    train_and_evaluate(config, str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run')

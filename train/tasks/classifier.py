@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from data import batching
 from errors import ConfigError
 from models.classifier import POOLINGS, ClassifierConfig, TransformerClassifier
 from train import task as task_lib
@@ -23,6 +24,9 @@ def validate(config):
                       f'{config.model.max_len}; raise model.max_len or lower data.seq_len.')
   if config.model.pooling not in POOLINGS:
     raise ConfigError(f'config.model.pooling={config.model.pooling!r} is not one of {POOLINGS}.')
+  if config.data.min_bucket_len < 0:
+    raise ConfigError(f'config.data.min_bucket_len={config.data.min_bucket_len} is negative; give the shortest '
+                      f'padded training length (e.g. 64), or 0 to pad every batch to data.seq_len.')
   if config.train.z_loss:
     raise ConfigError(f'config.train.z_loss={config.train.z_loss}: the classifier has no z-loss (it is for '
                       f'vocabulary softmaxes); leave train.z_loss at 0.')
@@ -41,6 +45,14 @@ class Task(task_lib.Task):
   @classmethod
   def resolved_from_tokenizer(cls, config, tokenizer):
     return {'vocab_size': tokenizer.vocab_size}
+
+  def batch_plan(self):
+    """Texts of similar lengths batched together, each batch cut to a bucket length
+    (data.min_bucket_len > 0), or every batch padded to data.seq_len."""
+    data = self.config.data
+    if data.min_bucket_len:
+      return batching.LengthBuckets(self.tokenizer.pad_id, data.seq_len, data.min_bucket_len, ('tokens',))
+    return batching.Shuffled()
 
   def build_model(self, rngs):
     return TransformerClassifier(self.model_config, rngs=rngs)
