@@ -7,6 +7,8 @@ the last 20% cooled, 1-sqrt), QK-norm, ReLU^2, logits soft-capped at 15, zero-in
 projections. Chosen by
   python launch.py --sweep=configs/sweeps/gpt_recipe_ablation.py --workdir=runs/gpt-recipe-ablation
 (6 listed trials of 120 steps; whole-split eval loss 4.949 for the 2019 recipe -> 4.355 for this one).
+The TPE study of configs/sweeps/gpt_recipe.py (12 trials of 160 steps, 2026-11-27) found nothing
+better: its best 4.204 against this preset's 4.216 at 160 steps, and 3.905 against 3.867 on seed 1.
 Measured on 2 cores of an AMD EPYC, 2026-11-26 (held-out stdlib files, a 2,048-token byte-level BPE,
 32 x 128 tokens a step, seed 0):
   python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=1
