@@ -37,10 +37,8 @@ def preload() -> None:
   import jax  # noqa: F401
   import optax  # noqa: F401
   from flax import nnx  # noqa: F401
-  from train import evaluation, rundir, trainer  # noqa: F401
-  sys.modules['torch'] = None  # tensorboardX as train/metrics.py imports it, without torch (1.2 s)
-  import tensorboardX  # noqa: F401
-  del sys.modules['torch']
+  from train import evaluation, metrics, rundir, trainer  # noqa: F401
+  metrics.summary_writer_class()  # tensorboardX as the trainer imports it: without torch (1.2 s)
 
 
 def serve() -> dict | None:

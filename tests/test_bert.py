@@ -39,7 +39,7 @@ def test_encoder_parameter_count_matches_transformers(size):
   config = BertConfig(**{**{k: v for k, v in config.model.items() if k in BertConfig.__dataclass_fields__},
                          'vocab_size': config.data.vocab_size, 'attention': 'xla'})
   assert (config.vocab_size, config.max_len, config.vocab_multiple) == (30522, 512, 128)
-  count = lambda config: support.count_at_depth(config, lambda c: BertEncoder(c, rngs=nnx.Rngs(0)))
+  count = lambda config: support.abstract_parameter_count(config, lambda c: BertEncoder(c, rngs=nnx.Rngs(0)))
   unpadded = count(dataclasses.replace(config, vocab_multiple=1))
   theirs = hf_count(hidden_size=config.width, num_hidden_layers=config.num_layers,
                     num_attention_heads=config.num_heads, intermediate_size=config.mlp_dim)

@@ -21,7 +21,7 @@ def abstract_params(preset, **overrides):
   config = gpt_configs.get_config(preset)
   gpt_config = GPT2Config(**{**{k: v for k, v in config.model.items() if k in GPT2Config.__dataclass_fields__},
                              'vocab_size': config.data.vocab_size, 'attention': 'xla', **overrides})
-  return support.count_at_depth(gpt_config, lambda c: GPT(c, rngs=nnx.Rngs(0)))
+  return support.abstract_parameter_count(gpt_config, lambda c: GPT(c, rngs=nnx.Rngs(0)))
 
 
 def gpt2_count_by_hand(vocab, positions, layers, width):

@@ -27,7 +27,7 @@ METRICS_FILE = 'metrics.jsonl'
 UPLOAD_SECONDS = 30  # a gs:// workdir's metrics files are at most this old
 
 
-def _summary_writer_class():
+def summary_writer_class():
   """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet.
 
   tensorboardX imports torch when it is installed (requirements-dev.txt, for the Hugging Face
@@ -69,7 +69,7 @@ class MetricWriter:
     self._bar = None
     self._wandb = None
     if self.enabled:
-      SummaryWriter = _summary_writer_class()
+      SummaryWriter = summary_writer_class()
       self._mirror = storage.LocalMirror(workdir, fetch=(METRICS_FILE,))
       self._uploaded_at = time.time()
       self.path = os.path.join(self._mirror.local, METRICS_FILE)
