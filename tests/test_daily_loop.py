@@ -59,6 +59,9 @@ def test_early_stopping_ends_the_run_and_the_final_evaluation_scores_the_best_ch
   assert abs(results['eval/loss'] - logged(workdir, 'eval/loss', 15)) > 1e-3
   last = evaluate_run(workdir, {'train.final_eval_from': 'last'})
   assert last['step'] == 15
+  # Reloading (and so predict and export) gives the model those numbers describe.
+  assert load_run(workdir).step == 5
+  assert load_run(workdir, config_overrides={'train.final_eval_from': 'last'}).step == 15
   assert last['eval/loss'] == logged(workdir, 'eval/loss', 15)
   # One value per name and step: --mode=eval wrote nothing into the run's metrics.
   keyed = [(m['step'], key) for m in metrics(workdir) for key in m if key != 'step']

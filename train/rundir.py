@@ -309,7 +309,9 @@ def run_tokenizer(workdir: str):
 def load_run(workdir: str, step: int | None = None, config_overrides: dict | None = None) -> Run:
   """Reload a run's model (parameters bound), tokenizer and config on the current devices.
 
-  `step` None is the newest checkpoint that restores (see `Checkpointer.best_step` for the best).
+  `step` None is the checkpoint the run's final evaluation scored, as `--mode=eval` picks it: the
+  best by `train.best_metric` with `train.final_eval_from='best'` (the default), else the newest
+  that restores. So the reloaded model is the one the run's result line and metrics describe.
 
   The model is rebuilt from `model.json`. `config_overrides` ({'task': 'features'}) change
   settings of the saved config.json (behaviour such as decoding or the BERT task, not the model's
@@ -317,12 +319,14 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
   trained on 8 devices reloads on 1 (or the reverse)."""
   config, model_config = run_config(workdir, config_overrides)
   task = task_class(config.family)(config, Prepared(run_tokenizer(workdir), model_config))
-  checkpointer = Checkpointer(workdir, read_only=True)
+  checkpointer = Checkpointer(workdir, config.train, read_only=True, data_since=data_since(workdir))
   if checkpointer.latest_step() is None:
     raise CheckpointError(f'No checkpoint in {checkpointer.directory}; train first (python launch.py '
                           f'--config=... --workdir={workdir}).')
   mesh = sharding.make_mesh({'data': -1, 'fsdp': 1, 'tensor': 1})
   spec = state.state_spec(task.build_model, mesh, read_rng_impl(workdir))
+  if step is None and config.train.final_eval_from == 'best':
+    step, _ = checkpointer.best_step() or (None, None)
   if step is None:
     step, restored = checkpointer.restore_newest_intact(restore_target(spec))
   else:
