@@ -1,6 +1,7 @@
 """A Transformer text classifier trained from scratch: encoder blocks, pooling, a linear head.
 
-Token embedding scaled by sqrt(E) + sinusoidal positions, dropout, N self-attention blocks
+Token embedding scaled by sqrt(E) (in training, whole token vectors dropped at rate
+`token_dropout`) + sinusoidal positions, dropout, N self-attention blocks
 (`models.layers.TransformerBlock`) whose attention ignores padding, then one vector per text:
 the mean of the real (non-padding) positions, or the first position ([CLS]). Dropout and a
 linear layer give the class logits. Padding changes no logit: padded keys get zero attention
@@ -41,6 +42,7 @@ class ClassifierConfig:
   labels: tuple[str, ...] = ()  # class names in logit order, when known (predictions, exports)
   qk_norm: bool = False  # RMSNorm of query and key heads (models/attention.py)
   zero_init_out: bool = False  # attention output and FFN down projections start at zero
+  token_dropout: float = 0.0  # training: the rate at which whole token embeddings are zeroed (word dropout)
 
   def __post_init__(self):
     if self.labels and len(self.labels) != self.num_classes:
@@ -62,6 +64,10 @@ class TransformerClassifier(nnx.Module):
     self.embedding = Embed(config.vocab_size, config.width, embedding_init=nnx.initializers.normal(
         config.width ** -0.5), dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
+    # One draw per token, shared by its E features: a dropped word is gone, not just noisier. Only
+    # built when used: its RNG state is part of the checkpoint, and older runs must still restore.
+    self.token_dropout = nnx.Dropout(config.token_dropout, broadcast_dims=(2,),
+                                     rngs=rngs) if config.token_dropout else None
     self.blocks = nnx.List([
         TransformerBlock(config.width, config.num_heads, config.mlp_dim, dropout=config.dropout,
                          attention_dropout=config.attention_dropout, activation='gelu', pre_norm=config.pre_norm,
@@ -82,7 +88,10 @@ class TransformerClassifier(nnx.Module):
     if length > self.config.max_len:
       raise ValueError(f'Sequence of length {length} exceeds model max_len={self.config.max_len}; '
                        f'raise model.max_len or lower data.seq_len.')
-    x = self.embedding(tokens) * self.config.width ** 0.5
+    x = self.embedding(tokens)
+    if self.token_dropout is not None:
+      x = self.token_dropout(x, deterministic=deterministic)
+    x = x * self.config.width ** 0.5
     x = self.dropout(x + sinusoidal_positions(length, self.config.width).astype(x.dtype), deterministic=deterministic)
     mask = AttentionMask(key_lengths=valid.sum(-1))
     for block in self.blocks:

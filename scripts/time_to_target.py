@@ -57,6 +57,7 @@ BASELINES = {
         'train.b1': 0.9, 'train.b2': 0.98, 'train.weight_decay': 0.01, 'train.grad_clip': 1.0,
         'train.end_lr_fraction': 0.0, 'train.z_loss': 0.0, 'train.label_smoothing': 0.0, 'model.dropout': 0.1,
         'model.attention_dropout': 0.0, 'model.pre_norm': True, 'model.qk_norm': False, 'model.zero_init_out': False,
+        'model.token_dropout': 0.0,
     },
 }
 GETTEXT_DIR = '/tmp/gettext'  # scripts/make_gettext_corpus.py's output

@@ -21,9 +21,9 @@ encode = nnx.jit(lambda model, tokens, valid: model.encode(tokens, valid))
 
 
 @functools.cache
-def build(pooling='mean', pre_norm=True):
+def build(pooling='mean', pre_norm=True, token_dropout=0.0):
   config = ClassifierConfig(vocab_size=40, num_classes=3, max_len=32, num_layers=2, num_heads=2, width=16,
-                            mlp_dim=32, dropout=0.1, pooling=pooling, pre_norm=pre_norm)
+                            mlp_dim=32, dropout=0.1, pooling=pooling, pre_norm=pre_norm, token_dropout=token_dropout)
   return nnx.jit(lambda: TransformerClassifier(config, rngs=nnx.Rngs(0)))()
 
 
@@ -55,6 +55,19 @@ def test_mean_pooling_averages_real_positions():
   states = np.asarray(encode(model, tokens, valid))
   expected = states[0, :3].mean(0) @ np.asarray(model.head.kernel[...]) + np.asarray(model.head.bias[...])
   assert_close(np.asarray(forward(model, tokens, valid))[0], expected, terms=TERMS)
+
+
+def test_token_dropout_drops_whole_tokens_in_training_only():
+  model = build(token_dropout=0.5)
+  embeddings = jnp.ones((4, 12, 16))
+  dropped = np.asarray(model.token_dropout(embeddings, deterministic=False))
+  per_token = dropped[..., 0]
+  assert (dropped == per_token[..., None]).all()  # one draw per token, shared by its 16 features
+  assert set(np.unique(per_token)) == {0.0, 2.0}  # dropped, or kept and scaled by 1 / (1 - 0.5)
+  tokens, valid = jnp.asarray([[7, 8, 9, 10]]), jnp.ones((1, 4), bool)
+  without = nnx.clone(model)
+  without.token_dropout = None
+  np.testing.assert_array_equal(forward(model, tokens, valid), forward(without, tokens, valid))  # evaluation
 
 
 def test_rejects_sequences_longer_than_max_len():
