@@ -105,6 +105,18 @@ def test_trains_on_a_tsv_and_reloads_with_label_names(tmp_path):
   assert run.model_config.labels == ('money', 'sport')
 
 
+@pytest.mark.parametrize('rate', [-0.1, 1.0, 1.5])
+def test_a_token_dropout_outside_0_1_fails_before_any_workdir(tmp_path, rate):
+  from configs import classifier as classifier_configs
+  from errors import ConfigError
+  from train.trainer import train_and_evaluate
+  config = classifier_configs.get_config('tiny')
+  config.model.token_dropout = rate
+  with pytest.raises(ConfigError, match=rf'token_dropout={rate} must be in \[0, 1\)'):
+    train_and_evaluate(config, str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run')
+
+
 def test_a_negative_bucket_length_fails_before_any_workdir(tmp_path):
   from configs import classifier as classifier_configs
   from errors import ConfigError

@@ -97,8 +97,9 @@ def check_values(config, num_devices: int | None = None) -> None:
   if width is not None and heads is not None and (heads <= 0 or width % heads):
     raise ConfigError(f'config.model.num_heads={heads} does not divide config.model.width={width}; '
                       f'choose num_heads among the divisors of width.')
-  if not 0 <= m.get('dropout', 0.0) < 1:
-    raise ConfigError(f'config.model.dropout={m.dropout} must be in [0, 1).')
+  for rate in ('dropout', 'attention_dropout', 'token_dropout'):
+    if not 0 <= m.get(rate, 0.0) < 1:
+      raise ConfigError(f'config.model.{rate}={m[rate]} must be in [0, 1): the fraction of values dropped in training.')
   from train import sharding
   devices = jax.device_count() if num_devices is None else num_devices
   try:
