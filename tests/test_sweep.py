@@ -246,7 +246,10 @@ def test_a_trial_pruned_by_its_worker_stops_early_and_its_checkpoint_reloads(kil
   log = open(os.path.join(workdir, 'logs', f'{PRUNED}.log')).read()
   assert f'SIGTERM: saved step {stopped} ' in log and 10 <= stopped < 200
   assert max(m['step'] for m in logged) <= stopped
-  assert load_run(run_dir).step == stopped
+  # It reloads as the study scored it (its best evaluated checkpoint), and its SIGTERM save by step.
+  best = min((m['eval/loss'], m['step']) for m in logged if 'eval/loss' in m)[1]
+  assert load_run(run_dir).step == best
+  assert load_run(run_dir, stopped).step == stopped
   assert '1 pruned' in open(os.path.join(workdir, 'sweep.md')).read()
 
 
