@@ -103,6 +103,22 @@ def test_a_classify_run_saved_before_model_json_keeps_its_labels(tmp_path):
   assert results['eval/accuracy'] == 43 / 222 and results['test/accuracy'] == 47 / 223  # counts of examples: exact
 
 
+def test_a_classifier_run_saved_before_its_model_options_grew_reloads_and_scores_as_reported(tmp_path):
+  """A run written at d8ec8bb, before `model.token_dropout` (and any later classifier option): a new
+  option must default to the old model, adding neither parameters nor RNG state to its checkpoint
+  (a token dropout built even at rate 0 made every such run fail to restore)."""
+  workdir = str(tmp_path / 'classifier_tiny')
+  shutil.copytree(os.path.join(FIXTURES, 'classifier_tiny'), workdir)
+  run = load_run(workdir)
+  assert run.step == 2 and run.model_config.labels == ('business', 'entertainment', 'politics', 'sports', 'tech')
+  assert set(run.predict(['shares fell on the stock market'])[0]['probabilities']) == set(run.model_config.labels)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    reported = json.loads(f.read().splitlines()[-1])  # that run's final evaluation
+  results = evaluate_run(workdir)
+  assert (reported['eval/accuracy'], reported['test/accuracy']) == (50 / 222, 37 / 223)
+  assert {k: results[k] for k in reported if k != 'step'} == {k: v for k, v in reported.items() if k != 'step'}
+
+
 @pytest.mark.parametrize('spec', FAMILIES, ids=lambda spec: spec[0] + ('-' + spec[2]['task'] if 'task' in spec[2] else ''))
 def test_a_restored_run_evaluates_to_the_last_digit_as_after_training(spec, tmp_path):
   """--mode=eval builds the task as training did (`Task.prepare`, then `Task(config, prepared)`):
