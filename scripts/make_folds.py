@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ml_collections  # noqa: E402
 
 from data.classification import key_digest, load_splits  # noqa: E402
+from errors import UserError  # noqa: E402
 
 VALID_EVERY = 9  # of the other folds' examples (in hash order), every 9th is validation
 
@@ -67,5 +68,9 @@ if __name__ == '__main__':
   parser.add_argument('--source', default='bbc_news', help='a classification source (bbc_news, tsv:, tfds:)')
   parser.add_argument('--folds', type=int, default=5)
   args = parser.parse_args()
-  for line in write_folds(args.out, args.source, args.folds):
+  try:
+    counts = write_folds(args.out, args.source, args.folds)
+  except UserError as error:  # a missing file, an unknown source: one line, exit 1 (nothing written yet)
+    sys.exit(f'error: {error}')
+  for line in counts:
     print(json.dumps(line))

@@ -20,6 +20,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from data.classification import classification_metrics, label_names, load_splits  # noqa: E402
+from errors import UserError  # noqa: E402
 
 
 def run(source: str = 'bbc_news', eval_source: str = '', test_source: str = '') -> dict:
@@ -54,4 +55,8 @@ if __name__ == '__main__':
   parser.add_argument('--eval_source', default='')
   parser.add_argument('--test_source', default='')
   args = parser.parse_args()
-  print(json.dumps(run(args.source, args.eval_source, args.test_source)))
+  try:
+    result = run(args.source, args.eval_source, args.test_source)
+  except UserError as error:  # a missing file, an unknown source: one line, exit 1
+    sys.exit(f'error: {error}')
+  print(json.dumps(result))

@@ -2,6 +2,8 @@
 import collections
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -55,3 +57,15 @@ def test_a_pair_keeps_its_two_texts():
 def test_one_fold_is_refused():
   with pytest.raises(SystemExit, match='at least 2 folds'):
     load_script().write_folds('/nonexistent', folds=1)
+
+
+@pytest.mark.parametrize('script', ['make_folds.py', 'tfidf_baseline.py'])
+def test_a_missing_source_is_one_line_and_exit_1(script, tmp_path):
+  out, missing = tmp_path / 'folds', tmp_path / 'missing.tsv'
+  arguments = {'make_folds.py': [f'--out={out}'], 'tfidf_baseline.py': []}[script] + [f'--source=tsv:{missing}']
+  result = subprocess.run([sys.executable, os.path.join(support.REPO, 'scripts', script), *arguments],
+                          capture_output=True, text=True, cwd=str(tmp_path))
+  assert result.returncode == 1 and 'Traceback' not in result.stderr
+  assert result.stderr.strip().splitlines() == [f'error: tsv:{missing} does not exist; give the path of a file '
+                                                f'of text<TAB>label lines.']
+  assert not out.exists()
