@@ -17,7 +17,8 @@ written as one space (neither WordPiece nor TF-IDF tells them apart).
 
 Examples are pooled from every split the source's rule gives (data/classification.py's
 `load_splits`) and dealt to folds in the order of a hash of their keys, so fold sizes differ by
-at most one and the folds do not depend on the order of the files.
+at most one and the folds do not depend on the order of the files. Small sources only: it holds
+every example in memory, as `load_splits` does.
 """
 from __future__ import annotations
 
