@@ -6,7 +6,7 @@ events, pictures, predictions, exports, sweep tables) is read and written throug
 through epath and TensorStore. Without TensorFlow, epath reaches gs:// through `gcsfs`.
 
 Real GCS needs Application Default Credentials, an emulator the variables of
-`emulator_environment(url)` (README.md 'Cloud workdirs').
+`emulator_environment(url)` (docs/accelerators.md 'Cloud workdirs').
 
 Writes that must never be seen half-done use `write_atomically`: on local disk the file is
 written aside and renamed; a GCS object is complete or absent by itself (an upload becomes
@@ -63,7 +63,8 @@ def check_gcs_access() -> None:
              (k == 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT' and os.environ[k].lower() not in ('false', '0'))]
     if unset:
       raise StorageError(f'STORAGE_EMULATOR_HOST={emulator} is set but not {", ".join(unset)}: set them too, so that '
-                         f'TensorStore (checkpoints) and gcsfs (other files) both use it (README.md, Cloud workdirs).')
+                         f'TensorStore (checkpoints) and gcsfs (other files) both use it '
+                         f'(docs/accelerators.md, Cloud workdirs).')
     return
   import google.auth
   import google.auth.exceptions

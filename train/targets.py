@@ -26,8 +26,8 @@ import jax
 from errors import UserError
 
 GiB = 2**30
-INSTALL = ('pip install -r requirements-aot.txt (in a separate virtual environment; README: "Compiling for '
-           'an accelerator you do not have") and run with JAX_PLATFORMS=cpu')
+INSTALL = ('pip install -r requirements-aot.txt (in a separate virtual environment; docs/accelerators.md: '
+           '"Compiling for an accelerator you do not have") and run with JAX_PLATFORMS=cpu')
 # GpuTargetConfig of a Hopper card, as XLA's GPU compiler reads it (values of an H100 SXM; cuDNN 9.8).
 _HOPPER_TARGET_CONFIG = """
 gpu_device_info {{

@@ -1,0 +1,236 @@
+"""The documentation's figures, drawn from the committed measurement files only (measurements/).
+
+  python scripts/make_figures.py [--out=docs/figures]
+
+Writes, each from the files named:
+  gpt_time_to_target.png          measurements/gpt_recipe_ablation.csv, measurements/gpt_time_to_target.csv
+  <study>_history.png             measurements/<study>.csv and configs/sweeps/<sweep>.py: Optuna's own
+  <study>_importance.png            optimization history and fANOVA importances (optuna.visualization.matplotlib)
+  token_cache_rss.png             measurements/token_cache_rss.csv
+  speed_tables.png                measurements/speed_raw.jsonl (the lines speed_raw_provenance.csv dates),
+                                  measurements/speed_xeon.csv
+
+A study is rebuilt in memory: `optuna.create_study` plus `add_trials` of every finished trial in its
+CSV (the sweep's own sweep.csv), with the distributions the sweep file declares, so the plots are
+Optuna's, not redrawn here. Pruned trials are left out (their rows hold the evaluation they were
+pruned at, not a final score). The PNGs are committed under docs/figures/; rerun this when a
+measurement file changes.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import warnings
+
+import matplotlib
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # noqa: E402
+import optuna  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from train import sweep as sweep_lib  # noqa: E402
+from train import sweep_study  # noqa: E402
+
+MEASUREMENTS = os.path.join(REPO, 'measurements')
+STUDIES = {  # measurements/<name>.csv: the sweep file that ran it
+    'gpt_recipe_study': 'configs/sweeps/gpt_recipe.py',
+    'transformer_recipe_study': 'configs/sweeps/transformer_recipe.py',
+    'classifier_recipe_study': 'configs/sweeps/classifier_recipe.py',
+}
+RECIPE, BASELINE = '#1f77b4', '#aaaaaa'
+
+
+def read_csv(name: str) -> list[dict[str, str]]:
+  with open(os.path.join(MEASUREMENTS, name), newline='', encoding='utf-8') as f:
+    return list(csv.DictReader(f))
+
+
+def save(figure, out_dir: str, name: str) -> None:
+  path = os.path.join(out_dir, name)
+  figure.savefig(path, dpi=110, bbox_inches='tight')
+  plt.close(figure)
+  print(path)
+
+
+def gpt_time_to_target(out_dir: str) -> None:
+  """The ablation's losses, and the recipe against the 2019 recipe: steps and seconds to its loss."""
+  ablation = read_csv('gpt_recipe_ablation.csv')
+  rounds = read_csv('gpt_time_to_target.csv')
+  latest_cpu = max(row['date'] for row in rounds if row['machine'].startswith('AMD'))
+  settings = [('AMD EPYC 2 cores', 'default size', f'2 CPU cores\n{latest_cpu}')]
+  settings += [('NVIDIA H200', row['setting'], f"H200, {row['setting'].split(' (')[0]}\n{row['date']}")
+               for row in rounds if row['machine'] == 'NVIDIA H200' and row['arm'] == '2019 recipe']
+  figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={'width_ratios': [1.1, 1]})
+  losses = [float(row['eval_loss']) for row in ablation]
+  colors = [BASELINE if row['trial'] == 'the 2019 recipe' else RECIPE for row in ablation]
+  left.barh(range(len(ablation)), losses, color=colors)
+  left.set_yticks(range(len(ablation)), [row['trial'] for row in ablation], fontsize=8)
+  left.invert_yaxis()
+  left.set_xlim(min(losses) - 0.2, max(losses) + 0.1)
+  for y, loss in enumerate(losses):
+    left.text(loss + 0.01, y, f'{loss:.3f}', va='center', fontsize=8)
+  left.set_xlabel('eval loss after 120 steps (lower is better)')
+  left.set_title(f"GPT recipe ablation ({ablation[0]['date']}, {ablation[0]['recorded_at']})", fontsize=10)
+  measures = [('steps', 'steps'), ('seconds', 'seconds'), ('seconds_excluding_compile', 'seconds without compiling')]
+  width = 0.8 / len(measures)
+  for m, (field, label) in enumerate(measures):
+    ratios = []
+    for machine, setting, _ in settings:
+      pick = {row['arm']: row for row in rounds if row['machine'] == machine and row['setting'] == setting
+              and (machine != 'AMD EPYC 2 cores' or row['date'] == latest_cpu)}
+      ratios.append(float(pick['default recipe'][field]) / float(pick['2019 recipe'][field]))
+    xs = [s + (m - 1) * width for s in range(len(settings))]
+    bars = right.bar(xs, ratios, width, label=label, color=plt.cm.Blues(0.45 + 0.2 * m))
+    right.bar_label(bars, [f'{r:.2f}x' for r in ratios], fontsize=8)
+  right.axhline(1.0, color='black', linewidth=0.8)
+  right.set_xticks(range(len(settings)), [label for _, _, label in settings], fontsize=8)
+  right.set_ylabel('default recipe / 2019 recipe')
+  right.set_title("To the 2019 recipe's step-400 eval loss (lower is better)", fontsize=10)
+  right.legend(fontsize=8, loc='upper left')
+  right.set_ylim(0, 1.35)
+  save(figure, out_dir, 'gpt_time_to_target.png')
+
+
+def parsed(text: str, distribution):
+  """A CSV cell as the value `distribution` holds (choices keep their type: False, 15.0, 'muon')."""
+  if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+    return next(choice for choice in distribution.choices if str(choice) == text)
+  if isinstance(distribution, optuna.distributions.IntDistribution):
+    return int(float(text))
+  return float(text)
+
+
+def rebuilt_study(name: str, sweep_file: str) -> tuple[optuna.Study, str]:
+  """The finished trials of measurements/<name>.csv as an Optuna study; and the sweep's metric."""
+  sweep = sweep_lib.load_sweep(os.path.join(REPO, sweep_file))
+  distributions = {key: sweep_study.distribution(entry) for key, entry in sweep.space.items()}
+  study = optuna.create_study(study_name=name, direction=sweep.direction)
+  trials = []
+  for row in read_csv(f'{name}.csv'):
+    if row['status'] != 'ok' or not row.get(sweep.metric):
+      continue
+    params = {key: parsed(row[key], dist) for key, dist in distributions.items() if row.get(key, '') != ''}
+    trials.append(optuna.trial.create_trial(params=params, distributions={k: distributions[k] for k in params},
+                                            value=float(row[sweep.metric])))
+  study.add_trials(trials)
+  return study, sweep.metric
+
+
+def study_figures(out_dir: str) -> None:
+  optuna.logging.set_verbosity(optuna.logging.WARNING)
+  warnings.filterwarnings('ignore', category=optuna.exceptions.ExperimentalWarning)  # the matplotlib plots' label
+  for name, sweep_file in STUDIES.items():
+    study, metric = rebuilt_study(name, sweep_file)
+    with plt.rc_context():  # Optuna's plots switch matplotlib to its ggplot style: for these figures only
+      axes = optuna.visualization.matplotlib.plot_optimization_history(study, target_name=metric)
+      axes.set_title(f'{name}: optimization history ({len(study.trials)} finished trials)', fontsize=10)
+      save(axes.figure, out_dir, f'{name}_history.png')
+      axes = optuna.visualization.matplotlib.plot_param_importances(
+          study, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0))
+      axes.set_title(f'{name}: parameter importances for {metric} (fANOVA)', loc='left', fontsize=10)  # Optuna's
+      save(axes.figure, out_dir, f'{name}_importance.png')
+
+
+def token_cache_rss(out_dir: str) -> None:
+  """Peak RSS of the first run and the restart against corpus size, per family."""
+  rows = read_csv('token_cache_rss.csv')
+  figure, axes = plt.subplots(figsize=(8, 4.6))
+  families = list(dict.fromkeys(row['family'] for row in rows))
+  for i, family in enumerate(families):
+    color = 'tab:red' if 'before' in family else ('tab:blue', 'tab:orange', 'tab:green', 'tab:purple')[i % 4]
+    for run, style in (('first run', '-o'), ('restart', '--s')):
+      points = sorted((float(r['corpus_mb']), float(r['peak_rss_gb'])) for r in rows
+                      if r['family'] == family and r['run'] == run)
+      if points:
+        machine = next(r['machine'] for r in rows if r['family'] == family).split(' 24')[0]
+        axes.plot(*zip(*points), style, color=color, label=f'{family}, {run} ({machine})', markersize=5)
+  axes.set_xscale('log')
+  axes.set_yscale('log')
+  axes.set_xlabel('corpus size (MB of text)')
+  axes.set_ylabel('peak RSS (GB)')
+  axes.set_title('Peak RSS against corpus size: first run (build + 2 steps) and restart (2 steps)', fontsize=10)
+  axes.grid(True, which='both', alpha=0.3)
+  axes.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1))
+  save(figure, out_dir, 'token_cache_rss.png')
+
+
+def dated_speed_lines() -> list[tuple[dict, dict]]:
+  """(raw line, its provenance row) for the lines speed_raw_provenance.csv gives a machine."""
+  with open(os.path.join(MEASUREMENTS, 'speed_raw.jsonl'), encoding='utf-8') as f:
+    lines = [json.loads(line) for line in f if line.strip()]
+  out = []
+  for row in read_csv('speed_raw_provenance.csv'):
+    if row['machine'] != 'not recorded':
+      out += [(lines[n - 1], row) for n in range(int(row['first_line']), int(row['last_line']) + 1)]
+  return out
+
+
+def ratio_rows_from_raw() -> list[dict]:
+  """Ours / reference per benchmark and round, as scripts/speed_table.py computes them."""
+  rows = []
+  for line, provenance in dated_speed_lines():
+    ours, reference = line['ours'], line['reference']
+    if line['name'] == 'decode':
+      for batch in (1, 8):
+        theirs = next(r['new_tokens_per_s'] for r in reference if r.get('batch') == batch)
+        rows.append({'benchmark': f'GPT decode tokens/s batch {batch}', 'round': line['round'],
+                     'ratio': ours['decode_tokens_per_s'][str(batch)] / theirs, 'provenance': provenance})
+    else:
+      label = {'gpt': 'GPT train tokens/s', 'bert': 'BERT train tokens/s',
+               'transformer': 'Transformer seq2seq train target tokens/s'}[line['name']]
+      rows.append({'benchmark': label, 'round': line['round'],
+                   'ratio': ours['tokens_per_s'] / reference[-1]['tokens_per_s'], 'provenance': provenance})
+  return rows
+
+
+def speed_tables(out_dir: str) -> None:
+  """Ours / the PyTorch reference per round, on the AMD EPYC (raw lines) and the Intel Xeon (its table)."""
+  amd = ratio_rows_from_raw()
+  xeon = [{'benchmark': r['benchmark'], 'round': int(r['round']), 'ratio': float(r['ours_over_reference']),
+           'target': float(r['target'])} for r in read_csv('speed_xeon.csv')]
+  targets = {r['benchmark']: r['target'] for r in xeon}
+  benchmarks = list(targets)
+  amd_dates = sorted({r['provenance']['date'] for r in amd})
+  xeon_meta = read_csv('speed_xeon.csv')[0]
+  machines = [(f"AMD EPYC, 2 cores ({', '.join(amd_dates)}; speed_raw.jsonl)", amd, 'tab:blue'),
+              (f"Intel Xeon, 2 cores ({xeon_meta['date']}, {xeon_meta['recorded_at']})", xeon, 'tab:orange')]
+  figure, axes = plt.subplots(figsize=(11, 4.8))
+  width = 0.38
+  for m, (label, rows, color) in enumerate(machines):
+    for b, benchmark in enumerate(benchmarks):
+      ratios = [r['ratio'] for r in sorted(rows, key=lambda r: r['round']) if r['benchmark'] == benchmark]
+      step = width / max(len(ratios), 1)
+      for k, ratio in enumerate(ratios):
+        x = b + (m - 0.5) * width + (k + 0.5) * step - width / 2
+        axes.bar(x, ratio, step * 0.9, color=color, label=label if b == 0 and k == 0 else None)
+        axes.text(x, ratio + 0.03, f'{ratio:.2f}', ha='center', fontsize=6.5, rotation=90)
+  for b, benchmark in enumerate(benchmarks):
+    axes.plot([b - 0.45, b + 0.45], [targets[benchmark]] * 2, color='black', linestyle=':', linewidth=1,
+              label='target' if b == 0 else None)
+  axes.axhline(1.0, color='black', linewidth=0.8)
+  axes.set_xticks(range(len(benchmarks)), [b.replace(' tokens/s', '\ntokens/s') for b in benchmarks], fontsize=8)
+  axes.set_ylabel('ours / PyTorch reference (one bar per round)')
+  axes.set_title('Speed against the PyTorch references (higher is better)', fontsize=10)
+  axes.set_ylim(0, 5.3)
+  axes.legend(fontsize=8, loc='upper left')
+  save(figure, out_dir, 'speed_tables.png')
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--out', default=os.path.join(REPO, 'docs', 'figures'))
+  args = parser.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  gpt_time_to_target(args.out)
+  token_cache_rss(args.out)
+  speed_tables(args.out)
+  study_figures(args.out)
+
+
+if __name__ == '__main__':
+  main()

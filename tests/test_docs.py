@@ -1,0 +1,115 @@
+"""The documentation's generated parts cannot drift: every key of configs/base.py has a one-line meaning
+(its comment, which docs/gen_config_reference.py turns into the configuration reference), the parser
+finds every key base_config() really sets, and the README's links and commands hold."""
+import importlib.util
+import os
+import re
+
+import pytest
+
+from configs.base import base_config
+from train.validation import flatten
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def reference_module():
+  spec = importlib.util.spec_from_file_location('gen_config_reference', os.path.join(ROOT, 'docs',
+                                                                                     'gen_config_reference.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_every_config_key_has_a_one_line_meaning():
+  keys = reference_module().config_keys()
+  missing = [f"{entry['key']} (configs/base.py:{entry['line']})" for entry in keys if not entry['meaning']]
+  assert not missing, f'Give these keys an inline "# one-line meaning" comment: {", ".join(missing)}'
+
+
+def test_the_reference_lists_every_key_base_config_sets():
+  listed = {entry['key'] for entry in reference_module().config_keys()}
+  assert listed == set(flatten(base_config('gpt')))
+
+
+def test_a_key_without_a_comment_is_found(tmp_path):
+  base = tmp_path / 'base.py'
+  base.write_text('def base_config(family):\n'
+                  '  c = ml_collections.ConfigDict()\n'
+                  '  c.seed = 0  # initialisation and data order\n'
+                  '  c.train = train_defaults()\n'
+                  '  return c\n\n\n'
+                  'def train_defaults():\n'
+                  '  train = ml_collections.ConfigDict()\n'
+                  '  # the first line of a meaning written above its key\n'
+                  '  # and its second line\n'
+                  '  train.lr = 3e-4\n'
+                  '  train.steps = 1000\n'
+                  '  return train\n')
+  keys = {entry['key']: entry for entry in reference_module().config_keys(base)}
+  assert {key: entry['meaning'] for key, entry in keys.items()} == {
+      'seed': 'initialisation and data order',
+      'train.lr': 'the first line of a meaning written above its key and its second line',
+      'train.steps': ''}
+  assert keys['train.lr']['default'] == '3e-4'
+
+
+def test_the_reference_page_has_a_row_per_key():
+  module = reference_module()
+  keys = module.config_keys()
+  page = module.page(keys)
+  for entry in keys:
+    assert f"| `{entry['key']}` |" in page
+
+
+def readme():
+  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+    return f.read()
+
+
+def test_the_readme_is_short_and_keeps_the_two_commands():
+  text = readme()
+  assert len(text.splitlines()) <= 200
+  assert '    pip install -r requirements.txt && python launch.py\n' in text
+  assert '    pip install -r requirements-dev.txt && python -m pytest -q\n' in text
+
+
+@pytest.mark.parametrize('link', sorted(set(re.findall(r'\]\(([^)#:]+\.md)(?:#[^)]*)?\)', readme()))))
+def test_the_readme_links_to_pages_that_exist(link):
+  assert os.path.isfile(os.path.join(ROOT, link)), link
+
+
+def figures_module():
+  spec = importlib.util.spec_from_file_location('make_figures', os.path.join(ROOT, 'scripts', 'make_figures.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_speed_figure_reads_the_ratios_the_benchmarks_page_reports():
+  ratios = {}
+  for row in figures_module().ratio_rows_from_raw():
+    ratios.setdefault(row['benchmark'], []).append(round(row['ratio'], 2))
+  assert ratios == {  # docs/benchmarks.md, the AMD EPYC table
+      'GPT train tokens/s': [0.81, 0.87], 'BERT train tokens/s': [1.08, 1.09],
+      'Transformer seq2seq train target tokens/s': [0.85, 0.87],
+      'GPT decode tokens/s batch 1': [2.31, 2.26], 'GPT decode tokens/s batch 8': [2.02, 1.76]}
+
+
+@pytest.mark.parametrize('study, best, finished', [('gpt_recipe_study', 4.204, 11),
+                                                   ('transformer_recipe_study', 0.563, 19),
+                                                   ('classifier_recipe_study', 0.9865, 10)])
+def test_a_rebuilt_study_has_the_best_trial_the_docs_report(study, best, finished):
+  """The Optuna study the figures are drawn from holds the sweep's finished trials and its best score."""
+  module = figures_module()
+  rebuilt, _ = module.rebuilt_study(study, module.STUDIES[study])
+  assert len(rebuilt.trials) == finished
+  assert round(rebuilt.best_value, 4 if best == 0.9865 else 3) == best
+
+
+def test_the_figures_are_drawn_from_the_committed_measurements(tmp_path, monkeypatch):
+  monkeypatch.setattr('sys.argv', ['make_figures.py', f'--out={tmp_path}'])
+  figures_module().main()
+  drawn = sorted(path.name for path in tmp_path.iterdir())
+  assert drawn == sorted(os.listdir(os.path.join(ROOT, 'docs', 'figures')))
+  assert all((tmp_path / name).stat().st_size > 10_000 for name in drawn)
