@@ -20,10 +20,13 @@ The pairs are an example cache (data/token_cache.py, `pretraining_datasets`):
     data.documents='auto': blank lines when the glob matches a single file), a TFDS record
     (`data.text_field`), a bbc_news article. A file is read in pieces of about a quarter of a
     shard, cut at a blank line or, where none is near, at a sentence boundary (a newline): a
-    document larger than that becomes several documents, a shard holding several of them. Each is keyed
-    by its file and byte offset (its file alone when whole) for the split: EVAL_FRACTION of the
-    documents by a hash of their keys is validation; bbc_news keeps its own split (train / valid /
-    test), so pretraining never sees the articles fine-tuning is tested on.
+    document larger than that becomes several documents, a shard holding several of them. The split
+    hashes a document's key, which every piece of it carries: its file ('file'), or its file and the
+    byte offset where it starts ('blank_line': a piece that begins inside a document takes the key of
+    that document's start, `continued_documents`), so no document is in two splits. EVAL_FRACTION
+    of the documents by a hash of their keys is validation (at most sources.HELD_OUT_BYTES of text:
+    sources.carve_out); bbc_news keeps its own split (train / valid / test), so pretraining never
+    sees the articles fine-tuning is tested on.
   - Each shard is paired alone (process p builds the shards i with i % P == p): its documents of a
     split tokenized, cut dupe_factor times (validation: once) with an RNG seeded from
     (seed + SEED_OFFSETS[split], shard index) (the documents' orders and the shuffle; the cuts and
@@ -302,13 +305,17 @@ class Masker:
 
 
 # ----------------------------------------------------------------------------- the cache
-class Documents:
+class Documents(token_cache.Processor):
   """The processor of BERT pretraining caches: a record is a document's text; a split's documents in
   a shard become its sentence pairs (FIELDS; 'test' documents are only counted)."""
   prefix = 'bert'
+  VERSION = 2  # bump with any change to what records or encode write (token_cache.Processor; PAIRING stays)
 
-  def __init__(self, data_config, seed: int, blank_lines: bool = False, tokenizer: Tokenizer | None = None):
+  def __init__(self, data_config, seed: int, blank_lines: bool = False, tokenizer: Tokenizer | None = None,
+               continued: dict[tuple[str, int], str] | None = None):
+    """`continued`: `continued_documents` of the corpus read (blank-line documents only)."""
     self.data_config, self.seed, self.blank_lines, self.tokenizer = data_config, seed, blank_lines, tokenizer
+    self.continued = continued or {}
 
   def records(self, piece: token_cache.Range, info: dict):
     if piece.cut == 'items':  # bbc_news: piece.key names its part
@@ -326,9 +333,12 @@ class Documents:
       for match in [*(token_cache.BLANK_LINE.finditer(raw) if self.blank_lines else ()), None]:
         end = match.start() if match else len(raw)
         text = token_cache.decode(raw[start:end], piece, start)
-        if text.strip():  # keyed by its file (a whole file) or its file and byte offset
-          whole = piece.start + start == 0 and not self.blank_lines
-          yield piece.key if whole else f'{piece.key}:{piece.start + start}', text
+        if text.strip():  # keyed by its file, or by its file and the offset where its document starts
+          if not self.blank_lines:
+            yield piece.key, text
+          else:
+            yield (self.continued.get((piece.key, piece.start)) if start == 0 else None) or \
+                f'{piece.key}:{piece.start + start}', text
         start = match.end() if match else end
 
   def encode(self, split: str, documents: list[str], index: int, info: dict) -> dict[str, np.ndarray]:
@@ -345,6 +355,34 @@ class Documents:
                           short_seq_prob=config.short_seq_prob, dtypes=dtypes)
     info.setdefault('pairs', {})[split] = len(rows['tokens'])
     return rows
+
+
+def continued_documents(corpus: token_cache.Corpus, window: int = 1 << 16) -> dict[tuple[str, int], str]:
+  """{(file key, piece start): the key of the document it continues} of the pieces of blank-line
+  documents that begin inside a document (cut at a newline, where no blank line was near): the
+  document started at the last blank line of the piece before, or where that piece's own first
+  document started. Reads each piece before such a cut back from its end, `window` bytes and then
+  twice as many at a time, to its last blank line (usually a few KB; the whole piece when it has none)."""
+  pieces = [piece for shard in corpus.shards for piece in shard if piece.cut == 'blocks']
+  continued = {}
+  for before, piece in zip(pieces, pieces[1:]):
+    if piece.key != before.key or piece.start != before.end:
+      continue
+    size = window
+    while True:
+      start = max(before.start, before.end - size)
+      raw = token_cache.range_bytes(dataclasses.replace(before, start=start))
+      last = None
+      for last in token_cache.BLANK_LINE.finditer(raw):
+        pass
+      if last is not None or start == before.start:
+        break
+      size *= 2
+    if not raw[last.end() if last else 0:].strip():  # the piece before ends with its document
+      continue
+    continued[piece.key, piece.start] = (f'{before.key}:{start + last.end()}' if last else
+                                         continued.get((before.key, before.start), f'{before.key}:{before.start}'))
+  return continued
 
 
 def plan_source(source: str, role: str, data_config, size: int):
@@ -365,24 +403,27 @@ def plan_source(source: str, role: str, data_config, size: int):
     identity = {'kind': 'bbc_news', 'root': sources.bbc_news_dir(), 'parts': splits}
     ranges = token_cache.part_ranges(source, {part: len(parts[part]) for part in parts}, splits)
     return token_cache.plan(source, ranges, identity, size), carve, origins, False
-  if held_out:
-    carve = sources.Carve(fractions=(('train', 1 - EVAL_FRACTION), ('valid', EVAL_FRACTION)), held_out=('valid',))
-    origins = {'train': f'{source}, the documents not held out', 'valid': f'{source}, a {EVAL_FRACTION:.0%} hash split'}
   if kind == 'tfds':
     whole, identity = token_cache.tfds_range(argument, sources.TFDS_SPLITS[role])
     identity['field'] = data_config.text_field
-    return token_cache.plan(source, [whole], identity, size), carve, origins, False
-  if kind != 'text':
+    corpus, blank_lines = token_cache.plan(source, [whole], identity, size), False
+  elif kind == 'text':
+    files, identity = token_cache.text_files(source)
+    mode = data_config.documents
+    if mode not in ('file', 'blank_line', 'auto'):
+      raise sources.DataError(f"data.documents={mode!r}: use 'file', 'blank_line' or 'auto'.")
+    blank_lines = mode == 'blank_line' or (mode == 'auto' and len(files) == 1)
+    identity['blank_lines'] = blank_lines
+    files = [dataclasses.replace(f, cut='blocks') for f in files]
+    # Pieces of about a quarter of a shard: a shard holds several documents even of one huge file.
+    corpus = token_cache.plan(source, files, identity, size, piece_bytes=size // 4)
+  else:
     raise sources.unknown_source(source, 'BERT pretraining', 'bbc_news, text:<glob> or tfds:<name>[:<split>]')
-  files, identity = token_cache.text_files(source)
-  mode = data_config.documents
-  if mode not in ('file', 'blank_line', 'auto'):
-    raise sources.DataError(f"data.documents={mode!r}: use 'file', 'blank_line' or 'auto'.")
-  blank_lines = mode == 'blank_line' or (mode == 'auto' and len(files) == 1)
-  identity['blank_lines'] = blank_lines
-  files = [dataclasses.replace(f, cut='blocks') for f in files]
-  # Pieces of about a quarter of a shard: a shard holds several documents even of one huge file.
-  return token_cache.plan(source, files, identity, size, piece_bytes=size // 4), carve, origins, blank_lines
+  if held_out:  # a TFDS record's size is plan's estimate
+    carve = sources.carve_out((('train', 1 - EVAL_FRACTION), ('valid', EVAL_FRACTION)), ('valid',),
+                              sum(piece.size for shard in corpus.shards for piece in shard))
+    origins = sources.carved_origins(source, carve, 'documents')
+  return corpus, carve, origins, blank_lines
 
 
 def pretraining_datasets(data_config, workdir: str, seed: int, tokenizer: Tokenizer | None = None,
@@ -397,10 +438,13 @@ def pretraining_datasets(data_config, workdir: str, seed: int, tokenizer: Tokeni
     named = data_config.get({'valid': 'eval_source', 'test': 'test_source'}[role], '')
     if named:
       corpora[role] = plan_source(named, role, data_config, size)
+  continued = {role: continued_documents(corpus) if blank_lines else {}
+               for role, (corpus, _, _, blank_lines) in corpora.items()}
   train, carve, _, blank_lines = corpora['train']
   tokenizer = token_cache.shared_tokenizer(
       data_config, workdir, {'family': 'bert', 'corpus': train.identity, 'carve': dataclasses.asdict(carve)},
-      lambda: token_cache.records(train, Documents(data_config, seed, blank_lines), carve, 'train'), tokenizer)
+      lambda: token_cache.records(train, Documents(data_config, seed, blank_lines, continued=continued['train']), carve,
+                                  'train'), tokenizer)
   examples, caches, documents = {}, {}, {}
   for role, (corpus, carve, origins, blank_lines) in corpora.items():
     identity = {'corpus': corpus.identity, 'carve': dataclasses.asdict(carve), 'shard_bytes': size, 'seed': seed,
@@ -409,8 +453,9 @@ def pretraining_datasets(data_config, workdir: str, seed: int, tokenizer: Tokeni
                 'tokenizer': token_cache.tokenizer_hash(tokenizer)}
     name = token_cache.cache_name(Documents.prefix, identity)
     directory = token_cache.cache_directory(token_cache.cache_dir(data_config), name)
-    cache = token_cache.build(directory, corpus, Documents(data_config, seed, blank_lines, tokenizer), carve,
-                              identity, process_index, process_count, workers=token_cache.cache_workers(data_config))
+    processor = Documents(data_config, seed, blank_lines, tokenizer, continued[role])
+    cache = token_cache.build(directory, corpus, processor, carve, identity, process_index, process_count,
+                              workers=token_cache.cache_workers(data_config))
     for split, origin in origins.items():
       documents[split] = (cache.info('documents', split), origin, len(origins) > 1)
       if split in BUILT:

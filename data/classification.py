@@ -68,10 +68,11 @@ def key_digest(key: str) -> bytes:
 
 
 # ----------------------------------------------------------------------------- the cache
-class Labelled:
+class Labelled(token_cache.Processor):
   """The processor of classification caches: a record is (layout, LabelledText); a split's records
   of each layout become rows of ROW_FIELDS suffixed '@<layout>'."""
   prefix = 'texts'
+  VERSION = 1  # bump with any change to what records or encode write (token_cache.Processor)
 
   def __init__(self, data_config, tokenizer=None):
     self.data_config, self.tokenizer = data_config, tokenizer
@@ -174,10 +175,9 @@ def plan_source(source: str, role: str, held_out: tuple[str, ...], data_config, 
   kind, argument = sources.parse_source(source)
   carve = sources.Carve(whole='train' if role == 'train' else 'heldout')
   origins = {carve.whole: sources.origin(data_config, role)}
-  if role == 'train' and held_out:
+  if role == 'train' and held_out:  # bbc_news's own split, reported as its FRACTIONS
     carve = sources.Carve(fractions=FRACTIONS, held_out=held_out, seed=SPLIT_SEED)
-    origins = {'train': f'{source}, the examples not held out',
-               **{r: f'{source}, a {dict(FRACTIONS)[r]:.0%} hash split' for r in held_out}}
+    origins = sources.carved_origins(source, carve, 'examples')
   if kind == 'bbc_news':  # its own split; a role not held out gives its part to training
     parts = sources.bbc_news()
     splits = ({part: part if part in held_out else 'train' for part in SPLITS} if role == 'train'
@@ -193,7 +193,12 @@ def plan_source(source: str, role: str, held_out: tuple[str, ...], data_config, 
     identity['fields'] = [data_config.text_field, data_config.label_field]
   else:
     raise sources.unknown_source(source, 'classification', 'bbc_news, tsv:<path> or tfds:<name>[:<split>]')
-  return token_cache.plan(name, [whole], identity, size, BYTES_PER_RECORD), carve, origins
+  corpus = token_cache.plan(name, [whole], identity, size, BYTES_PER_RECORD)
+  if role == 'train' and held_out:  # each held-out share at most sources.HELD_OUT_BYTES of the text (records: estimated)
+    carve = sources.carve_out(FRACTIONS, held_out, sum(piece.size for shard in corpus.shards for piece in shard),
+                              SPLIT_SEED)
+    origins = sources.carved_origins(source, carve, 'examples')
+  return corpus, carve, origins
 
 
 def _plan(data_config):

@@ -2,10 +2,12 @@
 
 Each example is {'tokens': int32 [seq_len + 1]}: inputs are tokens[:-1], targets tokens[1:].
 Documents are joined with the tokenizer's EOS id so a window may span a document boundary, as in
-GPT-2 training. Sources: pystdlib and text:<glob> (a file is a document), tfds:<name>[:<split>]
-(a record's `text` is one). Validation is held out of data.source by documents (sources.Carve on
-each file's key, at least one file; on each record's key), a single file by its last
-EVAL_FRACTION from a safe cut (data/token_cache.py).
+GPT-2 training; with data.document_masking the GPT family finds the boundaries at those EOS ids
+and keeps attention within each document (models/gpt.py `document_segments`). Sources: pystdlib
+and text:<glob> (a file is a document), tfds:<name>[:<split>] (a record's `text` is one).
+Validation is held out of data.source by documents (sources.Carve on each file's key, at least one
+file; on each record's key), a single file by its last EVAL_FRACTION from a safe cut
+(data/token_cache.py).
 
 The stream is an example cache with one 1-D field per split, `tokens`: a shard's documents cut
 into ~PIECE_BYTES items at safe places, tokenized BATCH_BYTES at a time by the threaded
@@ -24,10 +26,11 @@ PIECE_BYTES = 256 << 10  # text per encode_batch item: enough items per batch fo
 BATCH_BYTES = 4 << 20  # text per encode_batch call: HF tokenizers holds ~100 bytes per token until it returns
 
 
-class Tokens:
+class Tokens(token_cache.Processor):
   """The processor of language-model caches: a record is an item of a document's text and whether
   the document ends with it; a split's records become its `tokens`."""
   prefix = 'lm'
+  VERSION = 1  # bump with any change to what records or encode write (token_cache.Processor)
 
   def __init__(self, tokenizer=None):
     self.tokenizer = tokenizer
@@ -65,28 +68,36 @@ class Tokens:
 
 def plan_corpus(source: str, carve_valid: bool, seed: int, default_split: str, shard_bytes: int):
   """(token_cache.Corpus, sources.Carve, {split: origin}) of an LM source: with `carve_valid`,
-  EVAL_FRACTION of its documents held out as 'valid' and the rest 'train'; else all of it 'all'."""
+  EVAL_FRACTION of its documents (at most sources.HELD_OUT_BYTES of text) held out as 'valid' and the
+  rest 'train'; else all of it 'all'."""
   kind, argument = sources.parse_source(source)
-  carve = (sources.Carve(fractions=(('train', 1 - EVAL_FRACTION), ('valid', EVAL_FRACTION)), held_out=('valid',),
-                         seed=seed) if carve_valid else sources.Carve(whole='all'))
-  origins = ({'train': f'{source}, the documents not held out', 'valid': f'{source}, a {EVAL_FRACTION:.0%} hash split'}
-             if carve_valid else {'all': f'{source}, whole'})
+  carve, origins = sources.Carve(whole='all'), {'all': f'{source}, whole'}
+  # A carved share: EVAL_FRACTION of the text, at most sources.HELD_OUT_BYTES of it.
+  carved = lambda text_bytes: sources.carve_out((('train', 1 - EVAL_FRACTION), ('valid', EVAL_FRACTION)), ('valid',),
+                                                text_bytes, seed)
   if kind == 'tfds':
     whole, identity = token_cache.tfds_range(argument, default_split)
     name, split = whole.key.rsplit(':', 1)
     [first] = sources.tfds_fields(sources.tfds_records(name, split)[0], ['text'], whole.path,
                                   'a language model reads the field text')
-    return token_cache.plan(source, [whole], identity, shard_bytes, max(len(first.encode()), 256)), carve, origins
+    corpus = token_cache.plan(source, [whole], identity, shard_bytes, max(len(first.encode()), 256))
+    if carve_valid:
+      carve = carved(sum(piece.size for shard in corpus.shards for piece in shard))
+      origins = sources.carved_origins(source, carve, 'documents')
+    return corpus, carve, origins
   if kind not in ('pystdlib', 'text'):
     raise sources.unknown_source(source, 'LM data', 'pystdlib, text:<glob> or tfds:<name>[:<split>]')
   files, identity = token_cache.text_files(source)
-  if carve_valid and len(files) == 1:  # one file: its last EVAL_FRACTION (from a safe cut) is validation
-    [whole] = files
-    cut = token_cache.next_cut(whole.path, int(whole.end * (1 - EVAL_FRACTION)), whole.end, 'bytes')
+  if carve_valid:
+    carve = carved(sum(f.end for f in files))
+    origins = sources.carved_origins(source, carve, 'documents')
+  if carve_valid and len(files) == 1:  # one file: its last share (from a safe cut) is validation
+    [whole], share = files, dict(carve.fractions)['valid']
+    cut = token_cache.next_cut(whole.path, int(whole.end * (1 - share)), whole.end, 'bytes')
     # Each part ends with EOS: two documents.
     files = [dataclasses.replace(whole, end=cut, split='train'), dataclasses.replace(whole, start=cut, split='valid')]
-    origins = {'train': f'{source}, the first {1 - EVAL_FRACTION:.0%} of the text',
-               'valid': f'{source}, the last {EVAL_FRACTION:.0%} of the text'}
+    origins = {'train': f'{source}, the first {sources.percent(1 - share)} of the text',
+               'valid': f'{source}, the last {sources.percent(share)} of the text'}
   elif carve_valid:
     splits = [carve.of(f.key) for f in files]
     if 'valid' not in splits:  # no file hashed to validation: the last one is

@@ -21,9 +21,14 @@ carved out of data.source, which then trains on the rest only:
   source + test_source    validation comes out of source; test is test_source
   all three               each used whole
 Carving (`Carve`) gives every record its split by a hash of its key (a document's path, a tsv
-line's text), stable across runs, machines and shards, while a cache is built. Sources with their
-own held-out data keep it: numbers_en_fr, bbc_news (an exact 80/10/10 of its articles' hash
-order), the validation/test splits of a TFDS translation set. Families with a single held-out
+line's text), stable across runs, machines and shards, while a cache is built; a document read in
+several pieces (one larger than a quarter shard) has its key on every piece, so it is never in two
+splits. A carved split is its family's share of the source (5% for LM and BERT pretraining,
+5% + 5% for translation, 10% + 10% for classification) but at most HELD_OUT_BYTES of its text
+(`carve_out`): the share shrinks for a source above HELD_OUT_BYTES / share (40 MB at 5%), so that
+a large corpus holds out a few MB, not 5% of it. Sources with their own held-out data keep it:
+numbers_en_fr, bbc_news (an exact 80/10/10 of its articles' hash order), the validation/test
+splits of a TFDS translation set. Families with a single held-out
 split (gpt, rnn_lm, BERT pretraining; none runs a test evaluation) carve validation only: their
 test split is the validation split unless named. Each family prints one line per split at the
 start of a run: its size and where it came from.
@@ -61,6 +66,10 @@ HEADER_WORDS = frozenset('source target src tgt text label labels sentence sente
                          'input output question answer category class'.split())
 LANGUAGE_CODE = re.compile(r'[a-z]{2}([-_][A-Za-z]{2,4})?')
 BBC_NEWS_FRACTIONS = (('train', 0.8), ('valid', 0.1), ('test', 0.1))
+# A split carved out of data.source holds at most about this much of its text (`carve_out`): of the
+# standard library's sources ~7,800 BERT pairs of 128 tokens or a few thousand GPT windows of 128
+# tokens; ~30,000 tsv lines of 70 bytes.
+HELD_OUT_BYTES = 2 << 20
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -224,6 +233,32 @@ class Carve:
       if u < bound:
         break
     return role if role in self.held_out else 'train'
+
+
+def carve_out(fractions: Sequence[tuple[str, float]], held_out: Sequence[str], text_bytes: float, seed: int = 0
+              ) -> Carve:
+  """The Carve holding `held_out` out of a source of `text_bytes` bytes of text (an estimate for
+  records) by `fractions` ((role, share), ..., 'train' first): each held-out share cut to
+  HELD_OUT_BYTES / text_bytes, 'train' taking the rest. A source of up to HELD_OUT_BYTES / share
+  keeps `fractions` as given (its carve, and so its cache, as before the cap existed)."""
+  cap = HELD_OUT_BYTES / max(text_bytes, 1)
+  if all(share <= cap for role, share in fractions if role in held_out):
+    return Carve(fractions=tuple(fractions), held_out=tuple(held_out), seed=seed)
+  shares = {role: min(share, cap) if role in held_out else share for role, share in fractions if role != 'train'}
+  return Carve(fractions=(('train', 1 - sum(shares.values())), *shares.items()), held_out=tuple(held_out), seed=seed)
+
+
+def carved_origins(source: str, carve: Carve, unit: str) -> dict[str, str]:
+  """{split: origin} of the splits `carve` takes out of `source` (`unit`: what it deals, a plural:
+  'documents', 'pairs'), for their report lines."""
+  shares = dict(carve.fractions)
+  return {'train': f'{source}, the {unit} not held out',
+          **{role: f'{source}, a {percent(shares[role])} hash split' for role in carve.held_out}}
+
+
+def percent(share: float) -> str:
+  """0.05 -> '5%', 0.998 -> '99.8%', 0.00195 -> '0.195%': three significant digits."""
+  return f'{share * 100:.3g}%'
 
 
 def held_out_roles(data_config) -> tuple[str, ...]:

@@ -16,8 +16,10 @@ training, whatever the corpus's size:
   read   `Rows` (the rows of a split, the shards taken in turn), `Stream` (a split's 1-D field,
          the shards joined) and `Texts` (text kept for scoring), each shard opened when first read.
 
-A family supplies the processor, an object with
+A family supplies the processor, a `Processor` subclass with
   prefix                       the cache's name: '<prefix>-v<FORMAT>-<hash of what decides its rows>'
+  VERSION                      what it writes for the same text, in that hash: bumped with any change
+                               to its records or to what encode writes (tests/test_cache_versions.py)
   records(range, info)         (key, record) of a range, in order; the key is what the split hashes;
                                `info` (a dict kept in the shard's json) gathers what it reports
   encode(split, records, index, info)  {field: array [rows, ...]} of a split's records in shard `index`
@@ -67,12 +69,15 @@ from data.sources import DataError
 
 FORMAT = 2  # in every cache's name: a cache of another format is never read
 DEFAULT_CACHE_DIR = '~/.cache/attention-lineage/data'  # data.cache_dir's default: runs on one corpus share it
+# When set, the folder DEFAULT_CACHE_DIR stands for (and LOCAL_MIRROR's parent): the tests' temporary one.
+CACHE_DIR_VARIABLE = 'ATTENTION_LINEAGE_DATA_CACHE'
 SHARD_BYTES = 32 << 20  # text per shard: ~10 M tokens (a build holds ~10 bytes per byte of its shard)
 SAFE_CUT_SEARCH = 4 << 20  # bytes searched for a safe cut before cutting at a character boundary
 MAX_WORKERS = 8  # data.cache_workers=0 starts one build process per core, at most this many
 AUTO_WORKERS_BYTES = 16 << 20  # ... once there is this much text to build
 WAIT_SECONDS = 3600  # how long a process waits for the shards other processes build
-LOCAL_MIRROR = '~/.cache/attention-lineage/data-mirror'  # where a gs:// cache's shards are copied to be read
+LOCAL_MIRROR = (os.path.join(os.environ[CACHE_DIR_VARIABLE], 'gs-mirror') if os.environ.get(CACHE_DIR_VARIABLE)
+                else '~/.cache/attention-lineage/data-mirror')  # where a gs:// cache's shards are copied to be read
 TOKENIZER_TRAINING_CHARS = 20_000_000  # a tokenizer trains on this much training text: BPE merges stabilise long before
 _SAFE_NEWLINE = re.compile(rb'[!-~](\r?)\n[!-~]')
 BLANK_LINE = re.compile(rb'\n\s*\n')  # documents of data.documents=blank_line end at one
@@ -346,8 +351,12 @@ def _newlines_before(path: str, offset: int, chunk: int = 16 << 20) -> int:
 
 # ----------------------------------------------------------------------------- names and settings
 def cache_dir(data_config) -> str:
-  """data.cache_dir (the default for configs saved before it existed)."""
-  return data_config.get('cache_dir', DEFAULT_CACHE_DIR)
+  """data.cache_dir (the default for configs saved before it existed); the default is the folder
+  $ATTENTION_LINEAGE_DATA_CACHE names when it is set, in configs saved before too."""
+  directory = data_config.get('cache_dir', DEFAULT_CACHE_DIR)
+  if directory == DEFAULT_CACHE_DIR:
+    return os.environ.get(CACHE_DIR_VARIABLE) or directory
+  return directory
 
 
 def cache_workers(data_config) -> int:
@@ -373,8 +382,14 @@ def _digest(value) -> str:
 
 
 def cache_name(prefix: str, identity: dict) -> str:
-  """The one naming of caches: the family's prefix, the format and a hash of what decides the rows."""
-  return f'{prefix}-v{FORMAT}-{_digest({**identity, "format": FORMAT})}'
+  """The one naming of caches: the family's prefix, the format and a hash of what decides the rows,
+  its processor's VERSION among it (version 1, what processors wrote when versions began, adds
+  nothing: the caches named before keep their names, and the runs that recorded them resume)."""
+  if prefix not in PROCESSORS:
+    raise KeyError(f'No token-cache processor has the prefix {prefix!r}; a processor subclasses token_cache.Processor.')
+  version = PROCESSORS[prefix].VERSION
+  versioned = {'version': version} if version > 1 else {}
+  return f'{prefix}-v{FORMAT}-{_digest({**identity, "format": FORMAT, **versioned})}'
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -382,6 +397,38 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 # ----------------------------------------------------------------------------- building
+PROCESSORS: dict[str, type] = {}  # prefix -> its Processor subclass, registered when the class is defined
+
+
+class Processor:
+  """A family's processor (the interface in the module docstring). A subclass that sets its own
+  `prefix` is registered in PROCESSORS under it, and `cache_name` puts its VERSION in its caches'
+  names: bump VERSION with any change to what it writes for the same input (the records' keys or
+  splits, the fields encode writes, their values or dtypes), so that no cache of the old code is read
+  again. tests/test_cache_versions.py builds a fixed input through every registered processor and
+  fails when what it writes changes without a bump."""
+  prefix = ''
+  VERSION = 0
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if 'prefix' not in cls.__dict__:  # a subclass of a processor (a test's wrapper) writes its caches
+      return
+    if not cls.prefix or not isinstance(cls.VERSION, int) or cls.VERSION < 1:
+      raise TypeError(f'{cls.__qualname__} must set a prefix and an int VERSION >= 1 (token_cache.Processor).')
+    known = PROCESSORS.get(cls.prefix)
+    if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+      raise TypeError(f'{cls.__module__}.{cls.__qualname__} and {known.__module__}.{known.__qualname__} both name '
+                      f'their caches {cls.prefix!r}.')
+    PROCESSORS[cls.prefix] = cls
+
+  def records(self, piece: Range, info: dict) -> Iterator[tuple[str, object]]:
+    raise NotImplementedError
+
+  def encode(self, split: str, records: list, index: int, info: dict) -> dict[str, np.ndarray]:
+    raise NotImplementedError
+
+
 def records(corpus: Corpus, processor, carve: sources.Carve, split: str) -> Iterator:
   """The records of `split`, shard by shard in order, read as they are consumed (a tokenizer's sample)."""
   for shard in corpus.shards:

@@ -223,11 +223,12 @@ def as_dataset(arrays: dict[str, np.ndarray]):
 
 
 # ----------------------------------------------------------------------------- the cache
-class Pairs:
+class Pairs(token_cache.Processor):
   """The processor of translation caches: a record is a (source, target) pair, keyed by its line
   (`source<TAB>target`) for the 90/5/5 split; a split's pairs become rows of FIELDS in the token
   dtype, and a held-out split's text is kept beside them ('source_text', 'target_text')."""
   prefix = 'pairs'
+  VERSION = 1  # bump with any change to what records or encode write (token_cache.Processor)
 
   def __init__(self, data_config, seed: int, tokenizer: Tokenizer | None = None):
     self.data_config, self.seed, self.tokenizer, self.numbers = data_config, seed, tokenizer, {}
@@ -300,10 +301,9 @@ def plan_source(source: str, role: str, held_out: tuple[str, ...], data_config, 
   if kind == 'tsv':
     name, whole, identity = token_cache.tsv_range(argument, data_config, 'source<TAB>target')
     origins = {carve.whole: named}
-    if role == 'train' and held_out:
-      carve = sources.Carve(fractions=TSV_FRACTIONS, held_out=held_out, seed=seed)
-      origins = {'train': f'{source}, the pairs not held out',
-                 **{r: f'{source}, a {dict(TSV_FRACTIONS)[r]:.0%} hash split' for r in held_out}}
+    if role == 'train' and held_out:  # TSV_FRACTIONS, each held-out share at most sources.HELD_OUT_BYTES of the file
+      carve = sources.carve_out(TSV_FRACTIONS, held_out, whole.end, seed)
+      origins = sources.carved_origins(source, carve, 'pairs')
     return token_cache.plan(name, [whole], identity, size), carve, origins
   if kind == 'tfds':
     whole, identity = token_cache.tfds_range(argument, sources.TFDS_SPLITS[role])

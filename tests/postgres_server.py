@@ -1,6 +1,8 @@
-"""A throwaway PostgreSQL server on localhost for the tests: Debian's `postgresql` binaries (.ci/run
-installs the package when they are missing), a new cluster in a temporary directory, TCP on
-127.0.0.1 at a free port, trust authentication, and no fsync (nothing outlives the test).
+"""A throwaway PostgreSQL server on localhost for the tests: the newest of Debian's `postgresql`
+binaries (.ci/run installs the package when they are missing), else `initdb` and `postgres` on PATH
+(Fedora's postgresql-server, Homebrew's postgresql), a new cluster in a temporary directory, TCP on
+127.0.0.1 at a free port, trust authentication, and no fsync (nothing outlives the test). Without a
+server the tests that need one are skipped with one line naming what to install (MISSING).
 
     with PostgresServer() as server:
       url = server.url  # postgresql://sweeps@127.0.0.1:PORT/postgres
@@ -21,14 +23,21 @@ import tempfile
 import time
 
 USER = 'sweeps'  # the database role the tests connect as (initdb's superuser)
+DEBIAN_SERVERS = '/usr/lib/postgresql/*/bin'  # Debian's server programs, one folder per major version
+MISSING = ('PostgreSQL server not found (initdb and postgres): apt-get install postgresql (Debian) / dnf install '
+           'postgresql-server (Fedora) / brew install postgresql (macOS)')
 
 
-def binaries() -> str:
-  """The directory of the newest installed PostgreSQL server's programs."""
-  found = sorted(glob.glob('/usr/lib/postgresql/*/bin/postgres'), key=lambda p: int(p.split('/')[4]))
-  if not found:
-    raise RuntimeError('No PostgreSQL server is installed: `apt-get install postgresql` (.ci/run does it).')
-  return os.path.dirname(found[-1])
+def programs() -> dict[str, str] | None:
+  """{'initdb': path, 'postgres': path} of the newest Debian PostgreSQL server, else of the programs
+  on PATH; None when neither has both."""
+  for folder in sorted(glob.glob(DEBIAN_SERVERS), key=lambda p: int(os.path.basename(os.path.dirname(p))),
+                       reverse=True):
+    found = {name: os.path.join(folder, name) for name in ('initdb', 'postgres')}
+    if all(os.access(path, os.X_OK) for path in found.values()):
+      return found
+  found = {name: shutil.which(name) for name in ('initdb', 'postgres')}
+  return found if all(found.values()) else None
 
 
 def free_port() -> int:
@@ -44,7 +53,10 @@ class PostgresServer:
     self.process: subprocess.Popen | None = None
 
   def __enter__(self) -> 'PostgresServer':
-    bin_dir = binaries()
+    found = programs()
+    if found is None:
+      import pytest
+      pytest.skip(MISSING)
     self.root = tempfile.mkdtemp(prefix='sweep-postgres-')  # not pytest's tmp_path: the postgres user cannot enter it
     user = None
     if os.geteuid() == 0:
@@ -52,7 +64,7 @@ class PostgresServer:
       entry = pwd.getpwnam(user)
       os.chown(self.root, entry.pw_uid, entry.pw_gid)
     data = os.path.join(self.root, 'data')
-    subprocess.run([os.path.join(bin_dir, 'initdb'), '-D', data, '-U', USER, '--auth=trust', '-E', 'UTF8',
+    subprocess.run([found['initdb'], '-D', data, '-U', USER, '--auth=trust', '-E', 'UTF8',
                     '--no-sync'], user=user, check=True, capture_output=True, timeout=120)
     self.port = free_port()
     self.log = os.path.join(self.root, 'server.log')
@@ -60,7 +72,7 @@ class PostgresServer:
       if user:
         os.chown(self.log, os.stat(self.root).st_uid, os.stat(self.root).st_gid)
       self.process = subprocess.Popen(
-          [os.path.join(bin_dir, 'postgres'), '-D', data, '-h', '127.0.0.1', '-p', str(self.port), '-k', self.root,
+          [found['postgres'], '-D', data, '-h', '127.0.0.1', '-p', str(self.port), '-k', self.root,
            '-c', 'fsync=off', '-c', 'full_page_writes=off', '-c', 'synchronous_commit=off'],
           user=user, stdout=log, stderr=subprocess.STDOUT)
     self.url = f'postgresql://{USER}@127.0.0.1:{self.port}/postgres'

@@ -81,8 +81,8 @@ def split_of(key: str, carved: bool = True) -> str:
 
 def reference_shards(layout: str, inputs, shard_bytes: int) -> list[list[tuple[str, str]]]:
   """Per shard, its (key, text) documents in order: TFDS records shard_bytes // 256 a shard; a
-  file's pieces of about a quarter of a shard, each a document (keyed by its file, or file:offset
-  past the start) or its blocks between blank lines (keyed file:offset)."""
+  file's pieces of about a quarter of a shard, each a document keyed by its file (every piece of
+  it), or its blocks between blank lines (keyed file:offset)."""
   if layout == 'tfds':
     step = shard_bytes // 256
     records = [(f'fake:train:{i}', r['text'].decode()) for i, r in enumerate(inputs)]
@@ -98,7 +98,7 @@ def reference_shards(layout: str, inputs, shard_bytes: int) -> list[list[tuple[s
         starts, ends = [start] + [start + m.end() for m in breaks], [start + m.start() for m in breaks] + [end]
         blocks = [(f'{key}:{a}', raw[a:b].decode().removeprefix('\ufeff')) for a, b in zip(starts, ends)]
       else:
-        blocks = [(key if start == 0 else f'{key}:{start}', raw[start:end].decode())]
+        blocks = [(key, raw[start:end].decode())]
       shards[-1] += [(k, text) for k, text in blocks if text.strip()]
   return shards
 

@@ -9,9 +9,11 @@ the workdir, examples {'source' [S], 'target_in' [T], 'target_out' [T]} padded w
 (S = T = data.seq_len); training pairs longer than that are dropped, held-out ones truncated.
 
 Evaluation after training, on the test split: sacreBLEU of the detokenized greedy and beam-search
-translations (`test/bleu_greedy`, `test/bleu_beam`, and `test/bleu` = beam), exact matches, and
-the teacher-forced loss and token accuracy over the real target tokens (`test/loss`,
-`test/accuracy`); every translation goes to `translations.json`.
+translations of `train.final_decode_examples` test pairs (`test/bleu_greedy`, `test/bleu_beam`,
+and `test/bleu` = beam), their exact matches, and the teacher-forced loss and token accuracy over
+the real target tokens of `train.final_eval_examples` of them (`test/loss`, `test/accuracy`); a
+larger split is scored at evenly spaced pairs (train/evaluation.py `final_indices`). Every
+translation goes to `translations.json`.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from flax import nnx
 import storage
 from data import translation
 from models import decoding
+from train import evaluation
 from train import task as task_lib
 
 SHOWN_TRANSLATIONS = 5
@@ -36,6 +39,7 @@ EVAL_CHUNK = 4096  # test pairs translated and scored at a time
 
 class TranslationTask(task_lib.Task):
   """A translation family; subclasses define the model, `loss` and `translate_batch`."""
+  final_test = 'decoded'  # the final evaluation decodes the test split (train/evaluation.py final_counts)
 
   # ------------------------------------------------------------------ data
   @classmethod
@@ -99,18 +103,20 @@ class TranslationTask(task_lib.Task):
 
   # ------------------------------------------------------------------ evaluation
   def evaluate(self, model, workdir):
-    """The test split EVAL_CHUNK pairs at a time (nothing held but one chunk): greedy and beam
-    translations, sacreBLEU from the chunks' summed statistics (equal to `corpus_bleu` over all),
-    exact matches, the teacher-forced loss and accuracy; every translation to translations.json."""
+    """The decoded test pairs (`train.final_decode_examples` of them) EVAL_CHUNK at a time (nothing held
+    but one chunk): greedy and beam translations, sacreBLEU from the chunks' summed statistics (equal
+    to `corpus_bleu` over them all), exact matches; the teacher-forced loss and accuracy of
+    `train.final_eval_examples` test pairs; every translation to translations.json."""
     from sacrebleu.metrics import BLEU
     test, test_pairs = self.prepared.datasets.test, self.prepared.family_data
+    decoded = evaluation.final_indices(len(test), evaluation.final_decode_examples(self.config))
     beam_size = int(self.config.decode.beam_size)
     scores = {name: [np.zeros(4, np.int64), np.zeros(4, np.int64), 0, 0, 0] for name in ('greedy', 'beam')}
     shown, images = [], {}
     with storage.path(os.path.join(workdir, 'translations.json')).open('w') as f:
       f.write('[')
-      for start in range(0, len(test), EVAL_CHUNK):
-        indices = range(start, min(start + EVAL_CHUNK, len(test)))
+      for start in range(0, len(decoded), EVAL_CHUNK):
+        indices = decoded[start:start + EVAL_CHUNK]
         source, pairs = np.stack([test[i]['source'] for i in indices]), [test_pairs[i] for i in indices]
         translations = {}
         for name, beam in (('greedy', 1), ('beam', beam_size)):
@@ -122,19 +128,21 @@ class TranslationTask(task_lib.Task):
           total[2:] = (total[2] + score.sys_len, total[3] + score.ref_len,
                        total[4] + sum(h == r for h, (_, r) in zip(translations[name], pairs)))
         if not start:
-          images = self.attention_images(model, source, ids, workdir)
+          images = self.attention_images(model, source, ids, workdir, [s for s, _ in pairs])
           shown = list(zip(pairs, translations['beam']))[:SHOWN_TRANSLATIONS]
         f.write(',\n'.join(json.dumps({'source': s, 'reference': r, 'greedy': g, 'beam': b}, ensure_ascii=False)
                             for (s, r), g, b in zip(pairs, translations['greedy'], translations['beam'])) +
-                (',\n' if indices[-1] + 1 < len(test) else ''))
+                (',\n' if start + EVAL_CHUNK < len(decoded) else ''))
       f.write(']\n')
     results = {}
     for name, (correct, total, sys_len, ref_len, exact) in scores.items():
       results[f'test/bleu_{name}'] = BLEU.compute_bleu(correct, total, sys_len, ref_len, smooth_method='exp').score
-      results[f'test/exact_match_{name}'] = exact / max(len(test), 1)
+      results[f'test/exact_match_{name}'] = exact / max(len(decoded), 1)
     results['test/bleu'] = results['test/bleu_beam']
-    results.update(self.teacher_forced_metrics(model, test))
-    print(f'Test ({len(test)} pairs): BLEU {results["test/bleu"]:.2f} (beam {beam_size}), '
+    results.update(self.teacher_forced_metrics(model, evaluation.final_subset(test, evaluation.final_eval_examples(
+        self.config))))
+    told = f'{len(test)} pairs' if len(decoded) == len(test) else f'{len(decoded)} of the {len(test)} pairs decoded'
+    print(f'Test ({told}): BLEU {results["test/bleu"]:.2f} (beam {beam_size}), '
           f'{results["test/bleu_greedy"]:.2f} (greedy); exact match {results["test/exact_match_beam"]:.3f}; '
           f'token accuracy {results["test/accuracy"]:.4f}', flush=True)
     for (s, r), b in shown:
@@ -159,6 +167,8 @@ class TranslationTask(task_lib.Task):
         totals[name] = (previous[0] + float(total), previous[1] + float(count))
     return {f'test/{name}': total / max(count, 1.0) for name, (total, count) in totals.items()}
 
-  def attention_images(self, model, source: np.ndarray, outputs: list[list[int]], workdir: str) -> dict[str, str]:
-    """Hook: PNG heatmaps of a few test sentences, {image name: path}. Default: none."""
+  def attention_images(self, model, source: np.ndarray, outputs: list[list[int]], workdir: str,
+                       texts: list[str]) -> dict[str, str]:
+    """Hook: PNG heatmaps of a few test sentences, {image name: path}, from the first decoded
+    chunk: source ids [N, S], their outputs, their source texts. Default: none."""
     return {}

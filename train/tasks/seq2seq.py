@@ -57,7 +57,8 @@ class Task(TranslationTask):
     return tokens
 
   # ------------------------------------------------------------------ pictures
-  def attention_images(self, model, source, outputs, workdir):
+  def attention_images(self, model, source, outputs, workdir, texts):
+    del texts  # each panel is labelled with its tokens
     if model.attention is None or not len(source):
       return {}
     longest = np.argsort(-(source != self.tokenizer.pad_id).sum(-1), kind='stable')[:HEATMAPS]

@@ -95,8 +95,8 @@ class Task(TranslationTask):
     return tokens
 
   # ------------------------------------------------------------------ pictures
-  def attention_images(self, model, source, outputs, workdir):
-    """Heatmaps of the first `pictures.count` test sentences and their beam-search translations."""
+  def attention_images(self, model, source, outputs, workdir, texts):
+    """Heatmaps of the first `pictures.count` decoded test sentences and their beam-search translations."""
     count = min(int(self.config.pictures.count), len(source))
     if not count:
       return {}
@@ -127,7 +127,7 @@ class Task(TranslationTask):
           [pictures.Panel(self_attention[h], out_labels, in_labels, f'self-attention, head {h + 1}',
                           'decoder input', 'predicted target') for h in range(self_attention.shape[0])]]
       path = os.path.join(workdir, f'attention_{n}.png')
-      pictures.plot_attention(path, panels, f'Decoder layer {layer + 1}: "{self.prepared.family_data[n][0]}" -> '
+      pictures.plot_attention(path, panels, f'Decoder layer {layer + 1}: "{texts[n]}" -> '
                                             f'"{tok.decode(outputs[n])}"')
       images[f'attention/sentence_{n}'] = path
     return images

@@ -1,0 +1,49 @@
+"""Where token caches go and how many processes build them: the tests' caches live in a temporary
+folder (tests/conftest.py sets token_cache.CACHE_DIR_VARIABLE), in this process and in the launch.py
+processes it starts, never in the user's ~/.cache/attention-lineage/data; data.cache_workers below
+0 is one config error line."""
+import json
+import os
+
+import ml_collections
+
+import support
+from configs import gpt
+from data import token_cache
+
+USERS_CACHE = os.path.realpath(os.path.expanduser('~/.cache/attention-lineage'))
+
+
+def test_the_default_cache_dir_is_the_named_folder_in_configs_saved_before_too(monkeypatch, tmp_path):
+  folder = os.environ[token_cache.CACHE_DIR_VARIABLE]  # the session's, from tests/conftest.py
+  assert os.path.isdir(folder) and not os.path.realpath(folder).startswith(USERS_CACHE)
+  assert gpt.get_config('tiny').data.cache_dir == token_cache.DEFAULT_CACHE_DIR  # what config.json keeps
+  assert token_cache.cache_dir(gpt.get_config('tiny').data) == folder
+  # A run saved with the default, or before data.cache_dir existed, reads the named folder too.
+  assert token_cache.cache_dir(ml_collections.ConfigDict({'cache_dir': '~/.cache/attention-lineage/data'})) == folder
+  assert token_cache.cache_dir(ml_collections.ConfigDict({})) == folder
+  assert token_cache.cache_dir(ml_collections.ConfigDict({'cache_dir': str(tmp_path)})) == str(tmp_path)
+  assert token_cache.LOCAL_MIRROR == os.path.join(folder, 'gs-mirror')
+  monkeypatch.delenv(token_cache.CACHE_DIR_VARIABLE)  # a user's run: the default as written
+  assert token_cache.cache_dir(gpt.get_config('tiny').data) == '~/.cache/attention-lineage/data'
+
+
+def test_a_launch_of_the_tests_builds_its_caches_in_the_temporary_folder(tmp_path):
+  corpus = support.write_corpus(str(tmp_path / 'corpus'), files=3, lines=20)
+  result = support.launch(['--mode=prepare', '--config=configs/gpt.py:tiny', f'--config.data.source={corpus}',
+                           '--config.data.tokenizer=char'])
+  assert result.returncode == 0, result.stderr[-3000:]
+  caches = set(support.last_json(result.stdout)['caches'].values())
+  folder = os.environ[token_cache.CACHE_DIR_VARIABLE]
+  for name in caches:
+    with open(os.path.join(folder, name, 'manifest.json')) as f:
+      assert json.load(f)['source'] == corpus
+    assert not os.path.exists(os.path.join(USERS_CACHE, 'data', name))
+
+
+def test_cache_workers_below_zero_is_one_config_error_before_any_workdir(tmp_path):
+  result = support.launch(['--config=configs/gpt.py:tiny', '--config.data.cache_workers=-3',
+                           f'--workdir={tmp_path}/run'])
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == ['error: config.data.cache_workers=-3 must be >= 0.'], result.stderr
+  assert not os.path.exists(tmp_path / 'run')
