@@ -6,19 +6,42 @@ import sys
 # XLA:CPU's code kept to AVX2, the summation order of a CPU without AVX-512 (.ci/run does it too).
 if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+# The two compiler settings below make the suite faster; users' runs get neither. With
+# ATTENTION_LINEAGE_TEST_COMPILER=default the tests (and the launch.py processes they start) keep XLA's
+# default settings instead: .ci/run reruns the `numerics` tests so. 'fast' (the default): the settings.
+TEST_COMPILER = os.environ.setdefault('ATTENTION_LINEAGE_TEST_COMPILER', 'fast')
+if TEST_COMPILER not in ('fast', 'default'):
+  raise SystemExit(f"ATTENTION_LINEAGE_TEST_COMPILER={TEST_COMPILER!r}: use 'fast' or 'default' (XLA's own settings).")
 # XLA:CPU's older elemental emitters compile the tests' tiny programs in about two thirds of the time
 # of its MLIR fusion emitters (the default, what users run): a tiny Transformer's programs 10.5 s
 # instead of 15.5 s, an eager op 40 ms instead of 60 ms. The results agree to the tolerances the
 # tests allow (tests/numerics.py); the launch.py processes the tests start inherit the flag.
-if '--xla_cpu_use_fusion_emitters' not in os.environ['XLA_FLAGS']:
+if TEST_COMPILER == 'fast' and '--xla_cpu_use_fusion_emitters' not in os.environ['XLA_FLAGS']:
   os.environ['XLA_FLAGS'] += ' --xla_cpu_use_fusion_emitters=false'
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # The tests' models are tiny: compiling them costs more than running them, so XLA skips LLVM's
 # expensive passes (about a quarter of the suite's CPU time). HLO passes (fusion, sharding) still run.
-os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
+if TEST_COMPILER == 'fast':
+  os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
 # Every program goes to one persistent compilation cache (the trainer's default `config.compile_cache`),
 # however quickly it compiled: the tests and their launch.py processes build the same tiny programs
 # again and again. The suite starts on whatever the cache holds (CI: an empty one).
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.expanduser('~/.cache/attention-lineage/jax'))
+# Token caches and shared tokenizers (data.cache_dir's default, `token_cache.CACHE_DIR_VARIABLE`) go to
+# one temporary folder per session, never the user's ~/.cache/attention-lineage/data: a cache written by
+# the code under test must not be read by a later version, nor the user's runs read the tests'. Set
+# before the xdist workers and launch.py processes start, which inherit it; removed by the process
+# that made it. A folder named by the caller is kept.
+if not os.environ.get('ATTENTION_LINEAGE_DATA_CACHE'):
+  import atexit
+  import shutil
+  import tempfile
+
+  def _remove_data_cache(folder: str, made_by: int) -> None:
+    if os.getpid() == made_by:  # not when a forked child exits
+      shutil.rmtree(folder, ignore_errors=True)
+
+  os.environ['ATTENTION_LINEAGE_DATA_CACHE'] = tempfile.mkdtemp(prefix='attention-lineage-test-data-')
+  atexit.register(_remove_data_cache, os.environ['ATTENTION_LINEAGE_DATA_CACHE'], os.getpid())
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

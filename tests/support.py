@@ -3,6 +3,7 @@ import glob
 import importlib
 import json
 import os
+import pkgutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,36 @@ def family_presets() -> list[tuple[str, str]]:
       continue
     cases += [(name, preset) for preset in getattr(importlib.import_module(f'configs.{name}'), 'PRESETS', ['default'])]
   return cases
+
+
+def registered_families() -> list[str]:
+  """Every family, as launch.py and train/task.py find them: a train/tasks/<family>.py (its Task) beside
+  a configs/<family>.py (its presets). Tests that cover each family parametrize over this list, so a
+  new family is tested without editing them."""
+  tasks = {info.name for info in pkgutil.iter_modules([os.path.join(REPO, 'train', 'tasks')])
+           if not info.name.startswith('_')}
+  return sorted(name for name in tasks if os.path.isfile(os.path.join(REPO, 'configs', f'{name}.py')))
+
+
+def smallest_preset(family: str) -> str:
+  """The preset a test builds of `family`: 'tiny' where configs/<family>.py declares one, else 'default'."""
+  return 'tiny' if 'tiny' in getattr(importlib.import_module(f'configs.{family}'), 'PRESETS', {}) else 'default'
+
+
+def smallest_config(family: str, overrides: dict | None = None):
+  """configs/<family>.py's `smallest_preset`, with `overrides` set."""
+  return with_overrides(importlib.import_module(f'configs.{family}').get_config(smallest_preset(family)),
+                        overrides or {})
+
+
+def family_entry(table: dict, family: str, table_name: str):
+  """table[family]: a test's data for one registered family (expected parameter names, shapes), or
+  the test fails with one line naming the family and the table a new family needs an entry in."""
+  if family not in table:
+    import pytest
+    pytest.fail(f'family {family!r} (train/tasks/{family}.py) has no entry in {table_name}: add one for it.',
+                pytrace=False)
+  return table[family]
 
 
 def with_overrides(config, overrides: dict):

@@ -24,24 +24,21 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 
 
 
 def family_config(spec):
-  import importlib
-  family, preset, overrides = spec
-  return support.with_overrides(importlib.import_module(f'configs.{family}').get_config(preset), overrides)
+  family, overrides = spec
+  return support.smallest_config(family, {**SMALLER.get(family, {}), **overrides})
 
 
-FAMILIES = [
-    ('gpt', 'tiny', {}),
-    ('rnn_lm', 'tiny', {}),
-    ('transformer', 'tiny', {}),
-    ('seq2seq', 'tiny', {}),
-    ('classifier', 'tiny', {'data.max_examples': 64}),
-    ('bert', 'tiny', {'data.max_examples': 64}),
-    ('bert', 'tiny', {'data.max_examples': 64, 'task': 'classify'}),
-    ('attention_pooling', 'default', {}),
-]
+# Every registered family at its smallest preset (support.smallest_preset), some with fewer examples
+# to read; and the variants a family's config can switch to (`task`).
+SMALLER = {'classifier': {'data.max_examples': 64}, 'bert': {'data.max_examples': 64}}
+FAMILIES = [(family, {}) for family in support.registered_families()] + [('bert', {'task': 'classify'})]
 
 
-@pytest.mark.parametrize('spec', FAMILIES, ids=lambda spec: spec[0] + ('-' + spec[2]['task'] if 'task' in spec[2] else ''))
+def spec_id(spec):
+  return spec[0] + ''.join(f'-{value}' for value in spec[1].values())
+
+
+@pytest.mark.parametrize('spec', FAMILIES, ids=spec_id)
 def test_prepare_never_writes_into_the_config(spec, tmp_path):
   config = family_config(spec)
   before = json.dumps(config.to_dict(), sort_keys=True)
@@ -119,7 +116,7 @@ def test_a_classifier_run_saved_before_its_model_options_grew_reloads_and_scores
   assert {k: results[k] for k in reported if k != 'step'} == {k: v for k, v in reported.items() if k != 'step'}
 
 
-@pytest.mark.parametrize('spec', FAMILIES, ids=lambda spec: spec[0] + ('-' + spec[2]['task'] if 'task' in spec[2] else ''))
+@pytest.mark.parametrize('spec', FAMILIES, ids=spec_id)
 def test_a_restored_run_evaluates_to_the_last_digit_as_after_training(spec, tmp_path):
   """--mode=eval builds the task as training did (`Task.prepare`, then `Task(config, prepared)`):
   every number of the final evaluation is the same, and the task is a value nothing reassigns."""

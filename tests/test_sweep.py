@@ -146,7 +146,8 @@ def test_a_grid_gives_the_trials_and_table_of_before(two_hosts):
       best_eval = min(m['eval/loss'] for m in map(json.loads, f) if 'eval/loss' in m)
     # The trial's final line: the best checkpoint's loss over the whole validation split (eval_steps=0).
     # The same evaluation program on the same batches (train and final evaluation), as sweep.csv prints it.
-    assert_close(float(row['eval/loss']), best_eval, terms=1) and row['step'] == '4'
+    assert_close(float(row['eval/loss']), best_eval, terms=1)
+    assert row['step'] == '4', row
   assert rows[3]['eval/loss'] == '' and 'num_heads=3 does not divide' in rows[3]['error']
   table = open(os.path.join(workdir, 'sweep.md')).read()
   assert '3 of 4 trials ok' in table and table.count('\n| 0') == 4
