@@ -25,9 +25,9 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   if presets is not None and preset not in presets:
     raise ConfigError(f'Unknown {family} preset {preset!r}; choose one of {sorted(presets)}.')
   c = ml_collections.ConfigDict()
-  c.family = family
-  c.preset = preset
-  c.seed = 0
+  c.family = family  # the model family: the configs/<family>.py and train/tasks/<family>.py that run
+  c.preset = preset  # the preset of configs/<family>.py this config started from ('' = its defaults)
+  c.seed = 0  # parameter initialisation, dropout, data shuffling and sampling
   c.rng_impl = 'auto'  # 'auto' (rbg on GPU/TPU, threefry on CPU) | 'threefry' | 'rbg' | 'unsafe_rbg'
   c.compile_cache = '~/.cache/attention-lineage/jax'  # JAX's persistent compilation cache; '' = off
   c.init_from = ''  # workdir of a run whose parameters initialise this one (fine-tuning)
@@ -40,8 +40,8 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.logging.wandb_entity = ''  # W&B team or user; '' = your default entity
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1 = all devices not used by the other axes
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
+  c.mesh.fsdp = 1  # devices parameters and optimizer state are sharded over (and the batch split over)
+  c.mesh.tensor = 1  # devices attention heads and MLP width are split over (tensor parallelism)
   c.decode = decode_defaults()
   return c
 
@@ -56,14 +56,14 @@ def data_defaults() -> ml_collections.ConfigDict:
   data.test_source = ''  # the final evaluation; '' = the eval_source data (out of `source` when that is '' too)
   data.max_malformed_fraction = 0.01  # tsv: malformed lines are skipped and counted; above this share, an error
   data.tsv_header = False  # tsv: True skips the first line (column names); False warns when it looks like one
-  data.seq_len = 128
+  data.seq_len = 128  # tokens per example row (a pair's side, a text's input); longer examples are cut or dropped
   data.tokenizer = 'bpe'  # 'char' | 'bpe' | 'wordpiece'
-  data.vocab_size = 8192
-  data.lowercase = True
+  data.vocab_size = 8192  # size of the tokenizer trained on the data ('char': ignored)
+  data.lowercase = True  # wordpiece: lowercase text before tokenizing (BERT's uncased normalizer)
   data.max_examples = 0  # 0 = all; a cap for quick runs
   # Token caches (data/token_cache.py): corpora tokenized once, read by memory map; local or gs://,
   # shared by every run on the same corpus and tokenizer (and, on a pod, reached by every host).
-  data.cache_dir = '~/.cache/attention-lineage/data'
+  data.cache_dir = '~/.cache/attention-lineage/data'  # where token caches and tokenizers live; local or gs://
   data.cache_shard_mb = 32.0  # text per cache shard: the unit of parallel and resumable building
   data.cache_workers = 0  # processes building a cache's shards at once: 0 = one per core (up to 8) from 16 MB of text
   return data
@@ -72,22 +72,23 @@ def data_defaults() -> ml_collections.ConfigDict:
 def train_defaults() -> ml_collections.ConfigDict:
   """config.train's shared fields: the optimizer, schedule, evaluations, checkpoints, budgets."""
   train = ml_collections.ConfigDict()
-  train.steps = 1000
+  train.steps = 1000  # optimizer steps of the whole run (resumes included)
   train.batch_size = 32  # global, across all devices and hosts
   train.grad_accum = 1  # micro-batches per step
   train.lr = 3e-4  # peak learning rate (muon: of the matrices)
   train.schedule = 'cosine'  # 'constant' | 'cosine' | 'linear' | 'rsqrt' | 'wsd' (train/optim.py)
   train.warmup_steps = 100  # linear warmup (schedule_free_adamw: its own warmup)
   train.end_lr_fraction = 0.1  # final lr / peak lr for 'cosine', 'linear' and 'wsd'
-  # wsd: the cooldown's share of train.steps; with train.max_minutes and a train.steps the budget will
-  # not reach, the cooldown starts when this share of the budget is left and the run ends cooled down.
+  # wsd: the cooldown's share of train.steps (not starting before train.warmup_steps end); with train.max_minutes
+  # and a train.steps the budget will not reach, the cooldown starts when this share of the budget is left,
+  # is re-planned at every step from the recent step time, and the run's last step uses lr * end_lr_fraction.
   train.decay_fraction = 0.2
   train.decay_shape = '1-sqrt'  # wsd's cooldown: 'linear' | '1-sqrt' (Hägele et al. 2024)
   # 'adamw' | 'adam' | 'muon' | 'schedule_free_adamw' | 'lion' | 'adafactor', all Optax's (train/optim.py)
   train.optimizer = 'adamw'
   train.b1 = 0.9  # first-moment decay (Adam, Muon's AdamW, Lion); schedule_free_adamw: its interpolation
   train.b2 = 0.95  # second-moment decay (Adam, Muon's AdamW, schedule_free_adamw); Lion's update decay
-  train.eps = 1e-8
+  train.eps = 1e-8  # Adam-style optimizers' epsilon
   train.weight_decay = 0.1  # decoupled (times the lr), on kernels only; muon: on the matrices it takes
   train.adam_lr = 0.0  # muon: peak lr of its AdamW (embeddings, output layers, norms, biases); 0 = train.lr
   train.muon_momentum = 0.95  # muon: momentum of the matrices' gradients (Nesterov)
@@ -95,28 +96,43 @@ def train_defaults() -> ml_collections.ConfigDict:
   # so Muon takes AdamW's lr and weight decay and its lr holds across widths; 0 = Keller Jordan's
   # sqrt(max(1, fan_out / fan_in)) scaling, whose lr is ~0.02.
   train.muon_rms_scale = 0.2
+  train.muon_ns_dtype = 'auto'  # muon: Newton-Schulz matmuls: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   train.grad_clip = 1.0  # global-norm clipping; 0 disables
-  train.label_smoothing = 0.0
+  train.label_smoothing = 0.0  # share of the target's probability spread uniformly over the vocabulary or classes
   # z-loss (PaLM: 1e-4): this coefficient times log(Z)^2 per token added to the minimised loss of the
   # families with a vocabulary softmax (GPT, Transformer, BERT pretraining, RNN LM, seq2seq); logged
   # as train/z_loss and eval/z_loss, while eval/loss stays the plain cross-entropy. 0 = off.
   train.z_loss = 0.0
-  train.eval_every = 200
+  train.eval_every = 200  # steps between evaluations on the validation split
   train.eval_steps = 20  # eval batches per evaluation; 0 = the whole eval split
   train.eval_batch_size = 0  # 0 = train.batch_size
-  train.checkpoint_every = 200
+  # The final evaluation (after training, and --mode=eval) scores at most final_eval_examples of the
+  # validation split and of each split its family scores after training: every (size / N)-th
+  # example, the same ones every run. 50,000 keeps every built-in split whole (the largest: GPT's
+  # tiny preset, ~36,500 pystdlib windows); for a larger split, the standard error of a mean over
+  # 50,000 examples is 0.0045 x the examples' spread (an accuracy's at most 0.22 points).
+  # Translation decodes final_decode_examples test pairs (greedy and beam search, far slower than a
+  # loss): an exact-match rate over 1,000 has a standard error of at most 1.6 points.
+  train.final_eval_examples = 50_000  # examples per split the final evaluation scores, evenly spaced; 0 = all
+  train.final_decode_examples = 1_000  # test pairs translation decodes at the end (BLEU), evenly spaced; 0 = all
+  train.checkpoint_every = 200  # steps between checkpoints (every evaluated step is saved too)
   train.keep_checkpoints = 3  # the latest K, plus the best by `best_metric`
-  train.best_metric = 'eval/loss'
-  train.best_mode = 'min'
+  train.best_metric = 'eval/loss'  # the metric that picks the best checkpoint (and early stopping)
+  train.best_mode = 'min'  # 'min' | 'max': which way best_metric is better
   train.final_eval_from = 'best'  # 'best' (by best_metric) | 'last': the checkpoint the final evaluation scores
   train.early_stopping_patience = 0  # stop after this many evaluations without a better best_metric; 0 = off
-  train.max_minutes = 0.0  # wall-clock budget (resumes included): save and evaluate when spent; 0 = none
+  # Wall-clock budget in minutes (0 = none) on the run's clock, which starts at train_and_evaluate's entry and
+  # counts all of it: data preparation, setup, restoring, compiling, steps, evaluations and saves, each resume
+  # adding its own. The run saves, evaluates and ends once the budget less a reserve is spent; the reserve is
+  # the evaluation and save at the stop and the final evaluation's losses, at the last evaluation's timed rate
+  # (the family's decoding, samples and pictures are not counted). wsd's cooldown ends within it.
+  train.max_minutes = 0.0
   # A clock to a target: 'eval/loss<=3.28' (an eval metric, <= or >=): the first evaluation meeting it
   # records its step, tokens and seconds (target/... in metrics.jsonl and the result); '' = none.
   train.target = ''
   train.stop_at_target = False  # save and end the run (then the final evaluation) when train.target is met
-  train.log_every = 10
-  train.async_checkpoints = True
+  train.log_every = 10  # steps between logged training metrics
+  train.async_checkpoints = True  # write checkpoints in the background (Orbax) while training goes on
   # Resuming a workdir with other data.source / eval_source / test_source is refused unless True;
   # then config.json's data_history records each with the step it started at.
   train.allow_data_change = False
@@ -126,14 +142,14 @@ def train_defaults() -> ml_collections.ConfigDict:
 def decode_defaults() -> ml_collections.ConfigDict:
   """config.decode's shared fields: sampling and beam search."""
   decode = ml_collections.ConfigDict()
-  decode.max_new_tokens = 64
+  decode.max_new_tokens = 64  # generative families: tokens generated per prompt
   decode.temperature = 1.0  # 0 = greedy
   decode.top_k = 0  # 0 = off
   decode.top_p = 1.0  # 1 = off
-  decode.beam_size = 4
+  decode.beam_size = 4  # translation: beam width (1 = greedy)
   decode.length_penalty = 0.6  # GNMT alpha
   decode.max_len_ratio = 1.5  # beam search: max target length = ratio * source length + 10
-  decode.num_samples = 3
+  decode.num_samples = 3  # read by no code today (kept so that configs and saved runs that set it still load)
   decode.prompts = ''  # '|'-separated prompts printed after training
   return decode
 

@@ -134,7 +134,7 @@ def get_config(preset: str = 'default'):
   # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
   # ids are never predicted. A run config without this key is unpadded (vocab_multiple=1).
   c.model.vocab_multiple = 128
-  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
+  c.model.dtype = 'auto'  # compute dtype, weights stay float32: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   c.model.type_vocab_size = 2
   c.model.dropout = 0.1
   c.model.attention_dropout = 0.1

@@ -110,7 +110,7 @@ def get_config(preset: str = 'default'):
   c.data.label_field = 'label'  # tfds: the feature holding the label
   c.data.min_bucket_len = 0  # > 0: training batches of similar lengths padded to it, x1.5, x2, ... <= seq_len
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
-  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
+  c.model.dtype = 'auto'  # compute dtype, weights stay float32: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.width = 128

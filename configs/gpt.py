@@ -50,6 +50,9 @@ Decoder options (issue 33), each usable alone with the GPT-2 or the Llama block,
   refuses a model with one. No tuned values are claimed here.
 
 Other data: --config.data.source=text:'/path/*.txt' or tfds:<name>[:<split>] (a 'text' feature).
+Documents (files, records) are joined by EOS into one stream cut into windows; --config.data.document_masking=True
+keeps each window's attention and positions within its documents (models/gpt.py `document_segments`). Off
+by default: not yet measured against the unmasked windows.
 """
 from configs.base import apply_preset, base_config
 
@@ -101,12 +104,13 @@ HF_MODEL_TYPES = {'gpt2': 'gpt2', 'llama': 'llama'}
 def get_config(preset: str = 'default'):
   c = base_config('gpt', preset, PRESETS)
   c.data.source = 'pystdlib'
+  c.data.document_masking = False  # True: attention and positions restart at each EOS (a window's documents apart)
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
   c.model.vocab_size = 0  # 0 = the tokenizer's size; an imported checkpoint sets its own
   # Embedding rows padded to a multiple of this (whole matmul tiles for the output layer); the padded
   # ids are never predicted. A run config without this key is unpadded (vocab_multiple=1).
   c.model.vocab_multiple = 128
-  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
+  c.model.dtype = 'auto'  # compute dtype, weights stay float32: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   c.model.dropout = 0.0
   c.model.num_layers = 4
   c.model.num_heads = 4

@@ -83,7 +83,7 @@ def get_config(preset: str = 'default'):
   c.model.embed = 32
   c.model.hidden = 64
   c.model.num_layers = 2
-  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
+  c.model.dtype = 'auto'  # compute dtype, weights stay float32: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   c.model.dropout = 0.1
   c.model.attention_hidden = 0  # width of the additive attention's tanh layer; 0 = model.hidden
   c.data.source = 'numbers_en_fr'

@@ -104,7 +104,7 @@ def get_config(preset: str = 'default'):
   c.data.packing = True  # several pairs per row (batch_size counts rows of seq_len); False: length buckets
   c.data.min_bucket_len = 16  # unpacked batches of similar lengths padded to 16, 24, 32, 48, ... <= seq_len; 0 = off
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
-  c.model.dtype = 'float32'  # compute dtype; parameters and optimizer state stay float32
+  c.model.dtype = 'auto'  # compute dtype, weights stay float32: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   c.model.width = 512
   c.model.num_heads = 8
   c.model.encoder_layers = 6

@@ -233,6 +233,15 @@ def traced_platform() -> str:
   return jax.default_backend() if device is None else device.platform
 
 
+def resolve_compute_dtype(dtype: str, platform: str | None = None) -> str:
+  """A model config's `dtype` for `platform` ('cpu', 'gpu', 'tpu'; None: this process's default
+  backend): 'auto' is bfloat16 on GPU and TPU (parameters and optimizer state stay float32) and
+  float32 on CPU, where XLA computes bfloat16 matmuls in float32 anyway; other names unchanged."""
+  if dtype != 'auto':
+    return dtype
+  return 'float32' if (platform or jax.default_backend()) == 'cpu' else 'bfloat16'
+
+
 @functools.cache
 def default_attention_implementation(dtype: Any = 'float32', platform: str | None = None) -> str:
   """Per platform ('cpu', 'gpu', 'tpu'; None: this process's default backend) and compute dtype:

@@ -18,6 +18,10 @@ Two switches for depth and size (as in MaxText):
                projection matmuls and recomputes the rest (attention scores, softmax, GELU, norms) in
                the backward pass; 'full' saves only each block's input.
 
+Training windows cut from a token stream cross document borders; `document_segments` gives the
+segment ids and positions that keep attention in each document (data.document_masking) on every
+attention path (the einsum's dense mask, jax.nn/cuDNN's mask, splash's segment ids).
+
 `logits` and `chunked_loss` are the output layer and its next-token loss (models/lm_head.py);
 `generate` continues prompts through the shared decoding loop (models/decoding.py).
 
@@ -141,6 +145,22 @@ def decoder_mask(batch: int, length: int, key_valid: jax.Array | None, segment_i
   return mask
 
 
+def document_segments(tokens: jax.Array, eos_id: int) -> dict[str, jax.Array]:
+  """[B, L] windows of a token stream whose documents end with `eos_id` -> the `segment_ids` and
+  `positions` keyword arguments of `GPT.__call__` ([B, L] int32 each) that keep attention in each
+  document (data.document_masking).
+
+  Each EOS starts a segment and is its position 0: the EOS ending one document is the next one's
+  BOS. So a document's last token predicts EOS from that document alone, the EOS predicts the next
+  document's first token from itself alone, and no token reads another document; every token keeps
+  its loss. The window's first segment (a document already under way) counts from 0 at the window's start.
+  """
+  starts = tokens == eos_id
+  index = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  return {'segment_ids': jnp.cumsum(starts, axis=1, dtype=jnp.int32),
+          'positions': index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)}
+
+
 class GPT(nnx.Module):
 
   def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
@@ -203,7 +223,7 @@ class GPT(nnx.Module):
       positions: [B, L] position ids (default 0..L-1; left-padded prompts and packed rows pass their own).
       key_valid: [B, L_keys] bool, False on padding keys (L_keys = L, or L_max with a cache).
       segment_ids: [B, L] int, packed rows (no cache): a token attends only within its segment;
-        give `positions` restarting at 0 in each segment too.
+        give `positions` restarting at 0 in each segment too (`document_segments` gives both).
       cache: the key/value caches from `init_cache`, written at `cache_index`.
     Returns:
       ([B, L, V'] logits (see `logits`), updated cache or None); with `return_hidden`, the final

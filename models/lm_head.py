@@ -209,7 +209,9 @@ def _chunked_sums_fwd(hidden_chunks, table, target_chunks, weight_chunks, label_
     h, t, w = chunk_inputs
     loss, z, correct, d_logits = _chunk_forward(h, table, t, w, label_smoothing, vocab_size, softcap, z_loss)
     d_hidden = (d_logits.astype(h.dtype) @ table).astype(h.dtype)
-    d_table = d_table + jnp.einsum('sce,sck->sek', per_shard(h.astype(jnp.float32)), per_shard(d_logits))
+    # In the compute dtype, summed in float32: a bfloat16 model's largest matmul stays a bfloat16 one.
+    d_table = d_table + jnp.einsum('sce,sck->sek', per_shard(h), per_shard(d_logits.astype(h.dtype)),
+                                   preferred_element_type=jnp.float32)
     return (loss_sum + loss, z_sum + z, correct_sum + correct, constrain(d_table, _SHARD_TABLE)), d_hidden
 
   zero = jnp.zeros((), jnp.float32)

@@ -9,14 +9,23 @@ token cache):
     target. Then, alternating, each arm trains with `train.target='eval/loss<=<that loss>'` and
     `train.stop_at_target=True`; its result line says at which step, after how many seconds (and
     how many without compilation) it first met it. The baseline meets it at step N (or before).
-  the same wall clock (--minutes=M): each arm trains for M minutes (`train.max_minutes`, set-up and
-    evaluations included) and the metric `--metric` of its final result line is compared.
+  the same wall clock (--minutes=M): each arm trains for M minutes (`train.max_minutes`: from the
+    trainer's start, set-up, compilation, evaluations and the final evaluation's losses included) and
+    the metric `--metric` of its final result line is compared. Each arm gets the step count its
+    schedule expects at that clock: a schedule that needs none (constant, rsqrt, wsd, whose cooldown
+    follows the clock) trains with train.steps=1,000,000 until the clock stops it; one that decays
+    over train.steps (cosine, linear) trains the steps it reached in a probe: the arm run first with
+    train.max_minutes=M and train.steps=1,000,000 (--probe_minutes: those minutes instead, the steps
+    at M fitted to them by least squares), whose result is in the table too. Either way
+    train.max_minutes=M caps the run. The table states each arm's method.
 
   python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=2
   python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=1 \
       --size=model.num_layers=6,model.width=384,model.num_heads=6
   python scripts/time_to_target.py --config=configs/transformer.py:default --baseline=transformer-2019 \
       --data=gettext --minutes=10 --metric=test/bleu --rounds=1
+  python scripts/time_to_target.py --config=configs/classifier.py:default --baseline=classifier-2019 \
+      --minutes=3 --metric=test/accuracy --rounds=2
 
 `--baseline` names one of BASELINES below: the recipe a family's `default` preset had before the
 tuned recipes (as `--config.*` overrides of today's preset). Every run's workdir, log and result
@@ -26,6 +35,7 @@ and the load average before each run. Both arms apply `--size` and `--set` overr
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -61,6 +71,8 @@ BASELINES = {
     },
 }
 GETTEXT_DIR = '/tmp/gettext'  # scripts/make_gettext_corpus.py's output
+CLOCK_SCHEDULES = ('constant', 'rsqrt', 'wsd')  # schedules that need no step count: they run on the clock
+UNBOUNDED_STEPS = 1_000_000  # train.steps of a run the clock ends
 
 
 def load_average() -> str:
@@ -106,12 +118,80 @@ def launch(args, overrides: dict, workdir: str | None, log: str) -> dict:
   return json.loads(lines[-1])
 
 
+def arm_schedule(config_arg: str, overrides: dict) -> str:
+  """The arm's train.schedule: its overrides', else that of the --config preset ('configs/x.py:preset')."""
+  if 'train.schedule' in overrides:
+    return str(overrides['train.schedule'])
+  path, _, preset = config_arg.partition(':')
+  if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # configs/<family>.py imports configs.base
+  spec = importlib.util.spec_from_file_location('arm_config', os.path.join(REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(preset or 'default').train.schedule
+
+
+def steps_at(minutes: float, probes: dict[float, int]) -> int:
+  """The steps an arm reaches in `minutes` of train.max_minutes, from probes {minutes: steps reached}:
+  the probe's at those minutes, else the least-squares line through the probes (its intercept is the
+  set-up, compilation and closing evaluations; its slope the steps per minute) at `minutes`."""
+  if minutes in probes:
+    return probes[minutes]
+  if len(probes) < 2:
+    raise SystemExit(f'One probe ({next(iter(probes), 0):g} min) cannot tell the set-up time from the step rate: give '
+                     f'--probe_minutes two or more (e.g. 1,2), or {minutes:g}, or leave it out.')
+  slope, intercept = statistics.linear_regression(list(probes), list(probes.values()))
+  if slope <= 0:
+    raise SystemExit(f'The probes of {", ".join(f"{m:g}" for m in probes)} minutes reached '
+                     f'{", ".join(str(n) for n in probes.values())} steps: no step rate; give longer --probe_minutes.')
+  return max(int(intercept + slope * minutes), 1)
+
+
+def same_clock_plans(args, arms: dict, config: list[str], runs: list[dict]) -> dict[str, dict]:
+  """{arm: {'overrides': its train.steps and train.max_minutes, 'method': how they were chosen}} for
+  --minutes; the probes' runs are appended to `runs`."""
+  plans = {}
+  for arm, overrides in arms.items():
+    schedule = arm_schedule(args.config, overrides)
+    if schedule in CLOCK_SCHEDULES:
+      plans[arm] = {'overrides': {'train.max_minutes': args.minutes, 'train.steps': UNBOUNDED_STEPS},
+                    'method': f'{schedule} needs no step count: train.steps={UNBOUNDED_STEPS:,}, ended by the clock'}
+      continue
+    probes = {}
+    for minutes in args.probe_minutes or [args.minutes]:
+      workdir = os.path.join(args.out, f'probe-{arm}-{minutes:g}min')
+      probe = {'train.max_minutes': minutes, 'train.steps': UNBOUNDED_STEPS}
+      runs.append(timed_run(args, config, {**overrides, **probe}, workdir, arm, 'probe'))
+      probes[minutes] = runs[-1]['step']
+    steps = steps_at(args.minutes, probes)
+    how = (f'the steps it reached in {args.minutes:g} min' if args.minutes in probes else
+           f'fitted at {args.minutes:g} min to the steps it reached in ' +
+           ', '.join(f'{m:g} min ({n})' for m, n in probes.items()))
+    plans[arm] = {'overrides': {'train.max_minutes': args.minutes, 'train.steps': steps},
+                  'method': f'{schedule} decays over train.steps={steps}: {how} with train.steps={UNBOUNDED_STEPS:,} '
+                            '(the probe rows)'}
+  return plans
+
+
+def timed_run(args, config: list[str], overrides: dict, workdir: str, arm: str, round_) -> dict:
+  """Run one arm in `workdir`: its table row (the load before it, its wall seconds, its result line's
+  step, stop and metrics)."""
+  load = load_average()
+  started = time.time()
+  result = launch(config, overrides, workdir, workdir + '.log')
+  run = {'arm': arm, 'round': round_, 'load': load, 'wall_s': round(time.time() - started, 1),
+         'train.steps': overrides.get('train.steps'), 'stopped': result.get('stopped', ''),
+         **{k: v for k, v in result.items() if k.startswith('target/') or k in (args.metric, 'step')}}
+  print(json.dumps(run), flush=True)
+  return run
+
+
 def logged_at(workdir: str, key: str, step: int) -> float:
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     return next(m[key] for m in map(json.loads, f) if m['step'] == step and key in m)
 
 
-def main():
+def main(argv: list[str] | None = None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--config', required=True)
   parser.add_argument('--baseline', required=True, choices=sorted(BASELINES))
@@ -126,10 +206,22 @@ def main():
   parser.add_argument('--data', default='builtin', help='builtin | gettext (scripts/make_gettext_corpus.py)')
   parser.add_argument('--target', type=float, default=0.0,
                       help="with --steps: the baseline's N-step loss from an earlier run's table (skips that run)")
+  parser.add_argument('--probe_minutes', default='',
+                      help='with --minutes: the minutes of the probes of a schedule that decays over train.steps '
+                           '(comma-separated; default: --minutes itself)')
   parser.add_argument('--out', default='runs/time-to-target')
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if bool(args.steps) == bool(args.minutes):
     raise SystemExit('Give exactly one of --steps and --minutes.')
+  try:
+    args.probe_minutes = [float(m) for m in args.probe_minutes.split(',') if m]
+  except ValueError:
+    raise SystemExit(f'--probe_minutes={args.probe_minutes!r}: give minutes separated by commas, e.g. 1,2.') from None
+  if any(m <= 0 for m in args.probe_minutes):
+    raise SystemExit(f'--probe_minutes={args.probe_minutes}: each must be positive.')
+  if len(args.probe_minutes) == 1 and args.probe_minutes != [args.minutes]:
+    raise SystemExit(f'--probe_minutes={args.probe_minutes[0]:g}: one probe at other minutes than --minutes cannot '
+                     'tell the set-up time from the step rate; give two or more (e.g. 1,2), or leave it out.')
   os.makedirs(args.out, exist_ok=True)
   common = {**data_overrides(args.data), **parse_overrides(args.size), **parse_overrides(args.set),
             'compile_cache': '', 'train.eval_every': args.eval_every, 'train.eval_steps': args.eval_steps,
@@ -149,6 +241,7 @@ def main():
     target = f'eval/loss<={loss!r}'
     print(f'target: the baseline\'s {args.steps}-step validation loss, {target}', flush=True)
   runs = []
+  plans = same_clock_plans(args, arms, config, runs) if args.minutes else {}
   for round_ in range(args.rounds):
     for arm in ('recipe', 'baseline') if round_ % 2 == 0 else ('baseline', 'recipe'):
       workdir = os.path.join(args.out, f'{arm}-{round_}')
@@ -159,18 +252,12 @@ def main():
         # it by then ends with target/met false.
         overrides.update({'train.target': target, 'train.stop_at_target': True, 'train.steps': args.steps})
       else:
-        overrides.update({'train.max_minutes': args.minutes, 'train.steps': 1_000_000})
-      load = load_average()
-      started = time.time()
-      result = launch(config, overrides, workdir, workdir + '.log')
-      run = {'arm': arm, 'round': round_, 'load': load, 'wall_s': round(time.time() - started, 1),
-             **{k: v for k, v in result.items() if k.startswith('target/') or k in (args.metric, 'step')}}
-      runs.append(run)
-      print(json.dumps(run), flush=True)
-  report(args, target, runs)
+        overrides.update(plans[arm]['overrides'])
+      runs.append(timed_run(args, config, overrides, workdir, arm, round_))
+  report(args, target, runs, plans)
 
 
-def report(args, target, runs):
+def report(args, target, runs, plans=None):
   by_arm = {arm: [r for r in runs if r['arm'] == arm] for arm in ('recipe', 'baseline')}
   lines = [f'CPU: {cpu_model()}; {args.config} {args.size or ""} {args.set or ""}; baseline {args.baseline}', '']
   if target:
@@ -187,16 +274,21 @@ def report(args, target, runs):
         ratio = statistics.median(met('recipe', key)) / statistics.median(met('baseline', key))
         lines.append(f'\nrecipe / baseline, median {key}: {ratio:.3f}')
   else:
-    lines += [f'Each arm {args.minutes} minutes; {args.metric} of the final result line', '',
-              f'| arm | round | load | steps | {args.metric} |', '| --- | --- | --- | ---: | ---: |']
+    lines += [f'Each arm {args.minutes:g} minutes (train.max_minutes); {args.metric} of the final result line. '
+              'Each arm\'s step count:']
+    lines += [f'- {arm}: {plan["method"]}' for arm, plan in plans.items()]
+    lines += ['', f'| arm | round | load | train.steps | steps | stopped | wall s | {args.metric} |',
+              '| --- | --- | --- | ---: | ---: | --- | ---: | ---: |']
     for r in runs:
-      lines.append(f'| {r["arm"]} | {r["round"]} | {r["load"]} | {r.get("step")} | {r.get(args.metric)} |')
+      lines.append(f'| {r["arm"]} | {r["round"]} | {r["load"]} | {r.get("train.steps")} | {r.get("step")} '
+                   f'| {r.get("stopped") or "-"} | {r.get("wall_s")} | {r.get(args.metric)} |')
   text = '\n'.join(lines)
   print(text)
   with open(os.path.join(args.out, 'table.md'), 'w') as f:
     f.write(text + '\n')
   with open(os.path.join(args.out, 'results.json'), 'w') as f:
-    json.dump({'target': target, 'runs': runs, 'cpu': cpu_model()}, f, indent=1)
+    json.dump({'target': target, 'runs': runs, 'cpu': cpu_model(),
+               'methods': {arm: plan['method'] for arm, plan in (plans or {}).items()}}, f, indent=1)
 
 
 if __name__ == '__main__':

@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import support
+from numerics import assert_close
 from train import checkpoint as ckpt
 from train import compilation
 from train import loop
@@ -65,13 +66,15 @@ def resumed_from(workdir, step, copy):
 
 @pytest.fixture
 def clock(monkeypatch):
-  """The run's clock: one second per training step (progress.tokens counts them, across resumes)."""
+  """The run's clock: one second per training step (progress.tokens counts them, across resumes), none
+  for compiling, evaluating and saving."""
   monkeypatch.setattr(loop.Saver, 'seconds', lambda self: self.progress.tokens / TOKENS_PER_STEP)
+  monkeypatch.setattr(loop.Saver, 'compile_seconds', lambda self: 0.0)
 
 
 def test_a_wall_clock_wsd_cooldown_ends_the_run_cooled_down_and_resumes_mid_cooldown(corpus, tmp_path, clock, capsys):
-  # 30 s of budget, far from train.steps: the cooldown starts with 25% (7.5 s) left, at step 23, and
-  # plans the 7 steps that fit at the measured 1 s per step.
+  # 30 s of budget, far from train.steps: the cooldown starts with 25% (7.5 s) left, after step 23, and
+  # plans the 7 steps that fit at the measured 1 s per step, the last (step 30, count 29) at the end lr.
   config = tiny(corpus, **{'model.scan_layers': True, 'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2,
                            'train.optimizer': 'muon', 'train.schedule': 'wsd',
                            'train.steps': 100, 'train.max_minutes': 0.5, 'train.decay_fraction': 0.25,
@@ -82,14 +85,16 @@ def test_a_wall_clock_wsd_cooldown_ends_the_run_cooled_down_and_resumes_mid_cool
   out = capsys.readouterr().out
   assert results['step'] == 30 and 'the wall-clock cooldown ended' in results['stopped'], results
   assert results['train/compiles'] == 1  # the cooldown's start is a value of the optimizer state
-  assert "Cooldown from step 23 for 7 steps (to step 30" in out
+  assert "Cooldown from step 23 to step 30" in out
   assert 'Muon takes 12 matrices' in out  # 2 layers x 6 kernels, stacked by scan_layers
-  assert saved(workdir, 30)['data']['progress']['cooldown_start'] == 23
+  assert (saved(workdir, 30)['data']['progress']['cooldown_start'], saved(workdir, 30)['data']['progress'][
+      'cooldown_steps']) == (22, 7)  # optim.wsd_schedule's start: count 22 at progress 0, count 29 at 1
   lr = {m['step']: m['train/lr'] for m in metrics(workdir) if 'train/lr' in m}
   peak = config.train.lr
   for step in range(21, 31):  # step s logs the lr of its update, count s - 1
     count = step - 1
-    assert lr[step] == pytest.approx(peak if count < 23 else peak * (1 - (count - 23) / 7), rel=1e-5), step
+    expected = peak if count < 23 else peak * (1 - (count - 22) / 7)
+    assert_close(lr[step], expected, terms=1, scale=peak, err_msg=str(step))
   assert results['target/met'] is False and 'target/step' not in results
 
   copy = resumed_from(workdir, 26, str(tmp_path / 'resumed'))  # mid-cooldown

@@ -14,6 +14,12 @@ target's platform. The compiled train step's HLO text is written to `<workdir>/t
   model, params, batch, seq_len, dtype, attention (resolved), rng_impl
   attention_kernel                       the attention the compiled step runs (as in bench)
   fmha_calls, splash_calls, scatters, fusions   counts in the compiled step (`train.hlo.summary`)
+  f32_dots, f32_dots_lowered             matmuls (dots, convolutions) with float32 operands in the compiled
+                                         step and in the step as lowered, before the compiler's passes
+                                         (`train.hlo.float32_dots`); 0 expected for a bfloat16 step
+                                         compiled for a GPU (XLA:CPU upcasts bfloat16 dots, so on CPU
+                                         read f32_dots_lowered). Muon's Newton-Schulz counts where it
+                                         runs in float32 (`train.muon_ns_dtype`, float32 on CPU)
   collective_bytes                       {kind: bytes per device per step} of its collectives (`train.hlo`)
   temp_bytes, argument_bytes, output_bytes, alias_bytes   XLA's buffer sizes per device
   per_device_total_bytes                 temp + argument + output - alias (donated state counted once)
@@ -55,13 +61,13 @@ def compile_for_target(config, target_name: str, workdir: str) -> dict:
   validate_config(config, num_devices=len(target.devices))
   task = bench.bench_task(config, target.platform)
   mesh = sharding.make_mesh(config.mesh, devices=list(target.devices))
-  tx, _ = make_optimizer(config.train)
+  tx, _ = make_optimizer(config.train, target.platform)
   spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl, target.platform),
                               tx)
   with sharding.use_mesh(mesh):
-    train_step, compile_s = _compiled(jit_train_step(task, spec, tx, config.train.grad_accum),
-                                      _abstract_state(spec), _abstract_batch(task, config, mesh))
-    _, init_compile_s = _compiled(state_lib.jit_initialiser(spec, task.build_model, tx, config.seed))
+    lowered, train_step, compile_s = _compiled(jit_train_step(task, spec, tx, config.train.grad_accum),
+                                               _abstract_state(spec), _abstract_batch(task, config, mesh))
+    _, _, init_compile_s = _compiled(state_lib.jit_initialiser(spec, task.build_model, tx, config.seed))
     decode = _compile_decoding(config, task, spec)
   hlo_text = train_step.as_text()
   sizes = _buffer_sizes(train_step)
@@ -77,7 +83,9 @@ def compile_for_target(config, target_name: str, workdir: str) -> dict:
       'batch': config.train.batch_size, 'seq_len': config.data.seq_len,
       'dtype': getattr(task.model_config, 'dtype', 'float32'),
       'attention': getattr(task.model_config, 'attention', None), 'rng_impl': spec.rng_impl,
-      'attention_kernel': bench.attention_kernel(hlo_text), **hlo.summary(hlo_text), **sizes,
+      'attention_kernel': bench.attention_kernel(hlo_text), **hlo.summary(hlo_text),
+      'f32_dots': hlo.float32_dots(hlo_text), 'f32_dots_lowered': hlo.float32_dots(lowered.as_text(dialect='hlo')),
+      **sizes,
       'device_memory_bytes': target.memory_per_device,
       'fits': sizes['per_device_total_bytes'] <= target.memory_per_device, 'estimate_bytes': estimate.total,
       'compile_s': round(compile_s, 2), 'init_compile_s': round(init_compile_s, 2), 'decode': decode,
@@ -94,10 +102,11 @@ def _check_mesh_fits(config, target: targets.Target) -> None:
 
 
 def _compiled(jitted, *args):
-  """(jitted lowered for `args` and compiled, seconds that took)."""
+  """(jitted lowered for `args`, that compiled, seconds both took)."""
   start = time.perf_counter()
-  compiled = jitted.lower(*args).compile()
-  return compiled, time.perf_counter() - start
+  lowered = jitted.lower(*args)
+  compiled = lowered.compile()
+  return lowered, compiled, time.perf_counter() - start
 
 
 def _abstract_state(spec: state_lib.StateSpec) -> state_lib.TrainState:
@@ -141,7 +150,7 @@ def _compile_decoding(config, task, spec: state_lib.StateSpec) -> dict | None:
   for batch in bench.DECODE_BATCHES:
     prompt = jax.ShapeDtypeStruct((batch, bench.DECODE_PROMPT), jnp.int32, sharding=replicated)
     valid = jax.ShapeDtypeStruct((batch, bench.DECODE_PROMPT), jnp.bool_, sharding=replicated)
-    compiled, seconds = _compiled(jax.jit(decode), params, extra, prompt, valid)
+    _, compiled, seconds = _compiled(jax.jit(decode), params, extra, prompt, valid)
     sizes = _buffer_sizes(compiled)
     results[str(batch)] = {'compile_s': round(seconds, 2), 'temp_bytes': sizes['temp_bytes'],
                            'argument_bytes': sizes['argument_bytes'], 'output_bytes': sizes['output_bytes'],

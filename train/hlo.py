@@ -30,6 +30,10 @@ times their trip count, and fusion bodies, so an op XLA fused still counts where
   splash_calls      Pallas TPU kernels (`tpu_custom_call`): {'forward', 'backward' (splash
                     attention's dq and dkv kernels)}
   collective_bytes  `collective_bytes` below
+
+`float32_dots(hlo_text)` counts the matmuls (dot and convolution instructions) that multiply float32
+operands, in a compiled module's text or a lowered one's (`jitted.lower(...).as_text(dialect='hlo')`:
+the program before XLA's passes; XLA:CPU upcasts bfloat16 dots to float32 when it compiles).
 """
 from __future__ import annotations
 
@@ -226,3 +230,50 @@ def summary(hlo_text: str) -> dict[str, object]:
           'fmha_calls': {'forward': len(fmha) - fmha_backward, 'backward': fmha_backward},
           'splash_calls': {'forward': len(splash) - splash_backward, 'backward': splash_backward},
           'collective_bytes': collective_bytes(hlo_text)}
+
+
+# ---------------------------------------------------------------------------- float32 matmuls
+_MATMULS = ('dot', 'convolution')
+# Dot algorithms that round float32 operands to bfloat16 (jax.default_matmul_precision('BF16_BF16_F32'),
+# e.g. Muon's bfloat16 Newton-Schulz): bfloat16 matmuls, whatever the operands' type.
+_BF16_ALGORITHM = re.compile(r'algorithm=dot_bf16_bf16_')
+
+
+def _operand_names(rest: str, opcode: str) -> list[str]:
+  """The operands of the instruction whose text after `name = ` is `rest`: names, each with its type
+  when the text writes one ('f32[8]{0} %p0'), as the text gives them."""
+  start = rest.find(f' {opcode}(') + len(opcode) + 2
+  depth, end = 1, start
+  while end < len(rest) and depth:
+    depth += {'(': 1, ')': -1}.get(rest[end], 0)
+    end += 1
+  operands, depth, current = [], 0, ''
+  for char in rest[start:end - 1]:
+    depth += {'(': 1, '[': 1, '{': 1, ')': -1, ']': -1, '}': -1}.get(char, 0)
+    if char == ',' and depth == 0:
+      operands.append(current.strip())
+      current = ''
+    else:
+      current += char
+  return operands + ([current.strip()] if current.strip() else [])
+
+
+def float32_dots(hlo_text: str) -> int:
+  """Dot and convolution instructions with a float32 (or float64) operand, over every computation
+  (each counted once where it sits). A bfloat16 product returned in float32 (preferred_element_type)
+  is not counted, nor a float32 one whose algorithm rounds its operands to bfloat16."""
+  dtypes, matmuls = {}, []
+  for line in hlo_text.splitlines():
+    instruction = _NAMED_LINE.match(line)
+    if not instruction:
+      continue
+    name, rest = instruction.groups()
+    result = _ARRAY.search(rest)
+    dtypes[name.lstrip('%')] = result.group(1) if result else None
+    opcode = _opcode_after_type(rest)
+    if opcode in _MATMULS and not _BF16_ALGORITHM.search(rest):
+      matmuls.append(_operand_names(rest, opcode))
+  def dtype(operand: str) -> str | None:
+    written = _ARRAY.match(operand)
+    return written.group(1) if written else dtypes.get(operand.split()[-1].lstrip('%'))
+  return sum(1 for operands in matmuls if any(dtype(operand) in ('f32', 'f64') for operand in operands))

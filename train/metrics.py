@@ -96,9 +96,17 @@ class MetricWriter:
     if self._wandb is not None:
       self._wandb.log({k: float(v) for k, v in scalars.items()}, step=step)
     if self._mirror.remote is not None and time.time() - self._uploaded_at >= UPLOAD_SECONDS:
-      self._tb.flush()
-      self._mirror.upload()
-      self._uploaded_at = time.time()
+      self.sync()
+
+  def sync(self) -> None:
+    """Upload what was logged to a remote workdir (nothing to do for a local one). Called before each
+    checkpoint save: a resume from step S keeps the rows up to S, so they must be in the bucket before
+    checkpoint S can exist, or a SIGKILL between uploads loses them (scripts/fault_soak.py)."""
+    if not self.enabled or self._mirror.remote is None:
+      return
+    self._tb.flush()
+    self._mirror.upload()
+    self._uploaded_at = time.time()
 
   def write_image(self, step: int, tag: str, png_path: str) -> None:
     if not self.enabled:

@@ -23,7 +23,10 @@ holds across widths; 0 falls back to Keller Jordan's sqrt(max(1, fan_out / fan_i
 learning rates are ~0.02. Weight decay (`train.weight_decay`, times the learning rate) applies to
 every matrix Muon takes; its AdamW side has none (Optax's muon takes no mask for it, and that side
 holds the embeddings, norms and biases the AdamW optimizer does not decay either; the output
-layers lose their decay, as in modded-nanogpt's Adam).
+layers lose their decay, as in modded-nanogpt's Adam). Matrices of the same shape are
+orthogonalised together, one batched Newton-Schulz chain per shape (`stacked_muon`), each matrix
+still on its own; `train.muon_ns_dtype` runs the chain's matmuls in bfloat16 ('auto': on GPU and
+TPU, as the NanoGPT speedrun does) or float32 (CPU). The optimizer state is Optax's per-parameter one.
 
 Schedules (`train.schedule`), peak `train.lr` after `train.warmup_steps` of linear warmup:
   constant  stays at lr
@@ -35,13 +38,16 @@ Schedules (`train.schedule`), peak `train.lr` after `train.warmup_steps` of line
 Schedule-free AdamW replaces the schedule: only 'constant' (its warmup) is accepted with it.
 
 wsd's cooldown can start at a step only known while training (`train.max_minutes`: when
-decay_fraction of the budget is left, train/loop.py `Cooldown`). Its start and length
-are therefore hyperparameters in the optimizer state (`optax.inject_hyperparams`), read by the
-compiled step as values: moving the cooldown does not recompile, and a checkpoint holds it. Only
-wsd wraps its optimizer so; every other schedule keeps the optimizer state layout runs have saved.
+decay_fraction of the budget is left, train/loop.py `Cooldown`, which re-plans it as the step
+time changes). Its start and length are therefore hyperparameters in the optimizer state
+(`optax.inject_hyperparams`), read by the compiled step as values: moving the cooldown does not
+recompile, and a checkpoint holds it. Only wsd wraps its optimizer so; every other schedule keeps
+the optimizer state layout runs have saved.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import re
 from typing import Callable
@@ -191,9 +197,146 @@ def describe_split(train_config, params) -> str | None:
           f'{train_config.adam_lr or train_config.lr:g}: {adamw}.')
 
 
+# ============================================================================ Muon's matrices in stacks
+MUON_NS_DTYPES = ('auto', 'float32', 'bfloat16')
+# Newton-Schulz in bfloat16: JAX's dot algorithm that rounds both operands to bfloat16 and sums the
+# products in float32, the precision of the NanoGPT speedrun's iterations. Optax's muon takes no dtype
+# for them, and casting its input would not reach them: the float32 momentum promotes it back.
+BF16_MATMULS = 'BF16_BF16_F32'
+_OTHERS, _STACKS = 'adamw_leaves', 'muon_stacks'  # the two parts of a `MatrixStacks.stack` tree
+
+
+def resolve_ns_dtype(name: str, platform: str | None = None) -> str:
+  """`train.muon_ns_dtype` for `platform` ('cpu' | 'gpu' | 'tpu'; None: this process's backend):
+  'auto' is 'bfloat16' on GPU and TPU, 'float32' on CPU (where runs, tests and fixtures keep their numbers)."""
+  if name not in MUON_NS_DTYPES:
+    raise ConfigError(f'config.train.muon_ns_dtype={name!r} is not one of {MUON_NS_DTYPES}.')
+  if name == 'auto':
+    return 'float32' if (platform or jax.default_backend()) == 'cpu' else 'bfloat16'
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixStacks:
+  """Muon's matrices of a parameter tree grouped by shape: each [in, out] matrix (a [layers, in, out]
+  leaf holds `layers` of them) joins the stack of its shape, so that Optax's muon runs one batched
+  Newton-Schulz chain per shape instead of one per leaf. Each matrix keeps its own normalisation,
+  shape scaling and weight decay: Optax treats a stack's first axis as a batch of matrices.
+
+  `stack(tree)` of a tree shaped like the parameters is {_OTHERS: [AdamW's leaves, in tree order],
+  _STACKS: {'INxOUT': [n, in, out], the matrices in tree order}}; `unstack` undoes it.
+  `stacked_like` / `unstacked_like` move any tree that holds such trees (an optimizer state, whose
+  moments sit at the parameters' paths) between the two layouts.
+  """
+  treedef: jax.tree_util.PyTreeDef
+  paths: tuple[tuple, ...]  # each leaf's key path
+  shapes: tuple[tuple[int, ...], ...]
+  others: tuple[int, ...]  # the leaves AdamW takes (indices into `paths`)
+  stacks: tuple[tuple[str, tuple[int, ...]], ...]  # ('INxOUT', the leaves whose matrices it stacks)
+
+  @classmethod
+  def of(cls, tree) -> 'MatrixStacks':
+    """The stacks of `tree` (arrays or shapes), Muon's matrices chosen by `MUON_RULES`."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths, shapes = tuple(path for path, _ in flat), tuple(tuple(leaf.shape) for _, leaf in flat)
+    others, stacks = [], {}
+    for index, (path, shape) in enumerate(zip(paths, shapes)):
+      if muon_side(path_to_string(path), shape) == 'muon':
+        stacks.setdefault(f'{shape[-2]}x{shape[-1]}', []).append(index)
+      else:
+        others.append(index)
+    return cls(treedef, paths, shapes, tuple(others), tuple((key, tuple(v)) for key, v in stacks.items()))
+
+  def stack(self, tree) -> dict:
+    return self.stacked_like(tree, {_OTHERS: [0] * len(self.others), _STACKS: {key: 0 for key, _ in self.stacks}})
+
+  def unstack(self, stacked: dict):
+    values = self._unstacked_values(stacked)
+    return jax.tree_util.tree_unflatten(self.treedef, [values[path] for path in self.paths])
+
+  def stacked_like(self, tree, layout):
+    """`tree` in the stacked layout whose structure `layout` (a tree of any leaves) has."""
+    values = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+    flat, treedef = jax.tree_util.tree_flatten_with_path(layout)
+    leaves = []
+    for path, _ in flat:
+      prefix, part, members = self._members(path)
+      if part is None:
+        leaves.append(values[path])
+      elif part == _OTHERS:
+        leaves.append(values[prefix + self.paths[members[0]]])
+      else:
+        leaves.append(jnp.concatenate([values[prefix + self.paths[i]].reshape(-1, *self.shapes[i][-2:])
+                                       for i in members]))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  def unstacked_like(self, stacked, like):
+    """`stacked` (a `stacked_like` result) back in the layout of `like`."""
+    values = self._unstacked_values(stacked)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    return jax.tree_util.tree_unflatten(treedef, [values[path] for path, _ in flat])
+
+  def _unstacked_values(self, stacked) -> dict:
+    """{per-leaf key path: array} of the arrays `stacked` holds."""
+    values = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked)[0]:
+      prefix, part, members = self._members(path)
+      if part != _STACKS:
+        values[path if part is None else prefix + self.paths[members[0]]] = leaf
+        continue
+      offset = 0
+      for i in members:
+        count = int(np.prod(self.shapes[i][:-2]))  # 1 for an [in, out] leaf
+        values[prefix + self.paths[i]] = leaf[offset:offset + count].reshape(self.shapes[i])
+        offset += count
+    return values
+
+  def _members(self, path) -> tuple[tuple, str | None, tuple[int, ...]]:
+    """(the path's prefix, the part of a stacked tree it ends in or None, the leaves its array holds)."""
+    if len(path) >= 2 and path[-2] == jax.tree_util.DictKey(_OTHERS):
+      return path[:-2], _OTHERS, (self.others[path[-1].idx],)
+    if len(path) >= 2 and path[-2] == jax.tree_util.DictKey(_STACKS):
+      return path[:-2], _STACKS, dict(self.stacks)[path[-1].key]
+    return path, None, ()
+
+
+def _stacked_dimension_numbers(stacked: dict) -> dict:
+  """Optax's `muon_weight_dimension_numbers` of a `MatrixStacks.stack` tree: each stack [n, in, out]
+  is a batch of n matrices; AdamW takes the rest."""
+  batch_of_matrices = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+  return {_OTHERS: [None for _ in stacked[_OTHERS]], _STACKS: {key: batch_of_matrices for key in stacked[_STACKS]}}
+
+
+def stacked_muon(muon: Callable[..., optax.GradientTransformation], ns_dtype: str = 'float32'
+                 ) -> optax.GradientTransformation:
+  """Optax's muon (`muon(muon_weight_dimension_numbers=...)`: optax.contrib.muon, its other arguments
+  bound) with the matrices of each shape orthogonalised as one stack (`MatrixStacks`), Newton-Schulz's
+  matmuls in `ns_dtype` ('float32' | 'bfloat16': `BF16_MATMULS`).
+
+  Its state is the per-parameter one of Optax's muon over the parameter tree (`muon_dimension_numbers`),
+  which checkpoints hold and `train.sharding` places at the parameters' paths: each update stacks
+  the momentum with the gradients and unstacks it with the updates.
+  """
+  per_leaf = muon(muon_weight_dimension_numbers=muon_dimension_numbers)
+  stacked = muon(muon_weight_dimension_numbers=_stacked_dimension_numbers)
+
+  def update(updates, state, params=None):
+    stacks = MatrixStacks.of(updates)
+    layout = jax.eval_shape(lambda tree: stacked.init(stacks.stack(tree)), updates)
+    precision = jax.default_matmul_precision(BF16_MATMULS) if ns_dtype == 'bfloat16' else contextlib.nullcontext()
+    with precision:
+      new_updates, new_state = stacked.update(stacks.stack(updates), stacks.stacked_like(state, layout),
+                                              None if params is None else stacks.stack(params))
+    return stacks.unstack(new_updates), stacks.unstacked_like(new_state, state)
+
+  return optax.GradientTransformation(per_leaf.init, update)
+
+
 # ============================================================================ the optimizers
-def _optimizer(train_config, cooldown_start=None, cooldown_steps=None) -> optax.GradientTransformation:
-  """`train.optimizer` with its schedule; wsd's cooldown (start, steps) may be traced values."""
+def _optimizer(train_config, cooldown_start=None, cooldown_steps=None, *, platform: str | None = None
+               ) -> optax.GradientTransformation:
+  """`train.optimizer` with its schedule, for `platform` (`make_optimizer`); wsd's cooldown (start,
+  steps) may be traced values."""
   t = train_config
   cooldown = None if cooldown_start is None else (cooldown_start, cooldown_steps)
   schedule = learning_rate_schedule(t, cooldown)
@@ -204,10 +347,10 @@ def _optimizer(train_config, cooldown_start=None, cooldown_steps=None) -> optax.
     opt = optax.adam(schedule, b1=t.b1, b2=t.b2, eps=t.eps)
   elif name == 'muon':
     adam_schedule = learning_rate_schedule(t, cooldown, peak=t.adam_lr) if t.adam_lr else schedule
-    opt = optax.contrib.muon(schedule, beta=t.muon_momentum, eps=t.eps, weight_decay=t.weight_decay,
-                             adam_b1=t.b1, adam_b2=t.b2, adam_learning_rate=adam_schedule,
-                             muon_weight_dimension_numbers=muon_dimension_numbers,
-                             consistent_rms=t.muon_rms_scale or None)
+    opt = stacked_muon(functools.partial(
+        optax.contrib.muon, schedule, beta=t.muon_momentum, eps=t.eps, weight_decay=t.weight_decay, adam_b1=t.b1,
+        adam_b2=t.b2, adam_learning_rate=adam_schedule, consistent_rms=t.muon_rms_scale or None),
+        resolve_ns_dtype(t.muon_ns_dtype, platform))
   elif name == 'schedule_free_adamw':
     # optax.contrib.schedule_free_adamw's own chain, with the decay mask its add_decayed_weights takes.
     base = optax.chain(optax.scale_by_rms(decay=t.b2, eps=t.eps, eps_in_sqrt=False, bias_correction=True),
@@ -226,19 +369,20 @@ def _optimizer(train_config, cooldown_start=None, cooldown_steps=None) -> optax.
   return opt
 
 
-def make_optimizer(train_config) -> tuple[optax.GradientTransformation, Callable]:
+def make_optimizer(train_config, platform: str | None = None) -> tuple[optax.GradientTransformation, Callable]:
   """(the Optax transformation, the matrices' learning rate after each step: f(step - 1) is the one
-  the step-th update used, for logging). wsd's transformation carries its cooldown in its state
-  (`COOLDOWN_KEYS`, set by `with_cooldown`)."""
+  the step-th update used, for logging), for steps compiled for `platform` ('cpu' | 'gpu' | 'tpu';
+  None: this process's backend), which picks Muon's Newton-Schulz precision (`train.muon_ns_dtype`).
+  wsd's transformation carries its cooldown in its state (`COOLDOWN_KEYS`, set by `with_cooldown`)."""
   schedule = learning_rate_schedule(train_config)
   if train_config.optimizer == 'schedule_free_adamw':  # it counts its updates from 1
     return _optimizer(train_config), lambda count: schedule(count + 1)
   if train_config.schedule == 'wsd':
     start, length = step_cooldown(train_config)
-    inject = optax.inject_hyperparams(functools.partial(_optimizer, train_config))
+    inject = optax.inject_hyperparams(functools.partial(_optimizer, train_config, platform=platform))
     # int32 arrays: hyperparameters of a fixed type, as the checkpoints and `with_cooldown` hold them.
     return inject(cooldown_start=np.asarray(start, np.int32), cooldown_steps=np.asarray(length, np.int32)), schedule
-  return _optimizer(train_config), schedule
+  return _optimizer(train_config, platform=platform), schedule
 
 
 def with_cooldown(opt_state, cooldown: tuple[int, int], shardings):

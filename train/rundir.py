@@ -30,6 +30,7 @@ import storage
 from data import tokenizers
 from errors import UserError
 from interop.common import check_target
+from models.attention import resolve_compute_dtype
 from train import sharding, state
 from train.checkpoint import Checkpointer, CheckpointError, restore_target
 from train.task import RUNTIME_FIELDS, Prepared, Task, no_hf_counterpart, task_class
@@ -219,7 +220,7 @@ def _with_model_override(model_config, key: str, value, workdir: str):
   if section != 'model' or field not in {f.name for f in dataclasses.fields(model_config)}:
     return model_config
   if field in RUNTIME_FIELDS:
-    return dataclasses.replace(model_config, **{field: value})
+    return dataclasses.replace(model_config, **{field: resolve_compute_dtype(value) if field == 'dtype' else value})
   if getattr(model_config, field) != value:
     raise RunDirError(f'--config.{key}={value!r} cannot apply to {workdir}: its model has {field}='
                       f'{getattr(model_config, field)!r} ({os.path.join(workdir, MODEL_FILE)}). Train a new run '

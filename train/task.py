@@ -121,12 +121,14 @@ class Task:
   @classmethod
   def resolve_model_config(cls, config, platform: str | None = None, **resolved) -> Any:
     """`model_config_class` from the `config.model` keys (ConfigError for one that is not a field),
-    the 'auto' attention resolved for `platform` and the dtype, and `resolved` (values that come
-    from the data) on top."""
+    the 'auto' dtype and the 'auto' attention (for the dtype) resolved for `platform`, and `resolved`
+    (values that come from the data) on top."""
+    from models.attention import default_attention_implementation, resolve_compute_dtype
     check_model_fields(config.model.keys(), cls.model_config_class)
     values = dict(config.model.items())
+    if 'dtype' in values:
+      values['dtype'] = resolve_compute_dtype(values['dtype'], platform)
     if values.get('attention') == 'auto':
-      from models.attention import default_attention_implementation
       values['attention'] = default_attention_implementation(values.get('dtype', 'float32'), platform)
     return cls.model_config_class(**{**values, **resolved})
 

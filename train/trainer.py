@@ -15,8 +15,9 @@ Stages, in order (each has a banner in `train_and_evaluate`):
                  checkpoint kept
 Every evaluation, the best checkpoint and what a checkpoint's model holds are the parameters
 `Setup.evaluated` gives: the trained ones, or schedule-free AdamW's average.
-  5. final       the whole validation split and the family's own evaluation (BLEU, samples,
-                 pictures) of the checkpoint `train.final_eval_from` names (train/evaluation.py)
+  5. final       the validation split (up to train.final_eval_examples of it) and the family's own
+                 evaluation (BLEU, samples, pictures) of the checkpoint `train.final_eval_from` names
+                 (train/evaluation.py)
 """
 from __future__ import annotations
 
@@ -170,7 +171,7 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
   state, cooldown, logger = schedule_and_logger(setup, state, save, writer, start_step)
   compiled_before = compilation.compiled('train_step')
   compiles = lambda: compilation.compiled('train_step') - compiled_before
-  step, stopped = start_step, None
+  step, stopped, timed = start_step, None, False
   try:
     with sharding.use_mesh(setup.mesh), loop.PreemptionWatcher(writer.log) as watcher:
       while step < train.steps and stopped is None:
@@ -186,19 +187,15 @@ def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, wri
         positions = setup.task.count_tokens(local_batch)[0] * jax.process_count()
         progress.tokens += positions
         logger.add(step, scalars, metrics, positions)
-        if loop.budget_spent(train, step, save.seconds()):
-          stopped = f'train.max_minutes={train.max_minutes} reached'
-        if cooldown is not None and cooldown.check(step, save.seconds()):
+        if cooldown is not None and cooldown.check(step):
           state = dataclasses.replace(state, opt_state=optim.with_cooldown(state.opt_state, cooldown.plan,
                                                                            setup.spec.shardings.opt_state))
-          writer.log(cooldown.describe())
-        if cooldown is not None and cooldown.finished(step):
-          stopped = stopped or f'the wall-clock cooldown ended (train.max_minutes={train.max_minutes})'
+        stopped = loop.clock_stop(train, step, save, cooldown)
         evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
         if evaluated:
           logger.flush()  # the step has finished: the clock below is its own
-          last_eval, early_stop = evaluate_step(setup, state, step, save, writer)
-          stopped = stopped or early_stop
+          last_eval, early_stop = evaluate_step(setup, state, step, save, writer, time_final=not timed)
+          stopped, timed = stopped or early_stop, True
         # Every evaluated step is saved with its metrics, so the best checkpoint is always on disk.
         if evaluated or stopped or step % train.checkpoint_every == 0:
           logger.flush()
@@ -221,12 +218,13 @@ def schedule_and_logger(setup: Setup, state: TrainState, save: loop.Saver, write
   """(the state with wsd's cooldown plan in its optimizer state, that plan's Cooldown or None without
   wsd, the step logger). The plan is a resume's, or the one train.steps gives now."""
   train = setup.config.train
-  cooldown = loop.Cooldown(train, save.progress, start_step, save.seconds()) if train.schedule == 'wsd' else None
+  cooldown = loop.Cooldown(train, save, start_step, writer.log) if train.schedule == 'wsd' else None
   if cooldown is not None:
     state = dataclasses.replace(state, opt_state=optim.with_cooldown(state.opt_state, cooldown.plan,
                                                                      setup.spec.shardings.opt_state))
     if cooldown.by_clock:
-      writer.log(cooldown.describe())
+      writer.log(f'Resumed in the wall-clock cooldown (planned to end at step {sum(cooldown.plan) + 1}); it is '
+                 're-planned for the time left.')
   # The logged learning rate: one compiled program, not an eager dispatch (and compilation) per op of the schedule.
   learning_rate = jax.jit(setup.schedule) if cooldown is None else cooldown.learning_rate
   return state, cooldown, loop.StepLogger(train, learning_rate, writer, save.checkpointer.directory)
@@ -243,14 +241,19 @@ def save_and_leave(setup: Setup, state: TrainState, step: int, save: loop.Saver,
           **loop.target_results(setup.target, save.progress)}
 
 
-def evaluate_step(setup: Setup, state: TrainState, step: int, save: loop.Saver, writer: MetricWriter
-                  ) -> tuple[dict[str, float], str | None]:
+def evaluate_step(setup: Setup, state: TrainState, step: int, save: loop.Saver, writer: MetricWriter,
+                  time_final: bool = False) -> tuple[dict[str, float], str | None]:
   """The evaluation during training at `step`: (its metrics, why training should stop now or None:
   early stopping, or train.target met with train.stop_at_target). Records the target's clock (the
-  run's seconds when the step had finished, read before evaluating)."""
+  run's seconds when the step had finished, read before evaluating) and its own time, which the budget
+  reserves for the closing evaluations (loop.Saver.reserve). `time_final`: log how long the final
+  evaluation should take at this evaluation's rate (the run's first evaluation)."""
   seconds, compile_seconds = save.seconds(), save.compile_seconds()
   with save.on_failure(step, state):
     metrics, early_stop = loop.evaluate_during_training(setup, setup.evaluated(state), step, save.progress, writer)
+  save.record_evaluation(save.seconds() - seconds - (save.compile_seconds() - compile_seconds))
+  if time_final:
+    writer.log(evaluation.describe_cost(setup, save.progress.eval_seconds))
   if loop.record_target(setup.target, step, metrics, save.progress, seconds, compile_seconds, writer) \
       and setup.config.train.stop_at_target:
     early_stop = f'train.target {setup.target} met'
@@ -303,8 +306,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       if start_step:
         writer.log(f'Resumed from the checkpoint at step {start_step} in {checkpointer.directory}.')
       writer.log(evaluation.describe(setup))
+      writer.log(evaluation.describe_final(setup))
       # -------------------------------------------------------------- 4. loop
-      save = loop.Saver(checkpointer, data_iter, progress, start_step, started, compile_started, setup.checkpoint_items)
+      save = loop.Saver(checkpointer, data_iter, progress, start_step, started, compile_started, setup.checkpoint_items,
+                        loop.final_eval_batches(setup), before_save=writer.sync)
       state, results = train_loop(setup, state, save, data_iter, writer, start_step)
       if not results.get('preempted'):
         state, results['final_eval_step'] = evaluated_state(setup, state, checkpointer, results['step'], writer.log)

@@ -77,7 +77,9 @@ def check_values(config, num_devices: int | None = None) -> None:
                   'train.eval_steps': t.eval_steps, 'train.weight_decay': t.weight_decay,
                   'train.grad_clip': t.grad_clip, 'data.max_examples': config.data.max_examples,
                   'train.early_stopping_patience': t.early_stopping_patience, 'train.max_minutes': t.max_minutes,
-                  'train.z_loss': t.z_loss}
+                  'train.z_loss': t.z_loss, 'data.cache_workers': config.data.cache_workers,
+                  'train.final_eval_examples': t.get('final_eval_examples', 0),
+                  'train.final_decode_examples': t.get('final_decode_examples', 0)}
   for key, value in non_negative.items():
     if value < 0:
       raise ConfigError(f'config.{key}={value} must be >= 0.')
@@ -88,8 +90,8 @@ def check_values(config, num_devices: int | None = None) -> None:
   if t.best_mode not in ('min', 'max'):
     raise ConfigError(f"config.train.best_mode={t.best_mode!r}: use 'min' or 'max'.")
   check_optimizer(t)
-  if m.get('dtype') not in (None, 'float32', 'bfloat16', 'float16'):
-    raise ConfigError(f"config.model.dtype={m.dtype!r}: use 'float32', 'bfloat16' or 'float16'.")
+  if m.get('dtype') not in (None, 'auto', 'float32', 'bfloat16', 'float16'):
+    raise ConfigError(f"config.model.dtype={m.dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
   from models.attention import ATTENTION_IMPLEMENTATIONS
   if m.get('attention') is not None and m.attention not in ATTENTION_IMPLEMENTATIONS:
     raise ConfigError(f'config.model.attention={m.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}.')
@@ -126,7 +128,7 @@ def check_values(config, num_devices: int | None = None) -> None:
 def check_optimizer(t) -> None:
   """`config.train`'s optimizer, schedule and target (train/optim.py, train/loop.py)."""
   from train.loop import parse_target
-  from train.optim import DECAY_SHAPES, OPTIMIZERS, SCHEDULES
+  from train.optim import DECAY_SHAPES, OPTIMIZERS, SCHEDULES, resolve_ns_dtype, step_cooldown
   if t.optimizer not in OPTIMIZERS:
     raise ConfigError(f'config.train.optimizer={t.optimizer!r} is not one of {OPTIMIZERS}.')
   if t.schedule not in SCHEDULES:
@@ -140,8 +142,14 @@ def check_optimizer(t) -> None:
     raise ConfigError(f'config.train.decay_shape={t.decay_shape!r} is not one of {DECAY_SHAPES}.')
   if not 0 <= t.decay_fraction <= 1:
     raise ConfigError(f'config.train.decay_fraction={t.decay_fraction} must be in [0, 1].')
+  cooldown_start = step_cooldown(t)[0]
+  if t.schedule == 'wsd' and cooldown_start < t.warmup_steps:  # the cooldown would jump the lr to its peak
+    raise ConfigError(f'config.train.warmup_steps={t.warmup_steps} outlasts wsd\'s stable phase: the cooldown over the '
+                      f'last train.decay_fraction={t.decay_fraction} of train.steps={t.steps} starts at step '
+                      f'{cooldown_start}; lower train.warmup_steps or train.decay_fraction, or raise train.steps.')
   if not 0 <= t.muon_momentum < 1:
     raise ConfigError(f'config.train.muon_momentum={t.muon_momentum} must be in [0, 1).')
+  resolve_ns_dtype(t.muon_ns_dtype)
   for key in ('adam_lr', 'muon_rms_scale'):
     if t[key] < 0:
       raise ConfigError(f'config.train.{key}={t[key]} must be >= 0 (0: {"train.lr" if key == "adam_lr" else "off"}).')

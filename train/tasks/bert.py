@@ -29,6 +29,7 @@ from data import batching, bert_data
 from data.tokenizers import bert_inputs, load_tokenizer
 from errors import ConfigError
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
+from train import evaluation
 from train import task as task_lib
 from train.rundir import run_config
 from train.losses import classification_loss, example_weights, token_cross_entropy, token_losses
@@ -91,6 +92,11 @@ def validate(config):
 
 class Task(task_lib.Task):
   model_config_class = BertConfig
+
+  @property
+  def final_test(self) -> str:
+    """'scored': a classifier's final evaluation scores the test split (train/evaluation.py final_counts)."""
+    return 'scored' if self.config.task == 'classify' else ''
 
   # ------------------------------------------------------------------ data
   @classmethod
@@ -232,11 +238,13 @@ class Task(task_lib.Task):
   @classmethod
   def import_hf(cls, config, hf_dir, rngs):
     from interop.hf_bert import import_bert
+    from models.attention import resolve_compute_dtype
     task = config.task
     if task == 'classify':
       raise ConfigError('Import with --config.task=pretrain (or features), then fine-tune with --config.task=classify '
                         '--config.init_from=<the imported workdir>.')
-    model, tokenizer, bert, heads_loaded = import_bert(hf_dir, rngs=rngs, dtype=config.model.dtype,
+    model, tokenizer, bert, heads_loaded = import_bert(hf_dir, rngs=rngs,
+                                                       dtype=resolve_compute_dtype(config.model.dtype),
                                                        vocab_multiple=config.model.vocab_multiple,
                                                        attention='xla')
     if task == 'features':
@@ -254,9 +262,10 @@ class Task(task_lib.Task):
 
   def evaluate(self, model, workdir):
     if self.config.task == 'classify':
-      return classification.evaluate_classifier(self._logits_fn(model), self.prepared.datasets, list(self.model_config.labels),
-                                                 workdir, self.eval_batch_size, 'BERT')
-    return {}  # pretraining: the trainer's eval/... over the whole validation split say it all
+      return classification.evaluate_classifier(self._logits_fn(model),
+                                                 evaluation.final_datasets(self.prepared.datasets, self.config),
+                                                 list(self.model_config.labels), workdir, self.eval_batch_size, 'BERT')
+    return {}  # pretraining: the trainer's eval/... over the validation split say it all
 
   def predict_truncation(self, lines):
     return classification.truncation_notes(self.tokenizer, self.config.data.seq_len, lines)

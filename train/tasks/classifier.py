@@ -12,6 +12,7 @@ from flax import nnx
 from data import batching
 from errors import ConfigError
 from models.classifier import POOLINGS, ClassifierConfig, TransformerClassifier
+from train import evaluation
 from train import task as task_lib
 from train.classification import (classification_data, evaluate_classifier, example_classification_batch,
                                   predict_labels, truncation_notes)
@@ -34,6 +35,7 @@ def validate(config):
 
 class Task(task_lib.Task):
   model_config_class = ClassifierConfig
+  final_test = 'scored'  # the final evaluation scores the test split (train/evaluation.py final_counts)
 
   @classmethod
   def prepare(cls, config, workdir, platform=None):
@@ -69,8 +71,8 @@ class Task(task_lib.Task):
     return lambda batch: forward(model, batch['tokens'], batch['valid'])
 
   def evaluate(self, model, workdir):
-    return evaluate_classifier(self._logits_fn(model), self.prepared.datasets, list(self.model_config.labels), workdir,
-                               self.eval_batch_size, 'Transformer classifier')
+    return evaluate_classifier(self._logits_fn(model), evaluation.final_datasets(self.prepared.datasets, self.config),
+                               list(self.model_config.labels), workdir, self.eval_batch_size, 'Transformer classifier')
 
   def predict_truncation(self, lines):
     return truncation_notes(self.tokenizer, self.config.data.seq_len, lines)

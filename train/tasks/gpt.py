@@ -1,4 +1,5 @@
-"""GPT language modelling: packed token windows, next-token cross-entropy, sampled continuations."""
+"""GPT language modelling: packed token windows (attention kept in each document with
+data.document_masking), next-token cross-entropy, sampled continuations."""
 from __future__ import annotations
 
 import dataclasses
@@ -75,15 +76,24 @@ class Task(task_lib.Task):
 
   def loss(self, model, batch, *, deterministic):
     tokens = batch['tokens']
+    inputs = self.model_inputs(tokens[:, :-1])
     chunk = self.config.train.loss_chunk_tokens
     if not chunk:
-      logits, _ = model(tokens[:, :-1], deterministic=deterministic)
+      logits, _ = model(**inputs, deterministic=deterministic)
       return lm_loss(logits, tokens[:, 1:], example_weights(batch), vocab_size=self.model_config.vocab_size,
                      z_loss=self.config.train.z_loss)
     # The output layer applied chunk by chunk inside the loss: no [B, L, V] float32 logits.
-    hidden, _ = model(tokens[:, :-1], deterministic=deterministic, return_hidden=True)
+    hidden, _ = model(**inputs, deterministic=deterministic, return_hidden=True)
     return model.chunked_loss(hidden, tokens[:, 1:], example_weights(batch), chunk_tokens=chunk,
                               z_loss=self.config.train.z_loss)
+
+  def model_inputs(self, tokens):
+    """[B, L] input ids of packed windows -> the model's keyword arguments: with data.document_masking
+    (absent from runs saved before it: off) also segment ids and positions that restart at each EOS,
+    so attention stays in each document (models/gpt.py `document_segments`)."""
+    if not self.config.data.get('document_masking', False):
+      return {'tokens': tokens}
+    return {'tokens': tokens, **gpt_model.document_segments(tokens, self.tokenizer.eos_id)}
 
   def count_tokens(self, batch):
     inputs = batch['tokens'][:, :-1]  # windows of seq_len + 1: the model reads seq_len of them
@@ -129,7 +139,9 @@ class Task(task_lib.Task):
     """A GPT2LMHeadModel or LlamaForCausalLM directory, by its config.json's model_type."""
     from interop import hf_gpt2, hf_llama
     from interop.common import read_hf_config
+    from models.attention import resolve_compute_dtype
     importer = hf_llama.import_llama if read_hf_config(hf_dir).get('model_type') == 'llama' else hf_gpt2.import_gpt2
-    imported = importer(hf_dir, dtype=config.model.dtype, vocab_multiple=config.model.vocab_multiple, rngs=rngs)
+    imported = importer(hf_dir, dtype=resolve_compute_dtype(config.model.dtype),
+                        vocab_multiple=config.model.vocab_multiple, rngs=rngs)
     return task_lib.Prepared(imported.tokenizer, imported.config), imported.model
 

@@ -1,0 +1,200 @@
+"""wsd's wall-clock cooldown (train/loop.py `Cooldown`): re-planned as the step time changes, it ends at
+lr * end_lr_fraction on the run's last step within `train.max_minutes`, the closing evaluations
+reserved; a cooldown before the warmup's end is refused; a resume mid-cooldown on the real clock
+still ends cooled down within the budget.
+
+The simulated runs drive the trainer's own pieces (Cooldown.check, loop.clock_stop, the Saver's
+clock and reserve) in the trainer's order, on a fake clock: each step, evaluation and save adds the
+seconds the test gives it. The learning rate each update used is Optax's schedule of the plan in
+force when it ran (optim.learning_rate_schedule), as the compiled step reads it from the optimizer state."""
+import json
+import os
+
+import orbax.checkpoint as ocp
+import pytest
+
+import support
+from configs import gpt
+from errors import ConfigError
+from numerics import assert_close
+from train import checkpoint as ckpt
+from train import loop, optim
+from train.trainer import train_and_evaluate
+from train.validation import validate_config
+
+PEAK, END_FRACTION = 0.01, 0.1
+
+
+def train_config(**values):
+  config = gpt.get_config('tiny').train
+  config.update({'schedule': 'wsd', 'lr': PEAK, 'end_lr_fraction': END_FRACTION, 'warmup_steps': 2,
+                 'decay_shape': 'linear', 'steps': 100_000, 'log_every': 1, 'eval_every': 1000,
+                 'checkpoint_every': 1000, **values})
+  return config
+
+
+class FakeClock(loop.Saver):
+  """The Saver's clock with seconds the simulation adds and no compilation."""
+
+  def __init__(self, final_eval_batches=0.0):
+    super().__init__(None, None, loop.Progress(), 0, 0.0, final_eval_batches=final_eval_batches)
+    self.now = 0.0
+
+  def seconds(self):
+    return self.now
+
+  def compile_seconds(self):
+    return 0.0
+
+
+def simulate(train, step_seconds, eval_seconds=0.0, final_eval_batches=0.0, setup_seconds=0.0):
+  """Run the trainer's clock logic with step k taking step_seconds(k) seconds and each evaluation
+  `eval_seconds`; returns ({step: the learning rate its update used}, the stop's reason, the clock
+  after the stop's evaluation, the clock after the final evaluation, the log)."""
+  clock, log = FakeClock(final_eval_batches), []
+  clock.now = setup_seconds
+  cooldown = loop.Cooldown(train, clock, 0, log.append)
+  used, step, stopped = {}, 0, None
+  while step < train.steps and stopped is None:
+    used[step + 1] = float(optim.learning_rate_schedule(train, cooldown.plan)(step))  # the update of step + 1
+    step += 1
+    clock.now += step_seconds(step)
+    cooldown.check(step)
+    stopped = loop.clock_stop(train, step, clock, cooldown)
+    if step % train.eval_every == 0 or stopped:
+      clock.now += eval_seconds
+      clock.record_evaluation(eval_seconds)
+  return used, stopped, clock.now, clock.now + eval_seconds * final_eval_batches, log
+
+
+def assert_cooled_down(used, stopped, train):
+  """The run ended by the cooldown, its last update at the end learning rate, the learning rate never rising
+  after the peak."""
+  assert stopped and 'the wall-clock cooldown ended' in stopped, stopped
+  last = max(used)
+  assert_close(used[last], PEAK * END_FRACTION, terms=1)
+  assert used[last - 1] > PEAK * END_FRACTION * 1.01  # the end is reached at the last step, not before
+  after_peak = [used[s] for s in sorted(used) if s > train.warmup_steps]
+  assert all(b <= a for a, b in zip(after_peak, after_peak[1:])), after_peak
+
+
+@pytest.mark.parametrize('first, then', [(1.0, 3.0), (3.0, 1.0)])
+def test_the_cooldown_ends_at_the_end_lr_within_the_budget_when_the_step_time_changes(first, then):
+  # 60 s, the cooldown over the last half: it starts at 30 s left; the step time changes 6 s later.
+  train = train_config(max_minutes=1.0, decay_fraction=0.5)
+  switch = int(36 / first)
+  used, stopped, seconds, _, log = simulate(train, lambda step: first if step <= switch else then)
+  assert_cooled_down(used, stopped, train)
+  # Within the budget, and none of it unused: the next step would not have fitted.
+  assert 60 - then < seconds <= 60, seconds
+  assert sum(1 for line in log if line.startswith('Cooldown from step')) == 1
+  start = int(30 / first)  # the first step with 30 s or less left; its update was still at the peak
+  assert_close(used[start], PEAK, terms=1)
+  assert used[start + 1] < PEAK
+  assert log[0].startswith(f'Cooldown from step {start} to step ')
+
+
+def test_the_budget_reserves_the_closing_evaluations_and_plans_the_ones_to_come():
+  # 1 s steps, a 4 s evaluation every 10 steps, and a final evaluation 5 times as long: 4 + 20 s reserved.
+  train = train_config(max_minutes=2.0, decay_fraction=0.4, eval_every=10)
+  used, stopped, seconds, finished, _ = simulate(train, lambda step: 1.0, eval_seconds=4.0, final_eval_batches=5.0)
+  assert_cooled_down(used, stopped, train)
+  # By hand: ending at step E costs E steps, the evaluations at the multiples of 10 before it, then the stop's
+  # evaluation and the final one (24 s); the last E that fits in 120 s is 70 (118 s; 71 would take 123 s).
+  last = max(e for e in range(1, 200) if e + 4 * ((e - 1) // 10) + 4 + 20 <= 120)
+  assert last == 70 and (max(used), finished, seconds) == (70, 118, 98)
+
+
+def test_a_cooldown_of_train_steps_the_budget_will_not_let_end_is_taken_over():
+  # train.steps' cooldown starts at step 40 of 50, but at 1 s then 4 s a step the budget ends first.
+  train = train_config(steps=50, max_minutes=1.0, decay_fraction=0.2)
+  used, stopped, seconds, _, _ = simulate(train, lambda step: 1.0 if step <= 40 else 4.0)
+  assert_cooled_down(used, stopped, train)
+  assert seconds <= 60 and max(used) < 50
+  assert_close(used[42], PEAK * (1 - 0.9 / 10), terms=1)  # train.steps' own cooldown, until the clock takes over
+
+
+def test_without_a_binding_budget_the_cooldown_of_train_steps_is_kept():
+  train = train_config(steps=50, max_minutes=10.0, decay_fraction=0.2)
+  used, stopped, _, _, _ = simulate(train, lambda step: 1.0)
+  assert stopped is None and max(used) == 50
+  assert used[50] == float(optim.learning_rate_schedule(train)(49))  # train.steps' plan, to its last step
+
+
+def test_a_cooldown_before_the_warmup_ends_is_refused_at_validation():
+  config = support.with_overrides(gpt.get_config('tiny'), {'train.schedule': 'wsd', 'train.steps': 100,
+                                                           'train.warmup_steps': 90, 'train.decay_fraction': 0.2})
+  with pytest.raises(ConfigError) as error:
+    validate_config(config)
+  message = str(error.value)
+  assert '\n' not in message and 'train.warmup_steps=90' in message and 'starts at step 80' in message
+  config.train.warmup_steps = 80  # the cooldown starts as the warmup ends: accepted
+  validate_config(config)
+
+
+def test_a_clock_cooldown_before_the_warmup_ends_is_refused_in_one_line():
+  # 30 s of budget at 1 s a step, the cooldown over the last half: due at step 15, before 20 warmup steps end.
+  train = train_config(max_minutes=0.5, decay_fraction=0.5, warmup_steps=20)
+  with pytest.raises(ConfigError) as error:
+    simulate(train, lambda step: 1.0)
+  message = str(error.value)
+  assert '\n' not in message and 'step 15' in message and 'train.warmup_steps=20' in message
+  # A budget spent during set-up stops the run at its first step instead (the budget's own stop).
+  _, stopped, _, _, _ = simulate(train, lambda step: 1.0, setup_seconds=31.0)
+  assert stopped == 'train.max_minutes=0.5 reached'
+
+
+# ============================================================================ a resume on the real clock
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  return support.write_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+def logged(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def saved_progress(workdir, step):
+  manager = ckpt.Checkpointer(workdir, read_only=True).manager
+  return manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']['progress']
+
+
+def test_a_resume_mid_cooldown_on_the_real_clock_ends_cooled_down_within_the_budget(corpus, tmp_path, monkeypatch,
+                                                                                     capsys):
+  minutes = 0.4
+  config = support.tiny_gpt_config(corpus, **{
+      'train.schedule': 'wsd', 'train.optimizer': 'adamw', 'train.steps': 100_000, 'train.max_minutes': minutes,
+      'train.decay_fraction': 0.8, 'train.decay_shape': 'linear', 'train.end_lr_fraction': END_FRACTION,
+      'train.warmup_steps': 1, 'train.log_every': 1, 'train.eval_every': 50, 'train.eval_steps': 1,
+      'train.checkpoint_every': 1000, 'train.async_checkpoints': False, 'train.final_eval_examples': 64,
+      'decode.prompts': ''})
+  workdir = str(tmp_path / 'run')
+  # The cooldown starts once 80% of the 24 s is left (or at the first step, after a slow set-up: one warmup
+  # step, so never before it ends); a preemption a few checks into it.
+  cooling, check = [], loop.Cooldown.check
+
+  def counted_check(self, step):
+    changed = check(self, step)
+    cooling.extend([step] if self.by_clock else [])
+    return changed
+
+  monkeypatch.setattr(loop.Cooldown, 'check', counted_check)
+  monkeypatch.setattr(loop.PreemptionWatcher, 'should_stop', lambda self, step: len(cooling) >= 4)
+  first = train_and_evaluate(config, workdir)
+  assert first.get('preempted') and first['step'] == cooling[-1], first
+  monkeypatch.undo()
+  before = saved_progress(workdir, first['step'])
+  assert before['cooldown_start'] is not None and before['seconds'] < 60 * minutes
+
+  again = train_and_evaluate(config, workdir)  # restores, compiles and goes on, on the real clock
+  out = capsys.readouterr().out
+  assert 'Resumed in the wall-clock cooldown' in out
+  assert 'the wall-clock cooldown ended' in again.get('stopped', ''), again
+  assert again['train/compiles'] == 1  # re-planning writes values into the optimizer state
+  assert saved_progress(workdir, again['step'])['seconds'] <= 60 * minutes  # the stop's evaluation and save included
+  lr = {m['step']: m['train/lr'] for m in logged(workdir) if 'train/lr' in m}
+  assert_close(lr[again['step']], config.train.lr * END_FRACTION, terms=1)
+  cooldown = [lr[s] for s in sorted(lr) if s > config.train.warmup_steps]
+  assert all(b <= a * (1 + 1e-6) for a, b in zip(cooldown, cooldown[1:]))
+  assert lr[again['step'] - 1] > config.train.lr * END_FRACTION  # it ends at the last step, not before
