@@ -61,7 +61,7 @@ def data_defaults() -> ml_collections.ConfigDict:
   data.vocab_size = 8192  # size of the tokenizer trained on the data ('char': ignored)
   data.lowercase = True  # wordpiece: lowercase text before tokenizing (BERT's uncased normalizer)
   data.max_examples = 0  # 0 = all; a cap for quick runs
-  # Token caches (data/token_cache.py): corpora tokenized once, read by memory map; local or gs://,
+  # Token caches (data/token_cache.py): corpora tokenized once, read back row by row; local or gs://,
   # shared by every run on the same corpus and tokenizer (and, on a pod, reached by every host).
   data.cache_dir = '~/.cache/attention-lineage/data'  # where token caches and tokenizers live; local or gs://
   data.cache_shard_mb = 32.0  # text per cache shard: the unit of parallel and resumable building

@@ -37,7 +37,8 @@ def test_encoder_parameter_count_matches_transformers(size):
   from configs.bert import get_config
   config = get_config(size)
   config = BertConfig(**{**{k: v for k, v in config.model.items() if k in BertConfig.__dataclass_fields__},
-                         'vocab_size': config.data.vocab_size, 'attention': 'xla'})
+                         'vocab_size': config.data.vocab_size, 'attention': 'xla',
+                         'dtype': 'float32'})
   assert (config.vocab_size, config.max_len, config.vocab_multiple) == (30522, 512, 128)
   count = lambda config: support.abstract_parameter_count(config, lambda c: BertEncoder(c, rngs=nnx.Rngs(0)))
   unpadded = count(dataclasses.replace(config, vocab_multiple=1))

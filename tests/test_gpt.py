@@ -20,7 +20,8 @@ pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns 
 def abstract_params(preset, **overrides):
   config = gpt_configs.get_config(preset)
   gpt_config = GPT2Config(**{**{k: v for k, v in config.model.items() if k in GPT2Config.__dataclass_fields__},
-                             'vocab_size': config.data.vocab_size, 'attention': 'xla', **overrides})
+                             'vocab_size': config.data.vocab_size, 'attention': 'xla', 'dtype': 'float32',
+                             **overrides})
   return support.abstract_parameter_count(gpt_config, lambda c: GPT(c, rngs=nnx.Rngs(0)))
 
 
