@@ -11,23 +11,12 @@ import jax.numpy as jnp
 import pytest
 
 import support
-from train import bench, hlo, sharding
-from train import state as state_lib
-from train.optim import make_optimizer
-from train.steps import jit_train_step
+from train import bench, hlo
 
 
 def lowered_train_step(config):
   """`config`'s train step as --mode=bench and --mode=compile build it, lowered on abstract arrays (not compiled)."""
-  task = bench.bench_task(config, 'cpu')
-  mesh = sharding.make_mesh(config.mesh)
-  tx, _ = make_optimizer(config.train)
-  spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl), tx)
-  batch = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding.batch_sharding(mesh))
-           for name, value in task.example_batch(config.train.batch_size).items()}
-  with sharding.use_mesh(mesh):
-    step = jit_train_step(task, spec, tx, config.train.grad_accum)
-    return step.lower(state_lib.with_shardings(spec.abstract, spec.shardings), batch)
+  return bench.lower_train_step(config, platform='cpu')
 
 
 def test_the_count_reads_operand_types_in_lowered_and_compiled_text():

@@ -228,7 +228,13 @@ def compile_train_step(config, devices=None, compiler_options: dict | None = Non
   compiled for abstract state and batch on `config.mesh` over `devices` (default all): nothing is
   allocated or run. `compiler_options` go to XLA (`.compile(compiler_options)`). Returns the
   compiled step (`.as_text()`, `.memory_analysis()`)."""
-  task = bench_task(config)
+  return lower_train_step(config, devices).compile(compiler_options)
+
+
+def lower_train_step(config, devices=None, platform: str | None = None):
+  """`compile_train_step`'s program lowered, before any XLA pass (a backend may upcast when it
+  compiles): the model's 'auto' settings resolved for `platform` (None: this process's backend)."""
+  task = bench_task(config, platform)
   mesh = sharding.make_mesh(config.mesh, devices)
   tx, _ = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl), tx)
@@ -236,7 +242,7 @@ def compile_train_step(config, devices=None, compiler_options: dict | None = Non
            for name, value in task.example_batch(config.train.batch_size).items()}
   with sharding.use_mesh(mesh):
     step = jit_train_step(task, spec, tx, config.train.grad_accum)
-    return step.lower(state_lib.with_shardings(spec.abstract, spec.shardings), batch).compile(compiler_options)
+    return step.lower(state_lib.with_shardings(spec.abstract, spec.shardings), batch)
 
 
 def _time_steps(compiled, state, batch, steps: int, warmup: int, profile_dir: str | None):
