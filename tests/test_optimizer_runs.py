@@ -133,10 +133,18 @@ def test_schedule_free_evaluates_and_saves_its_average_and_resumes_bit_for_bit(c
   assert (results['target/met'], results['target/step'], results['target/tokens']) == (True, 3, 3 * TOKENS_PER_STEP)
   assert 0 < results['target/seconds_excluding_compile'] < results['target/seconds']
   assert [m['step'] for m in metrics(workdir) if 'target/step' in m] == [3]
+  # Each evaluation's row carries the run's clock (the target's, at step 3), growing.
+  clock = [(m['step'], m['time/seconds'], m['time/seconds_excluding_compile'])
+           for m in metrics(workdir) if 'eval/loss' in m]
+  assert clock[0] == (3, results['target/seconds'], results['target/seconds_excluding_compile'])
+  assert [step for step, *_ in clock] == [3, 6] and clock[1][1] > clock[0][1] and clock[1][2] > clock[0][2]
 
   copy = resumed_from(workdir, 4, str(tmp_path / 'resumed'))
   again = train_and_evaluate(config, copy)
   assert again['step'] == 6 and again['eval/loss'] == results['eval/loss']
+  # ... over a resume too: the resumed run's clock goes on from the checkpoint's.
+  resumed_clock = {m['step']: m['time/seconds'] for m in metrics(copy) if 'eval/loss' in m}
+  assert resumed_clock[3] == clock[0][1] and resumed_clock[6] > resumed_clock[3]
   # Evaluating and resuming restore every array: neither builds (nor loads) an initialiser.
   assert compilation.compiled('init') == initialisers
   assert {k: v for k, v in again.items() if k.startswith('target')} == {

@@ -245,12 +245,14 @@ def evaluate_step(setup: Setup, state: TrainState, step: int, save: loop.Saver, 
                   time_final: bool = False) -> tuple[dict[str, float], str | None]:
   """The evaluation during training at `step`: (its metrics, why training should stop now or None:
   early stopping, or train.target met with train.stop_at_target). Records the target's clock (the
-  run's seconds when the step had finished, read before evaluating) and its own time, which the budget
-  reserves for the closing evaluations (loop.Saver.reserve). `time_final`: log how long the final
+  run's seconds when the step had finished, read before evaluating, also written in the evaluation's
+  metrics row as `time/seconds`) and its own time, which the budget reserves for the closing evaluations (loop.Saver.reserve). `time_final`: log how long the final
   evaluation should take at this evaluation's rate (the run's first evaluation)."""
   seconds, compile_seconds = save.seconds(), save.compile_seconds()
+  clock = {'time/seconds': round(seconds, 3), 'time/seconds_excluding_compile': round(seconds - compile_seconds, 3)}
   with save.on_failure(step, state):
-    metrics, early_stop = loop.evaluate_during_training(setup, setup.evaluated(state), step, save.progress, writer)
+    metrics, early_stop = loop.evaluate_during_training(setup, setup.evaluated(state), step, save.progress, writer,
+                                                        clock)
   save.record_evaluation(save.seconds() - seconds - (save.compile_seconds() - compile_seconds))
   if time_final:
     writer.log(evaluation.describe_cost(setup, save.progress.eval_seconds))
