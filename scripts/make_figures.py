@@ -4,6 +4,7 @@
 
 Writes, each from the files named:
   gpt_time_to_target.png          measurements/gpt_recipe_ablation.csv, measurements/gpt_time_to_target.csv
+  gpt_learning_curves.png         measurements/gpt_learning_curves.csv (scripts/time_to_target.py's curves.csv)
   <study>_history.png             measurements/<study>.csv and configs/sweeps/<sweep>.py: Optuna's own
   <study>_importance.png            optimization history and fANOVA importances (optuna.visualization.matplotlib)
   token_cache_rss.png             measurements/token_cache_rss.csv
@@ -94,6 +95,32 @@ def gpt_time_to_target(out_dir: str) -> None:
   right.legend(fontsize=8, loc='upper left')
   right.set_ylim(0, 1.35)
   save(figure, out_dir, 'gpt_time_to_target.png')
+
+
+def gpt_learning_curves(out_dir: str) -> None:
+  """Validation loss against steps and against seconds, the recipe and the 2019 recipe, every round."""
+  rows = read_csv('gpt_learning_curves.csv')
+  first = rows[0]
+  target = float(first['target'])
+  figure, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+  runs = sorted({(row['arm'], row['round']) for row in rows}, reverse=True)
+  for arm, round_ in runs:
+    curve = [row for row in rows if (row['arm'], row['round']) == (arm, round_)]
+    style = {'color': RECIPE if arm == 'default recipe' else BASELINE, 'linewidth': 1.4,
+             'label': f'{arm}, round {round_}', 'linestyle': '-' if round_ == '0' else '--'}
+    for axis, field in zip(axes, ('step', 'seconds')):
+      axis.plot([float(row[field]) for row in curve], [float(row['eval_loss']) for row in curve], **style)
+  for axis, label in zip(axes, ('steps', 'seconds (the run\'s clock: set-up and compilation included)')):
+    axis.axhline(target, color='black', linewidth=0.8, linestyle=':')
+    axis.set_xlabel(label)
+    axis.set_ylim(target - 0.4, target + 1.6)
+    axis.grid(alpha=0.3)
+  axes[0].text(0, target - 0.05, f"target {target:.4f} (the 2019 recipe's step-400 eval loss)", fontsize=8, va='top')
+  axes[0].set_ylabel('eval loss (8 validation batches)')
+  axes[1].legend(fontsize=8)
+  figure.suptitle(f"GPT default: the recipe against the 2019 recipe ({first['date']}, {first['recorded_at']}, "
+                  f"{first['machine']})", fontsize=10)
+  save(figure, out_dir, 'gpt_learning_curves.png')
 
 
 def parsed(text: str, distribution):
@@ -227,6 +254,7 @@ def main() -> None:
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   gpt_time_to_target(args.out)
+  gpt_learning_curves(args.out)
   token_cache_rss(args.out)
   speed_tables(args.out)
   study_figures(args.out)

@@ -30,11 +30,14 @@ token cache):
 `--baseline` names one of BASELINES below: the recipe a family's `default` preset had before the
 tuned recipes (as `--config.*` overrides of today's preset). Every run's workdir, log and result
 line are kept under --out; the table (Markdown) and results.json go there too, with the CPU model
-and the load average before each run. Both arms apply `--size` and `--set` overrides.
+and the load average before each run, and curves.csv: every evaluation during training of every run
+(arm, round, step, eval/loss and the run's clock then), the learning curves against steps and seconds.
+Both arms apply `--size` and `--set` overrides.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import json
 import os
@@ -179,11 +182,31 @@ def timed_run(args, config: list[str], overrides: dict, workdir: str, arm: str, 
   load = load_average()
   started = time.time()
   result = launch(config, overrides, workdir, workdir + '.log')
-  run = {'arm': arm, 'round': round_, 'load': load, 'wall_s': round(time.time() - started, 1),
+  run = {'arm': arm, 'round': round_, 'workdir': os.path.basename(workdir), 'load': load,
+         'wall_s': round(time.time() - started, 1),
          'train.steps': overrides.get('train.steps'), 'stopped': result.get('stopped', ''),
          **{k: v for k, v in result.items() if k.startswith('target/') or k in (args.metric, 'step')}}
   print(json.dumps(run), flush=True)
   return run
+
+
+CURVE_KEYS = ('eval/loss', 'time/seconds', 'time/seconds_excluding_compile')
+
+
+def write_curves(out: str, runs: list[dict]) -> str:
+  """Write <out>/curves.csv: a row per evaluation during training of each run (its workdir
+  <out>/<arm>-<round>, or probe-<arm>-<minutes>min), from its metrics.jsonl; returns the path."""
+  path = os.path.join(out, 'curves.csv')
+  with open(path, 'w', newline='') as f:
+    writer = csv.writer(f)
+    writer.writerow(['arm', 'round', 'step', *CURVE_KEYS])
+    for run in runs:
+      name = run.get('workdir') or f'{run["arm"]}-{run["round"]}'
+      with open(os.path.join(out, name, 'metrics.jsonl')) as rows:
+        for row in map(json.loads, rows):
+          if all(key in row for key in CURVE_KEYS):
+            writer.writerow([run['arm'], run['round'], row['step'], *(row[key] for key in CURVE_KEYS)])
+  return path
 
 
 def logged_at(workdir: str, key: str, step: int) -> float:
@@ -289,6 +312,7 @@ def report(args, target, runs, plans=None):
   with open(os.path.join(args.out, 'results.json'), 'w') as f:
     json.dump({'target': target, 'runs': runs, 'cpu': cpu_model(),
                'methods': {arm: plan['method'] for arm, plan in (plans or {}).items()}}, f, indent=1)
+  write_curves(args.out, runs)
 
 
 if __name__ == '__main__':

@@ -27,6 +27,11 @@ def script(monkeypatch):
       return {'mode': 'prepare'}
     by_clock = overrides['train.steps'] == module.UNBOUNDED_STEPS
     step = module.clock_steps(overrides['train.max_minutes']) if by_clock else overrides['train.steps']
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:  # a train row, then an evaluation's
+      f.write(json.dumps({'step': step, 'train/loss': 2.0, 'train/tokens_per_s': 9.0}) + '\n')
+      f.write(json.dumps({'step': step, 'eval/loss': 1000 / step, 'time/seconds': step / 2,
+                          'time/seconds_excluding_compile': step / 2 - 1}) + '\n')
     return {'mode': 'train', 'step': step, 'test/accuracy': 0.5 + step / 10_000,
             **({'stopped': f'train.max_minutes={overrides["train.max_minutes"]} reached'} if by_clock else {})}
 
@@ -58,6 +63,13 @@ def test_a_linear_baseline_trains_the_steps_its_probe_reached_and_the_wsd_recipe
   assert '| baseline | 0 |' in table and '| 285 | 285 | - |' in table
   results = json.load(open(os.path.join(out, 'results.json')))
   assert [run['round'] for run in results['runs']] == ['probe', 0, 0, 1, 1]
+  # curves.csv: each run's evaluations (not its train rows), with the clock they were logged at.
+  with open(os.path.join(out, 'curves.csv')) as f:
+    curves = [line.split(',') for line in f.read().splitlines()]
+  assert curves[0] == ['arm', 'round', 'step', 'eval/loss', 'time/seconds', 'time/seconds_excluding_compile']
+  assert curves[1:3] == [['baseline', 'probe', '285', str(1000 / 285), '142.5', '141.5'],
+                         ['recipe', '0', '285', str(1000 / 285), '142.5', '141.5']]
+  assert len(curves) == 6
   assert results['methods']['baseline'].startswith('linear decays over train.steps=285')
 
 

@@ -1,0 +1,295 @@
+"""Every shell command the README and the docs show, and what checks it (issue #53).
+
+A reader copies a command from a page; it must work, or the page must say why it cannot run here.
+So each command shown (an indented code block's shell line, its `\\` continuations joined, or an
+inline `python ...` / `pip ...` / `mkdocs ...` span) is in `SHOWN` with one of:
+
+  Ci(step)        run exactly as written by that step of `.ci/run` (`shown commands`: by
+                  `.ci/shown_commands.py`, in `SHOWN`'s order, each in a fresh bash in the repository root);
+  ByTest(node)    a command whose paths are the reader's own (`/path/...`, `runs/<their run>`): the named
+                  test runs the same mode and flags on files of its own;
+  Needs(what)     marked on its page, on its line or in the paragraph around it, as needing an
+                  'accelerator', a 'network' (a download, a bucket) or 'minutes' (more than a few on 2 CPU
+                  cores: the page gives how long);
+  Synopsis()      a usage pattern with placeholders (`<family>`, `[...]`), not a command.
+
+tests/test_shown_commands.py fails on a command shown but not in `SHOWN` (or the reverse), a Needs
+whose page does not say so, a ByTest naming no test, and a Ci naming no step of `.ci/run`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ('README.md', 'docs')  # the README and every Markdown page under docs/
+PROGRAMS = ('python', 'python3', 'pip', 'mkdocs', 'gcloud', 'gsutil', 'tensorboard', 'echo', 'printf', 'export', 'bash',
+            'taskset', 'env', 'cd', 'git', 'source', 'nohup', 'time', 'curl', 'docker', 'sudo', 'apt-get', 'uv',
+            '/tmp/aot/bin/python', '/tmp/aot/bin/pip')
+
+
+@dataclasses.dataclass(frozen=True)
+class Ci:
+  step: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ByTest:
+  node: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+  what: str  # 'accelerator' | 'network' | 'minutes'
+
+
+@dataclasses.dataclass(frozen=True)
+class Synopsis:
+  pass
+
+
+# What each need's mark looks like on a page (its line's comment, its block, or the paragraph before or after).
+MARKS = {
+    'accelerator': r'\b(GPUs?|TPUs?|H100|H200|accelerators?|pod)\b',
+    'network': r'network|download|bucket|credentials',
+    'minutes': r'\d+(\.\d+)?\s*(s|min|minutes|h|hours?)\b|\bhours\b|\bminutes\b|\blong\b',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shown:
+  """One command as a page shows it: `page` relative to the repository, its 1-based `line`, the
+  command `text` (continuations joined, the trailing comment dropped), and `context`: the text around
+  it that may mark it (its comment, its block's other comments and the paragraphs before and after)."""
+  page: str
+  line: int
+  text: str
+  context: str
+
+
+def pages() -> list[str]:
+  found = ['README.md']
+  for root, _, files in os.walk(os.path.join(REPO, 'docs')):
+    found += [os.path.relpath(os.path.join(root, f), REPO) for f in files if f.endswith('.md')]
+  return sorted(found)
+
+
+def _is_command(line: str) -> bool:
+  words = line.split()
+  while words and re.fullmatch(r'[A-Z_][A-Z0-9_]*=\S*', words[0]):  # VAR=value python ...
+    words = words[1:]
+  return bool(words) and words[0] in PROGRAMS
+
+
+def _split_comment(line: str) -> tuple[str, str]:
+  """(the command, its trailing `# comment`): a `#` outside quotes after whitespace starts the comment."""
+  quote = None
+  for i, char in enumerate(line):
+    if quote:
+      quote = None if char == quote else quote
+    elif char in '\'"':
+      quote = char
+    elif char == '#' and (i == 0 or line[i - 1].isspace()):
+      return line[:i].rstrip(), line[i + 1:].strip()
+  return line.rstrip(), ''
+
+
+def _paragraph(lines: list[str], start: int, step: int) -> str:
+  """The non-blank lines from `start` walking by `step` (-1 up, +1 down) until a blank line."""
+  found, i = [], start
+  while 0 <= i < len(lines) and lines[i].strip():
+    found.append(lines[i])
+    i += step
+  return ' '.join(found[::step])
+
+
+def shown_in(page: str) -> list[Shown]:
+  """The commands `page` shows, in order."""
+  with open(os.path.join(REPO, page)) as f:
+    lines = f.read().splitlines()
+  found = []
+  i = 0
+  while i < len(lines):
+    # An indented code block: 4-space lines after a blank line.
+    if lines[i].startswith('    ') and (i == 0 or not lines[i - 1].strip()):
+      end = i
+      while end < len(lines) and (lines[end].startswith('    ') or not lines[end].strip()):
+        end += 1
+      block = lines[i:end]
+      comments = ' '.join(_split_comment(line.strip())[1] for line in block)
+      around = _paragraph(lines, i - 2, -1) + ' ' + _paragraph(lines, end, 1)
+      j = 0
+      while j < len(block):
+        first = j
+        text, comment = _split_comment(block[j].strip())
+        while text.endswith('\\') and j + 1 < len(block):
+          j += 1
+          more, more_comment = _split_comment(block[j].strip())
+          text, comment = text[:-1].rstrip() + ' ' + more, f'{comment} {more_comment}'.strip()
+        if _is_command(text):
+          found.append(Shown(page, i + first + 1, text, f'{comment} {comments} {around}'))
+        j += 1
+      i = end
+      continue
+    for span in re.finditer(r'`([^`]+)`', lines[i]):
+      if len(span.group(1).split()) > 1 and _is_command(span.group(1)):
+        paragraph = _paragraph(lines, i, -1) + ' ' + _paragraph(lines, i + 1, 1)
+        found.append(Shown(page, i + 1, span.group(1).strip(), paragraph))
+    i += 1
+  return found
+
+
+def all_shown() -> list[Shown]:
+  return [shown for page in pages() for shown in shown_in(page)]
+
+
+RUN = Ci('shown commands')  # .ci/shown_commands.py, in this order
+
+SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
+    # ----------------------------------------------------------------------- the two commands, the docs
+    'pip install -r requirements.txt && python launch.py': Ci('README command 1'),
+    'python launch.py': Ci('README command 1'),
+    'pip install -r requirements-dev.txt && python -m pytest -q': Ci('test suite'),
+    'ATTENTION_LINEAGE_TEST_COMPILER=default python -m pytest ...': Ci('numerics, default compiler'),
+    'python -m pytest -q -n 0 tests/test_x.py': Synopsis(),
+    'pip install wandb==0.31.0': Ci('install requirements-dev.txt'),  # requirements-dev.txt's pin
+    'pip install -r requirements-docs.txt': Ci('install requirements-docs.txt'),
+    'mkdocs build --strict': Ci('docs build'),
+    'python launch.py --config=configs/<family>.py[:preset] [--config.section.key=value ...] [--workdir=DIR] '
+    '[--mode=MODE]': Synopsis(),
+    # --------------------------------------------------------------------- run as written, in this order
+    'python scripts/make_gettext_corpus.py --out_dir=/tmp/gettext': RUN,
+    'python launch.py --config=configs/attention_pooling.py': RUN,
+    'python launch.py --config=configs/transformer.py:default': RUN,
+    'python launch.py --sweep=configs/sweeps/gpt_tiny_random.py --sweep_dry_run': RUN,
+    'python launch.py --config=configs/rnn_lm.py': RUN,
+    'python launch.py --config=configs/rnn_lm.py:random': RUN,
+    'python launch.py --config=configs/seq2seq.py:long': RUN,
+    'python launch.py --config=configs/gpt.py:bench --mode=bench': RUN,
+    'python scripts/tfidf_baseline.py': RUN,
+    'python scripts/make_folds.py --out=/tmp/bbc_folds': RUN,
+    'python scripts/collectives_table.py configs/gpt.py:gpt2 --mesh=1,8,1 --batch=16 --seq_len=1024': RUN,
+    'python scripts/collectives_table.py configs/bert.py:base --mesh=1,8,1 --batch=64 --seq_len=128': RUN,
+    'python scripts/fault_soak.py --workdir=/tmp/soak --kills=30 --seed=0': RUN,
+    'python scripts/fault_soak.py --workdir=/tmp/soak-2p --processes=2 --kills=10 --seed=1': RUN,
+    'python scripts/fault_soak.py --workdir=gs://bucket/soak --emulator --kills=10 --seed=2': RUN,
+    'python scripts/make_figures.py': RUN,
+    'pip install -r requirements-docs.txt && mkdocs serve': RUN,  # until it serves the site, then stopped
+    'mkdocs serve': RUN,
+    # ------------------------------------------------------- the reader's own files and runs: a test's own
+    'python scripts/make_gettext_corpus.py --out_dir=DIR': ByTest('tests/test_make_gettext_corpus.py'),
+    "python launch.py --config=configs/gpt.py --config.data.source='text:/data/owt/*.txt' --mode=prepare":
+        ByTest('tests/test_cache_settings.py::test_a_launch_of_the_tests_builds_its_caches_in_the_temporary_folder'),
+    "python launch.py --config=configs/gpt.py --config.data.source='text:/data/owt/*.txt' --workdir=runs/owt":
+        ByTest('tests/test_token_cache.py::test_a_restart_and_another_workdir_reuse_the_tokenizer_and_the_cache_'
+             'without_tokenizing'),
+    'python launch.py --config=configs/classifier.py:default --config.data.source=tsv:/path/train.tsv':
+        ByTest('tests/test_classifier.py::test_trains_on_a_tsv_and_reloads_with_label_names'),
+    'python launch.py --config=configs/transformer.py:default --config.data.source=tsv:/path/pairs.tsv':
+        ByTest('tests/test_transformer.py::test_train_evaluate_predict_on_a_tsv_corpus'),
+    "echo 'three hundred and twelve' | python launch.py --mode=predict --workdir=runs/transformer-default-... "
+    '--input=-': ByTest('tests/test_daily_loop.py::test_predict_says_when_an_input_is_cut_to_the_window'),
+    'python launch.py --mode=eval --workdir=runs/transformer-default-...': Ci('README command 1'),
+    "echo 'def fibonacci(n):' | python launch.py --mode=predict --workdir=runs/gpt-default-... --input=-":
+        ByTest('tests/test_daily_loop.py::test_predict_says_when_an_input_is_cut_to_the_window'),
+    "printf 'a sentence\\n' | python launch.py --mode=predict --workdir=runs/bert-base --input=-":
+        ByTest('tests/test_bert_task.py::test_imported_run_features_and_fill_mask_match_transformers'),
+    "printf 'a sentence\\n' | python launch.py --mode=predict --workdir=runs/bert-bbc --config.task=features "
+    '--config.features.pooling=mean --input=-':
+        ByTest('tests/test_bert_task.py::test_launch_predict_applies_config_overrides_to_a_trained_run'),
+    'python launch.py --mode=export_hf --workdir=runs/smollm --hf_dir=hf/smollm':
+        ByTest('tests/test_llama.py::test_import_then_export_is_the_identity_and_loads_in_transformers'),
+    'export STORAGE_EMULATOR_HOST=http://localhost:9023':
+        ByTest('tests/test_cloud_workdir.py::test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads'),
+    'export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false':
+        ByTest('tests/test_cloud_workdir.py::test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads'),
+    'export TENSORSTORE_GCS_HTTP_URL=http://localhost:9023':
+        ByTest('tests/test_cloud_workdir.py::test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads'),
+    'export GOOGLE_AUTH_TOKEN_FOR_TESTING=emulator':
+        ByTest('tests/test_cloud_workdir.py::test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads'),
+    # ------------------------------------------------------------------- more than a few minutes on 2 cores
+    'python launch.py --config=configs/gpt.py:default': Needs('minutes'),
+    'python launch.py --config=configs/gpt.py:llama': Needs('minutes'),
+    'python launch.py --config=configs/bert.py:finetune': Needs('minutes'),
+    'python launch.py --config=configs/gpt.py:llama --config.train.steps=2000 --config.train.max_minutes=15':
+        Needs('minutes'),
+    'python launch.py --config=configs/bert.py:default --workdir=runs/bert-pretrain': Needs('minutes'),
+    'python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-pretrain --workdir=runs/bert-bbc':
+        Needs('minutes'),
+    'python launch.py --config=configs/classifier.py:default': Needs('minutes'),
+    'python launch.py --config=configs/seq2seq.py:long_bahdanau': Needs('minutes'),
+    'python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=1':
+        Needs('minutes'),
+    'python scripts/time_to_target.py --config=configs/classifier.py:default --baseline=classifier-2019 --minutes=3 '
+    '--metric=test/accuracy --rounds=1': Needs('minutes'),
+    'python scripts/time_to_target.py --config=configs/transformer.py:default --baseline=transformer-2019 '
+    '--data=gettext --minutes=1.5 --metric=test/bleu --rounds=2': Needs('minutes'),
+    'python launch.py --sweep=configs/sweeps/gpt_tiny_random.py --workdir=runs/rs --sweep_workers=2': Needs('minutes'),
+    'python launch.py --sweep=configs/sweeps/gpt_tiny_lr.py --workdir=runs/grid': Needs('minutes'),
+    'python launch.py --sweep=configs/sweeps/gpt_recipe_ablation.py --workdir=runs/gpt-recipe-ablation':
+        Needs('minutes'),
+    'python scripts/sweep_bench.py': Needs('minutes'),
+    'python scripts/sweep_bench.py --out=runs/sweep-bench': Needs('minutes'),
+    'python scripts/speed_table.py --reference_dir=../shared/reference-bench --rounds=2 '
+    '--only=gpt,bert,decode,transformer': Needs('minutes'),
+    'python scripts/speed_table.py --rounds=3 --only=llama,llama-decode,transformer': Needs('minutes'),
+    'taskset -c 0 python launch.py --config=configs/gpt.py:llama --config.train.steps=2000 '
+    '--config.train.max_minutes=15 --workdir=runs/q-llama': Needs('minutes'),
+    'taskset -c 1 python launch.py --config=configs/gpt.py:default --config.train.steps=2000 '
+    '--config.train.max_minutes=15 --workdir=runs/q-gpt2': Needs('minutes'),
+    'python scripts/bits_per_byte.py runs/q-llama runs/q-gpt2': Needs('minutes'),  # of the two runs above
+    'python scripts/data_scale.py make --kind=pairs --out_dir=/tmp/pairs-1g --megabytes=1000': Needs('minutes'),
+    'python scripts/data_scale.py make --kind=labels --out_dir=/tmp/labels-1g --megabytes=1000': Needs('minutes'),
+    'python scripts/data_scale.py make --kind=documents --out_dir=/tmp/documents-1g --megabytes=1000':
+        Needs('minutes'),
+    'python scripts/data_scale.py make --kind=text --out_dir=/tmp/text-1g --megabytes=1000': Needs('minutes'),
+    'python scripts/data_scale.py measure --kind=pairs --corpus=/tmp/pairs-1g --cache_dir=/tmp/scale-cache-pairs':
+        Needs('minutes'),
+    'python launch.py --config=configs/transformer.py:default --config.data.source=tsv:/tmp/gettext/train.tsv '
+    '--config.data.eval_source=tsv:/tmp/gettext/valid.tsv --config.data.test_source=tsv:/tmp/gettext/test.tsv '
+    '--config.model.width=256 --config.model.num_heads=4 --config.model.encoder_layers=3 '
+    '--config.model.decoder_layers=3 --config.model.mlp_dim=1024 --config.data.vocab_size=8000 '
+    '--config.data.seq_len=128 --config.train.batch_size=8 --config.train.steps=100000 '
+    '--config.train.schedule=constant --config.train.lr=1e-3 --config.train.warmup_steps=200 '
+    '--config.train.eval_every=1000 --config.train.max_minutes=25 --config.train.final_eval_from=last '
+    '--config.train.optimizer=adam --config.model.qk_norm=False --config.model.zero_init_out=False '
+    '--config.model.pre_norm=False --config.model.dropout=0.1 --config.train.label_smoothing=0.1 '
+    '--config.train.b2=0.98': Needs('minutes'),
+    # --------------------------------------------------------------------- a network, or an accelerator
+    'python3 -m venv /tmp/aot && /tmp/aot/bin/pip install -r requirements-aot.txt': Needs('network'),
+    '/tmp/aot/bin/python launch.py --config=... --mode=compile --compile_target=v5e-8': Needs('network'),
+    'python launch.py --config=configs/gpt.py:gpt2 --config.train.batch_size=16 --config.model.dtype=bfloat16 '
+    '--config.model.dropout=0.0 --mode=compile --compile_target=h100': Needs('network'),
+    'python launch.py $G --mode=compile --compile_target=h100 [--config.rng_impl=threefry]': Needs('network'),
+    'python launch.py --config=configs/bert.py:base --config.train.batch_size=64 --config.model.dtype=bfloat16 '
+    '--config.model.dropout=0.0 --config.model.attention_dropout=0.0 --mode=compile --compile_target=h100':
+        Needs('network'),
+    'python launch.py --config=configs/transformer.py:base --config.model.dtype=bfloat16 --config.model.dropout=0.0 '
+    '--mode=compile --compile_target=h100': Needs('network'),
+    'python launch.py $M --mode=compile --compile_target=v5e-8': Needs('network'),
+    'python launch.py --config=configs/gpt.py:llama-3.2-1b --config.train.batch_size=16 --config.data.seq_len=1024 '
+    '--config.model.dtype=bfloat16 --config.model.dropout=0.0 --config.mesh.data=1 --config.mesh.fsdp=8 '
+    '--mode=compile --compile_target=v5e-8': Needs('network'),
+    'python launch.py $G --config.model.num_layers=48 --config.model.width=1600 --config.model.num_heads=25 '
+    '--config.mesh.data=1 --config.mesh.fsdp=8 --mode=compile --compile_target=v5p-16': Needs('network'),
+    'python launch.py --config=configs/bert.py:base --config.task=features --mode=import_hf '
+    '--hf_dir=/path/bert-base-uncased --workdir=runs/bert-base': Needs('network'),
+    'python launch.py --mode=import_hf --hf_dir=/path/to/gpt2 --workdir=runs/gpt2': Needs('network'),
+    'python launch.py --mode=import_hf --hf_dir=/path/to/SmolLM-135M --workdir=runs/smollm': Needs('network'),
+    'gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...': Needs('accelerator'),
+    "gcloud compute tpus tpu-vm ssh NAME --worker=all --command='cd attention-lineage && python launch.py "
+    "--config=configs/gpt.py:gpt2 --workdir=gs://BUCKET/runs/gpt2'": Needs('accelerator'),
+    'python launch.py --mode=eval --workdir=gs://BUCKET/runs/gpt2': Needs('network'),
+    "echo 'def fibonacci(n):' | python launch.py --mode=predict --workdir=gs://BUCKET/runs/gpt2 --input=- "
+    '--output=gs://BUCKET/runs/gpt2/predictions.jsonl': Needs('network'),
+    'gcloud auth application-default login': Needs('network'),
+    'tensorboard --logdir=gs://...': Needs('network'),
+    'gsutil -m rsync -r gs://BUCKET/runs/gpt2/tensorboard tb/': Needs('network'),
+    'python scripts/speed_table.py --gpu --reference_dir=.gpu --rounds=1 --only=gpt': Needs('accelerator'),
+    'python scripts/speed_table.py --gpu --reference_dir=.gpu --rounds=1 --only=bert,decode': Needs('accelerator'),
+    'python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=2':
+        Needs('accelerator'),
+    'python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=1 '
+    '--size=model.num_layers=6,model.width=384,model.num_heads=6': Needs('accelerator'),
+}
