@@ -62,9 +62,11 @@ def gpt_time_to_target(out_dir: str) -> None:
   """The ablation's losses, and the recipe against the 2019 recipe: steps and seconds to its loss."""
   ablation = read_csv('gpt_recipe_ablation.csv')
   rounds = read_csv('gpt_time_to_target.csv')
-  latest_cpu = max(row['date'] for row in rounds if row['machine'].startswith('AMD'))
-  settings = [('AMD EPYC 2 cores', 'default size', f'2 CPU cores\n{latest_cpu}')]
-  settings += [('NVIDIA H200', row['setting'], f"H200, {row['setting'].split(' (')[0]}\n{row['date']}")
+  # One group of bars per measurement: the latest CPU one (the file's last AMD EPYC rows) and each H200 one.
+  latest_cpu = [row for row in rounds if row['machine'].startswith('AMD')][-1]
+  measured = lambda row: (row['date'], row['recorded_at'], row['machine'], row['setting'])
+  settings = [(measured(latest_cpu), f"2 CPU cores\n{latest_cpu['date']}")]
+  settings += [(measured(row), f"H200, {row['setting'].split(' (')[0]}\n{row['date']}")
                for row in rounds if row['machine'] == 'NVIDIA H200' and row['arm'] == '2019 recipe']
   figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={'width_ratios': [1.1, 1]})
   losses = [float(row['eval_loss']) for row in ablation]
@@ -81,15 +83,14 @@ def gpt_time_to_target(out_dir: str) -> None:
   width = 0.8 / len(measures)
   for m, (field, label) in enumerate(measures):
     ratios = []
-    for machine, setting, _ in settings:
-      pick = {row['arm']: row for row in rounds if row['machine'] == machine and row['setting'] == setting
-              and (machine != 'AMD EPYC 2 cores' or row['date'] == latest_cpu)}
+    for key, _ in settings:
+      pick = {row['arm']: row for row in rounds if measured(row) == key}
       ratios.append(float(pick['default recipe'][field]) / float(pick['2019 recipe'][field]))
     xs = [s + (m - 1) * width for s in range(len(settings))]
     bars = right.bar(xs, ratios, width, label=label, color=plt.cm.Blues(0.45 + 0.2 * m))
     right.bar_label(bars, [f'{r:.2f}x' for r in ratios], fontsize=8)
   right.axhline(1.0, color='black', linewidth=0.8)
-  right.set_xticks(range(len(settings)), [label for _, _, label in settings], fontsize=8)
+  right.set_xticks(range(len(settings)), [label for _, label in settings], fontsize=8)
   right.set_ylabel('default recipe / 2019 recipe')
   right.set_title("To the 2019 recipe's step-400 eval loss (lower is better)", fontsize=10)
   right.legend(fontsize=8, loc='upper left')

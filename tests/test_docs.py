@@ -4,6 +4,7 @@ finds every key base_config() really sets, and the README's links and commands h
 import importlib.util
 import os
 import re
+import statistics
 
 import pytest
 
@@ -113,3 +114,23 @@ def test_the_figures_are_drawn_from_the_committed_measurements(tmp_path, monkeyp
   drawn = sorted(path.name for path in tmp_path.iterdir())
   assert drawn == sorted(os.listdir(os.path.join(ROOT, 'docs', 'figures')))
   assert all((tmp_path / name).stat().st_size > 10_000 for name in drawn)
+
+
+def test_the_learning_curves_cross_the_target_where_the_time_to_target_table_says():
+  """The curves figure and the table come from the same runs: each run's first evaluation at or below the
+  target is the table's step count, and the median over rounds of the run's clock then its seconds."""
+  module = figures_module()
+  curves = module.read_csv('gpt_learning_curves.csv')
+  first = curves[0]
+  table = {row['arm']: row for row in module.read_csv('gpt_time_to_target.csv')
+           if (row['date'], row['recorded_at'], row['machine']) == (first['date'], first['recorded_at'], first['machine'])}
+  assert set(table) == {'default recipe', '2019 recipe'}
+  for arm, row in table.items():
+    crossings = []
+    for round_ in sorted({r['round'] for r in curves if r['arm'] == arm}):
+      run = [r for r in curves if (r['arm'], r['round']) == (arm, round_)]
+      crossings.append(next(r for r in run if float(r['eval_loss']) <= float(r['target'])))
+    assert {int(c['step']) for c in crossings} == {int(row['steps'])}, arm
+    for field in ('seconds', 'seconds_excluding_compile'):
+      median = statistics.median(float(c[field]) for c in crossings)
+      assert round(median, 1) == float(row[field]), (arm, field)
