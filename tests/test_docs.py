@@ -123,7 +123,8 @@ def test_the_learning_curves_cross_the_target_where_the_time_to_target_table_say
   curves = module.read_csv('gpt_learning_curves.csv')
   first = curves[0]
   table = {row['arm']: row for row in module.read_csv('gpt_time_to_target.csv')
-           if (row['date'], row['recorded_at'], row['machine']) == (first['date'], first['recorded_at'], first['machine'])}
+           if [row[key] for key in ('date', 'recorded_at', 'machine')]
+           == [first[key] for key in ('date', 'recorded_at', 'machine')]}
   assert set(table) == {'default recipe', '2019 recipe'}
   for arm, row in table.items():
     crossings = []

@@ -229,7 +229,7 @@ def final_eval_batches(setup) -> float:
 
 
 def evaluate_during_training(setup, state: TrainState, step: int, progress: Progress, writer: MetricWriter,
-                             clock: dict[str, float] | None = None) -> tuple[dict[str, float], str | None]:
+                             clock: dict[str, float]) -> tuple[dict[str, float], str | None]:
   """Score `train.eval_steps` validation batches at `step`, log them and track the best; returns
   (the metrics, why training should stop early or None). `clock`: written in the same metrics row
   (`time/seconds`, `time/seconds_excluding_compile`: the run's clock when the step had finished), so
@@ -237,7 +237,7 @@ def evaluate_during_training(setup, state: TrainState, step: int, progress: Prog
   train = setup.config.train
   metrics = evaluation.evaluate_loss(setup, state, evaluation.batches_during_training(setup))
   progress.record(step, metrics, train.best_metric, train.best_mode)
-  writer.write(step, {**metrics, **(clock or {})})
+  writer.write(step, {**metrics, **clock})
   writer.log(f'step {step}: ' + ' '.join(f'{k}={v:.4f}' for k, v in metrics.items()))
   if train.early_stopping_patience and progress.evals_since_best >= train.early_stopping_patience:
     return metrics, (f'early stopping: {train.best_metric} has not improved on {progress.best_value:.4f} '

@@ -246,7 +246,8 @@ def evaluate_step(setup: Setup, state: TrainState, step: int, save: loop.Saver, 
   """The evaluation during training at `step`: (its metrics, why training should stop now or None:
   early stopping, or train.target met with train.stop_at_target). Records the target's clock (the
   run's seconds when the step had finished, read before evaluating, also written in the evaluation's
-  metrics row as `time/seconds`) and its own time, which the budget reserves for the closing evaluations (loop.Saver.reserve). `time_final`: log how long the final
+  metrics row as `time/seconds`) and its own time, which the budget reserves for the closing
+  evaluations (loop.Saver.reserve). `time_final`: log how long the final
   evaluation should take at this evaluation's rate (the run's first evaluation)."""
   seconds, compile_seconds = save.seconds(), save.compile_seconds()
   clock = {'time/seconds': round(seconds, 3), 'time/seconds_excluding_compile': round(seconds - compile_seconds, 3)}
