@@ -56,7 +56,7 @@ flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of
 flags.DEFINE_string('compile_target', None, 'compile: the devices to compile for (cpu, cpu-8, h100, h100x8, h200, '
                     'v5e-8, v5p-16, v4-32, ...; train/targets.py). GPU and TPU targets need requirements-aot.txt.')
 flags.DEFINE_string('sweep', None, 'A sweep file (configs/sweeps/*.py): an Optuna study whose trials run in '
-                    '<workdir>/<trial>/ (train/sweep.py).')
+                    '<workdir>/<trial>/ (sweeps/runner.py).')
 flags.DEFINE_bool('sweep_dry_run', False, 'With --sweep: print one launch command per trial and stop.')
 flags.DEFINE_string('sweep_storage', None, 'With --sweep: the study\'s storage, a journal file (also on a disk several '
                     'hosts share) or a database URL (sqlite:///FILE, postgresql://...); default <workdir>/study.journal.')
@@ -180,8 +180,8 @@ def main(invocation: Invocation) -> None:
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
   if FLAGS.sweep:
-    from train import sweep
-    sweep.run_sweep_from_flags(FLAGS, invocation.argv, check_overrides=check_sweep_overrides)
+    from sweeps import runner
+    runner.run_sweep_from_flags(FLAGS, invocation.argv, check_overrides=check_sweep_overrides)
     return
   if not FLAGS.workdir and FLAGS.mode not in NEW_WORKDIR_MODES:
     raise app.UsageError(f'--mode={FLAGS.mode} needs --workdir.')

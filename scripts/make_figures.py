@@ -34,8 +34,7 @@ import optuna  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from train import sweep as sweep_lib  # noqa: E402
-from train import sweep_study  # noqa: E402
+from sweeps import runner, studies  # noqa: E402
 
 MEASUREMENTS = os.path.join(REPO, 'measurements')
 STUDIES = {  # measurements/<name>.csv: the sweep file that ran it
@@ -135,8 +134,8 @@ def parsed(text: str, distribution):
 
 def rebuilt_study(name: str, sweep_file: str) -> tuple[optuna.Study, str]:
   """The finished trials of measurements/<name>.csv as an Optuna study; and the sweep's metric."""
-  sweep = sweep_lib.load_sweep(os.path.join(REPO, sweep_file))
-  distributions = {key: sweep_study.distribution(entry) for key, entry in sweep.space.items()}
+  sweep = runner.load_sweep(os.path.join(REPO, sweep_file))
+  distributions = {key: studies.distribution(entry) for key, entry in sweep.space.items()}
   study = optuna.create_study(study_name=name, direction=sweep.direction)
   trials = []
   for row in read_csv(f'{name}.csv'):

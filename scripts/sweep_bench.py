@@ -89,10 +89,10 @@ def cache_counts(workdir: str) -> dict[str, int]:
 
 def trials_of(workdir: str, location: str) -> list:
   import optuna
-  from train import sweep as sweep_lib
-  from train import sweep_report, sweep_study
-  study = optuna.load_study(study_name=sweep_lib.study_name(workdir), storage=sweep_study.open_storage(location))
-  return sweep_report.budget_trials(study)
+  from sweeps import runner, studies
+  from sweeps.report import budget_trials
+  study = optuna.load_study(study_name=runner.study_name(workdir), storage=studies.open_storage(location))
+  return budget_trials(study)
 
 
 def summary(trials: list) -> dict:

@@ -1,8 +1,8 @@
 """Layers import downward only (README, Architecture): checked on every import statement of the
 repo's packages, inside functions too, so that an upward import fails here and not in review; no
 two modules of the repo import each other, directly or around a longer circle; no module uses
-another module's private names; and training knows nothing of sweeps (nothing under train/ but the
-sweep modules imports a sweep module)."""
+another module's private names; and training knows nothing of sweeps (sweeps/ stands above train/:
+nothing but launch.py, scripts/ and tests/ imports it, and no layer below it uses Optuna)."""
 import ast
 import functools
 import os
@@ -18,6 +18,7 @@ ALLOWED = {  # package -> the repo's top-level modules and packages it may impor
     'data': {'data'},
     'interop': {'interop', 'models', 'data'},
     'train': {'train', 'models', 'data', 'interop', 'configs'},
+    'sweeps': {'sweeps', 'train', 'models', 'data', 'interop', 'configs'},
 }
 
 
@@ -33,16 +34,21 @@ def _parsed(path: str, mtime: int, size: int) -> tuple[ast.AST, list[str]]:
   return ast.parse(source), source.splitlines()
 
 
-def repo_imports(path: str) -> set[str]:
-  """The repo's top-level names that the file at `path` imports."""
-  local = {name[:-3] if name.endswith('.py') else name for name in os.listdir(ROOT)}
+def imported_names(path: str) -> set[str]:
+  """The top-level names (the repo's and libraries') that the file at `path` imports absolutely."""
   names = set()
   for node in ast.walk(parsed(path)[0]):
     if isinstance(node, ast.Import):
       names |= {alias.name.split('.')[0] for alias in node.names}
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
       names.add(node.module.split('.')[0])
-  return names & local
+  return names
+
+
+def repo_imports(path: str) -> set[str]:
+  """The repo's top-level names that the file at `path` imports."""
+  local = {name[:-3] if name.endswith('.py') else name for name in os.listdir(ROOT)}
+  return imported_names(path) & local
 
 
 @pytest.mark.parametrize('package', sorted(ALLOWED))
@@ -215,13 +221,16 @@ def test_the_check_sees_private_names_taken_from_other_modules(tmp_path):
       '2: pkg.a._helper', '3: json._private', '4: jax._src', '4: jax._src.dispatch', '8: a._helper']
 
 
+SWEEP_USERS = {'sweeps', 'launch', 'scripts', 'tests'}  # the top-level names that may import sweeps/
+
+
 def sweep_importers(root: str) -> dict[str, list[str]]:
-  """{module under train/ that is not a sweep module: the sweep modules (train/sweep*.py) it imports}."""
+  """{module of `root` outside sweeps/, launch.py, scripts/ and tests/: the sweeps modules it imports}."""
   modules = module_files(root)
-  sweep = {name for name in modules if re.fullmatch(r'train\.sweep\w*', name)}
+  sweep = {name for name in modules if name.split('.')[0] == 'sweeps'}
   found = {}
   for name, path in modules.items():
-    if name.startswith('train.') and name not in sweep:
+    if name.split('.')[0] not in SWEEP_USERS:
       imported = imported_modules(name, path, modules) & sweep
       if imported:
         found[name] = sorted(imported)
@@ -232,14 +241,29 @@ def test_training_imports_nothing_of_sweeps():
   """A sweep runs trainings as processes and reads what they log; the trainer, its loop and its
   steps never report to a sweep (launch.py, above train/, starts one)."""
   importers = sweep_importers(ROOT)
-  assert not importers, f'train/ modules import sweep modules: {importers}; a sweep reads what its trials log.'
+  assert not importers, f'modules below sweeps/ import it: {importers}; a sweep reads what its trials log.'
 
 
 def test_the_check_sees_training_import_a_sweep_module(tmp_path):
-  train = tmp_path / 'train'
-  (train / 'tasks').mkdir(parents=True)
-  (train / 'sweep.py').write_text('from train import sweep_trial\n')  # sweep modules among themselves: fine
-  (train / 'sweep_trial.py').write_text('import json\n')
-  (train / 'loop.py').write_text('def report():\n  from train.sweep_trial import Reporter\n')
-  (train / 'tasks' / 'lm.py').write_text('import train.sweep\n')
-  assert sweep_importers(str(tmp_path)) == {'train.loop': ['train.sweep_trial'], 'train.tasks.lm': ['train.sweep']}
+  for folder in ('sweeps', 'train/tasks', 'scripts', 'tests'):
+    (tmp_path / folder).mkdir(parents=True)
+  (tmp_path / 'sweeps' / '__init__.py').write_text('')
+  (tmp_path / 'sweeps' / 'runner.py').write_text('from sweeps import evaluations\n')  # within sweeps/: fine
+  (tmp_path / 'sweeps' / 'evaluations.py').write_text('import json\n')
+  (tmp_path / 'launch.py').write_text('def main():\n  from sweeps import runner\n')  # above it: fine
+  (tmp_path / 'scripts' / 'bench.py').write_text('import sweeps.runner\n')
+  (tmp_path / 'tests' / 'test_x.py').write_text('from sweeps.runner import parse\n')
+  (tmp_path / 'train' / 'loop.py').write_text('def report():\n  from sweeps.evaluations import Reporter\n')
+  (tmp_path / 'train' / 'tasks' / 'lm.py').write_text('import sweeps\n')
+  (tmp_path / 'storage.py').write_text('from sweeps import runner\n')
+  assert sweep_importers(str(tmp_path)) == {
+      'train.loop': ['sweeps.evaluations'], 'train.tasks.lm': ['sweeps'], 'storage': ['sweeps.runner']}
+
+
+def test_no_layer_below_sweeps_uses_optuna():
+  """Optuna is the sweep layer's library: a module below sweeps/ that imports it is sweep code in
+  the wrong folder (train/ holds training only)."""
+  users = [os.path.relpath(path, ROOT) for name, path in module_files(ROOT).items()
+           if name.split('.')[0] not in SWEEP_USERS and 'optuna' in imported_names(path)]
+  assert not users, f'{users} import Optuna; sweep code lives in sweeps/.'
+

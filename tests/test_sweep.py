@@ -1,4 +1,4 @@
-"""Sweeps as Optuna studies (train/sweep.py): a grid gives today's trials and table, two hosts share
+"""Sweeps as Optuna studies (sweeps/runner.py): a grid gives today's trials and table, two hosts share
 one study (a journal file, and a real PostgreSQL server) without running a trial twice, a study
 killed midway resumes without repeating finished trials (the interrupted one from its
 checkpoint), a trial pruned by its worker stops early with a checkpoint that reloads, per-slot
@@ -23,8 +23,7 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 import support
 from numerics import assert_close
 from postgres_server import PostgresServer
-from train import sweep as sweep_lib
-from train import sweep_study
+from sweeps import runner, studies
 
 pytestmark = pytest.mark.filterwarnings('ignore::optuna.exceptions.ExperimentalWarning')  # as run_sweep does
 SWEEP_FILE = '''
@@ -63,8 +62,8 @@ def sweep_process(sweep_file: str, workdir: str, *args: str, start_new_session: 
 
 
 def load_study(workdir: str, location: str | None = None) -> optuna.Study:
-  return optuna.load_study(study_name=sweep_lib.study_name(workdir),
-                           storage=sweep_study.open_storage(location or os.path.join(workdir, 'study.journal')))
+  return optuna.load_study(study_name=runner.study_name(workdir),
+                           storage=studies.open_storage(location or os.path.join(workdir, 'study.journal')))
 
 
 def started(stdout: str) -> list[str]:
@@ -202,8 +201,8 @@ def test_hosts_opening_a_new_postgresql_database_at_once_all_open_it(postgres):
 
     def open_it():
       try:
-        sweep_study.open_storage(url)
-      except sweep_study.SweepError as e:
+        studies.open_storage(url)
+      except studies.SweepError as e:
         errors.append(str(e))
 
     hosts = [threading.Thread(target=open_it) for _ in range(4)]
@@ -296,18 +295,18 @@ SPACE = {'train.lr': {'low': 1e-4, 'high': 3e-2, 'log': True}, 'model.num_layers
 
 
 def proposals(sweep, study: optuna.Study, n: int) -> list[dict]:
-  return [sweep_lib.propose(sweep, t, sweep_study.take_slot(study, t, sweep.n_trials))
+  return [runner.propose(sweep, t, studies.take_slot(study, t, sweep.n_trials))
           for t in (study.ask() for _ in range(n))]
 
 
 @pytest.mark.parametrize('sampler', ['random', 'qmc', 'tpe'])
 def test_hosts_with_one_seed_propose_different_trials_each_slot_its_own(sampler, tmp_path):
-  sweep = sweep_lib.parse({'space': SPACE, 'sampler': sampler, 'n_trials': 6}, 'configs/gpt.py:tiny')
+  sweep = runner.parse({'space': SPACE, 'sampler': sampler, 'n_trials': 6}, 'configs/gpt.py:tiny')
   make = lambda storage: optuna.create_study(
       storage=storage, study_name='s', load_if_exists=True,
-      sampler=sweep_study.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space))
+      sampler=studies.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space))
   alone = proposals(sweep, make(None), 6)
-  storage = sweep_study.open_storage(str(tmp_path / 'study.journal'))
+  storage = studies.open_storage(str(tmp_path / 'study.journal'))
   host_a, host_b = make(storage), make(storage)
   shared = [p for _ in range(3) for p in proposals(sweep, host_a, 1) + proposals(sweep, host_b, 1)]
   assert shared == alone  # slot k's proposal, whichever host asks
@@ -318,34 +317,34 @@ def test_hosts_with_one_seed_propose_different_trials_each_slot_its_own(sampler,
 
 @pytest.mark.parametrize('sampler', ['random', 'qmc', 'tpe'])
 def test_a_samplers_seed_option_is_the_sweeps_seed(sampler):
-  sweeps = [sweep_lib.parse({'space': SPACE, 'n_trials': 4, **spec}, 'configs/gpt.py:tiny') for spec in
+  sweeps = [runner.parse({'space': SPACE, 'n_trials': 4, **spec}, 'configs/gpt.py:tiny') for spec in
             ({'sampler': {'name': sampler, 'seed': 7}}, {'sampler': sampler, 'seed': 7}, {'sampler': sampler})]
-  runs = [proposals(sweep, sweep_lib.open_study(sweep, 'w', None), 4) for sweep in sweeps]
+  runs = [proposals(sweep, runner.open_study(sweep, 'w', None), 4) for sweep in sweeps]
   assert sweeps[0].seed == 7 and runs[0] == runs[1] != runs[2]
-  with pytest.raises(sweep_lib.SweepError, match="give the seed once"):
-    sweep_lib.parse({'space': SPACE, 'n_trials': 4, 'seed': 1, 'sampler': {'name': sampler, 'seed': 2}}, 'c')
+  with pytest.raises(runner.SweepError, match="give the seed once"):
+    runner.parse({'space': SPACE, 'n_trials': 4, 'seed': 1, 'sampler': {'name': sampler, 'seed': 2}}, 'c')
 
 
 def test_a_grid_is_enqueued_in_the_files_order_and_its_budget_taken_once():
-  sweep = sweep_lib.parse({'grid': {'train.lr': [0.1, 0.2], 'model.width': [16, 32]},
+  sweep = runner.parse({'grid': {'train.lr': [0.1, 0.2], 'model.width': [16, 32]},
                            'trials': [{'model.num_heads': 1}]}, 'configs/gpt.py:tiny')
-  study = sweep_lib.open_study(sweep, 'w', None)
+  study = runner.open_study(sweep, 'w', None)
   assert [t.state for t in study.get_trials()] == [optuna.trial.TrialState.WAITING] * 5
   assert proposals(sweep, study, 5) == [{'train.lr': 0.1, 'model.width': 16}, {'train.lr': 0.1, 'model.width': 32},
                                         {'train.lr': 0.2, 'model.width': 16}, {'train.lr': 0.2, 'model.width': 32},
                                         {'model.num_heads': 1}]
   late = study.ask()  # a worker asking after the last point was taken runs nothing
-  assert sweep_study.take_slot(study, late, sweep.n_trials) is None and sweep_study.unclaimed(study, 5) == 0
+  assert studies.take_slot(study, late, sweep.n_trials) is None and studies.unclaimed(study, 5) == 0
 
 
 def test_each_worker_gets_its_own_accelerators():
-  pool = sweep_lib.DevicePool('0,1,2,3', workers=2)
+  pool = runner.DevicePool('0,1,2,3', workers=2)
   with pool.take() as first, pool.take() as second:
     assert {first['CUDA_VISIBLE_DEVICES'], second['CUDA_VISIBLE_DEVICES']} == {'0,1', '2,3'}
-  with sweep_lib.DevicePool(None, workers=2).take() as env:
+  with runner.DevicePool(None, workers=2).take() as env:
     assert env == {}
-  with pytest.raises(sweep_lib.SweepError, match='multiple of the workers'):
-    sweep_lib.DevicePool('0,1,2', workers=2)
+  with pytest.raises(runner.SweepError, match='multiple of the workers'):
+    runner.DevicePool('0,1,2', workers=2)
 
 
 @pytest.mark.parametrize('spec, message', [
@@ -378,8 +377,8 @@ def test_each_worker_gets_its_own_accelerators():
     ({'grids': {}}, 'Unknown sweep keys'),
 ])
 def test_bad_sweep_files_stop_with_one_line(spec, message):
-  with pytest.raises(sweep_lib.SweepError, match=re.escape(message)) as error:
-    sweep_lib.parse(spec, 'configs/gpt.py:tiny')
+  with pytest.raises(runner.SweepError, match=re.escape(message)) as error:
+    runner.parse(spec, 'configs/gpt.py:tiny')
   assert '\n' not in str(error.value)
 
 
@@ -395,8 +394,8 @@ def test_bad_sweep_files_stop_with_one_line(spec, message):
 def test_a_sweep_file_that_does_not_load_is_one_line(text, message, tmp_path):
   path = tmp_path / 'bad.py'
   path.write_text(text)
-  with pytest.raises(sweep_lib.SweepError, match=re.escape(message)) as error:
-    sweep_lib.load_sweep(str(path))
+  with pytest.raises(runner.SweepError, match=re.escape(message)) as error:
+    runner.load_sweep(str(path))
   assert '\n' not in str(error.value)
 
 
@@ -409,9 +408,9 @@ def test_a_sweep_file_that_does_not_load_is_one_line(text, message, tmp_path):
 ])
 def test_a_value_the_trials_config_cannot_take_is_one_line_before_any_trial(spec, message):
   import launch
-  sweep = sweep_lib.parse(spec, 'configs/gpt.py:tiny')
+  sweep = runner.parse(spec, 'configs/gpt.py:tiny')
   with pytest.raises(launch.UserError, match=re.escape(f'The sweep gives its trials {message}, which')) as error:
-    launch.check_sweep_overrides(sweep.config, sweep_lib.every_override(sweep))
+    launch.check_sweep_overrides(sweep.config, runner.every_override(sweep))
   assert '\n' not in str(error.value) and 'give ' in str(error.value)
   launch.check_sweep_overrides(sweep.config, ['--config.train.steps=4', '--config.train.lr=1', '--config.seed=2'])
 
@@ -431,14 +430,14 @@ def test_bad_input_stops_the_sweep_command_with_one_line_before_trials(tmp_path)
     stdout, stderr = result.communicate(timeout=120)
     assert result.returncode == 1 and stderr.count('\n') == 1 and message in stderr, stderr
     assert not os.path.exists(tmp_path / 'run') and not started(stdout)
-  with pytest.raises(sweep_study.SweepError, match='--sweep_storage=postgresql://u:\\*\\*\\*@'):
-    sweep_study.open_storage('postgresql://u:secret@127.0.0.1:1/db')
+  with pytest.raises(studies.SweepError, match='--sweep_storage=postgresql://u:\\*\\*\\*@'):
+    studies.open_storage('postgresql://u:secret@127.0.0.1:1/db')
   # A metric the trials do not log stops the sweep at the first trial that finishes, naming theirs.
-  sweep = sweep_lib.parse({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'metric': 'eval/bleu'}, 'configs/gpt.py:tiny')
+  sweep = runner.parse({'space': {'train.lr': [0.1]}, 'n_trials': 2, 'metric': 'eval/bleu'}, 'configs/gpt.py:tiny')
   study = optuna.create_study()
-  runner = sweep_lib.Runner(sweep, study, str(tmp_path))
-  with pytest.raises(sweep_lib.SweepError, match='eval/bleu.* not among the results of trial t: eval/loss, step'):
-    runner._finished(study.ask(), 't', {'mode': 'train', 'eval/loss': 1.0, 'step': 4}, 1.0)
+  sweep_runner = runner.Runner(sweep, study, str(tmp_path))
+  with pytest.raises(runner.SweepError, match='eval/bleu.* not among the results of trial t: eval/loss, step'):
+    sweep_runner._finished(study.ask(), 't', {'mode': 'train', 'eval/loss': 1.0, 'step': 4}, 1.0)
 
 
 def test_a_sweep_with_no_trial_ok_exits_1_after_its_table(corpus, cache, tmp_path):

@@ -1,4 +1,4 @@
-"""The Optuna side of a sweep (train/sweep.py): storages, samplers, pruners, the trial budget and heartbeats.
+"""The Optuna side of a sweep (sweeps/runner.py): storages, samplers, pruners, the trial budget and heartbeats.
 
 Optuna owns the search, the bookkeeping and the coordination; this module only chooses its parts,
 through Optuna's public API:
@@ -126,7 +126,7 @@ def _joined(study: optuna.Study, record: dict[str, Any]) -> optuna.Study:
 
 # ---------------------------------------------------------------------------------------------- search space
 def distribution(entry: dict[str, Any]) -> BaseDistribution:
-  """Optuna's distribution of a checked `space` entry (train/sweep.py's parse_space)."""
+  """Optuna's distribution of a checked `space` entry (sweeps/runner.py's parse_space)."""
   if 'choices' in entry:
     return CategoricalDistribution(entry['choices'])
   if entry['int']:

@@ -33,7 +33,7 @@ in its own process (a crash, OOM or bad config ends that trial only; its log is 
 <workdir>/logs/<trial>.log). Overrides apply in the order: the sweep's `overrides`, --config.*
 flags of the sweep command, the trial's own values. The trial's process knows nothing of the
 sweep: its worker reads the evaluations it logs, reports them to the study and, when the pruner
-says so, stops it through training's SIGTERM path (train/sweep_trial.py).
+says so, stops it through training's SIGTERM path (sweeps/evaluations.py).
 
 The study lives in --sweep_storage (default <workdir>/study.journal, an Optuna journal file; a file
 path on a disk several hosts share, or a database URL, lets hosts running the same command with
@@ -41,7 +41,7 @@ the same --workdir join it). --sweep_workers=N runs N trials at once; --sweep_de
 gives each its share of the accelerators. Rerunning the command resumes the study: finished
 trials are not rerun, a trial interrupted by Ctrl-C or SIGTERM resumes from its checkpoint, and a
 trial whose worker died (no heartbeat for 2 x --sweep_heartbeat seconds) is failed and run again
-from its checkpoint. Results (train/sweep_report.py), rewritten after every trial: sweep.csv,
+from its checkpoint. Results (sweeps/report.py), rewritten after every trial: sweep.csv,
 sweep.md (with the best trial's command), eval_loss.png; at the end history.png, importance.png.
 A sweep in which no trial finished ok ends with one error line (exit status 1).
 """
@@ -70,8 +70,8 @@ import optuna
 from optuna.trial import TrialState
 
 import storage
-from train import sweep_report, sweep_study, sweep_trial
-from train.sweep_study import SweepError
+from sweeps import evaluations, report, studies
+from sweeps.studies import SweepError
 
 LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'launch.py')
 SPEC_KEYS = ('config', 'overrides', 'grid', 'trials', 'space', 'sampler', 'seed', 'n_trials', 'pruner', 'metric',
@@ -128,7 +128,7 @@ def load_sweep(path: str, config: str | None = None) -> Sweep:
     raise SweepError(f'{path} fails when it is read ({_one_line(e)}); fix the sweep file.') from None
   get_sweep = getattr(module, 'get_sweep', None)
   if not callable(get_sweep):
-    raise SweepError(f'{path} must define get_sweep() returning a dict (see train/sweep.py).')
+    raise SweepError(f'{path} must define get_sweep() returning a dict (see sweeps/runner.py).')
   try:
     spec = get_sweep()
   except Exception as e:  # noqa: BLE001
@@ -146,7 +146,7 @@ def load_sweep(path: str, config: str | None = None) -> Sweep:
 def parse(spec: dict[str, Any], config: str) -> Sweep:
   """The Sweep of a get_sweep() dict; one SweepError per mistake, before anything runs."""
   points, space = _points_or_space(spec)
-  name, options = _named(spec.get('sampler', 'grid' if points else 'random'), 'sampler', sweep_study.SAMPLERS)
+  name, options = _named(spec.get('sampler', 'grid' if points else 'random'), 'sampler', studies.SAMPLERS)
   seed = _seed(spec, options)
   if points is None and name == 'grid':
     if not all('choices' in entry for entry in space.values()):
@@ -159,13 +159,13 @@ def parse(spec: dict[str, Any], config: str) -> Sweep:
     raise SweepError(f'n_trials={n_trials!r}: ' + (f'the grid has {len(points)} points.' if points else
                                                    'a search over a `space` needs a budget, e.g. n_trials=12.'))
   metric, direction = spec.get('metric', 'eval/loss'), spec.get('direction', 'minimize')
-  pruner = _named(spec.get('pruner', 'none'), 'pruner', sorted(sweep_study.PRUNERS))
+  pruner = _named(spec.get('pruner', 'none'), 'pruner', sorted(studies.PRUNERS))
   _check_objective(metric, direction, pruner[0])
   keys = list(dict.fromkeys(k for p in points for k in p)) if points else list(space)
   sweep = Sweep(config, dict(spec.get('overrides') or {}), keys, points and points[:n_trials],
                 None if points else space, (name, options), seed, n_trials, pruner, metric, direction)
-  sweep_study.make_sampler(*sweep.sampler, seed, sweep.points, sweep.space)  # its options are checked now
-  sweep_study.make_pruner(*pruner)
+  studies.make_sampler(*sweep.sampler, seed, sweep.points, sweep.space)  # its options are checked now
+  studies.make_pruner(*pruner)
   return sweep
 
 
@@ -312,7 +312,7 @@ def propose(sweep: Sweep, trial: optuna.Trial, slot: int) -> dict[str, Any]:
   if sweep.points is not None:
     choices = {k: list(dict.fromkeys(p[k] for p in sweep.points if k in p)) for k in sweep.keys}
     return {key: trial.suggest_categorical(key, choices[key]) for key in sweep.points[slot]}
-  return {key: sweep_study.suggest(trial, key, entry) for key, entry in sweep.space.items()}
+  return {key: studies.suggest(trial, key, entry) for key, entry in sweep.space.items()}
 
 
 def name_of(sweep: Sweep, slot: int, own: dict[str, Any]) -> str:
@@ -413,10 +413,10 @@ class Runner:
   def _work(self) -> None:
     try:
       while not self.interrupted:
-        sweep_study.fail_stale_trials(self.study, self.heartbeat)
-        if not sweep_study.unclaimed(self.study, self.sweep.n_trials):
+        studies.fail_stale_trials(self.study, self.heartbeat)
+        if not studies.unclaimed(self.study, self.sweep.n_trials):
           with self.lock:
-            elsewhere = set(sweep_study.running(self.study)) - self.local
+            elsewhere = set(studies.running(self.study)) - self.local
           if not elsewhere:  # this host's own running trials end with their workers
             return
           self._wait_for(elsewhere)
@@ -435,8 +435,8 @@ class Runner:
     time.sleep(min(self.heartbeat, POLL_S))
 
   def _run_trial(self, trial: optuna.Trial) -> None:
-    sweep_study.beat(trial)
-    slot = sweep_study.take_slot(self.study, trial, self.sweep.n_trials)
+    studies.beat(trial)
+    slot = studies.take_slot(self.study, trial, self.sweep.n_trials)
     if slot is None:  # two workers asked for the last slot at once: this one runs nothing
       self._tell(trial, state=TrialState.FAIL)
       return
@@ -483,8 +483,8 @@ class Runner:
 
   def _launch(self, trial: optuna.Trial, trial_dir: str, command: list[str]) -> Ended:
     """Run the trial's process on its accelerators; while it runs, beat its heartbeat and report
-    its evaluations, and SIGTERM it when the pruner says so (train/sweep_trial.py)."""
-    reporter = sweep_trial.Reporter(self.study, trial, trial_dir, self.sweep.metric)
+    its evaluations, and SIGTERM it when the pruner says so (sweeps/evaluations.py)."""
+    reporter = evaluations.Reporter(self.study, trial, trial_dir, self.sweep.metric)
     prunable = self.sweep.pruner[0] != 'none'
     with self.devices.take() as device_env, tempfile.TemporaryFile('w+') as out, \
         tempfile.TemporaryFile('w+') as err:  # files, not pipes: a long trial's output would fill a pipe
@@ -501,7 +501,7 @@ class Runner:
           with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=WATCH_S)
           if time.time() - last_beat >= self.heartbeat:
-            sweep_study.beat(trial)
+            studies.beat(trial)
             last_beat = time.time()
           if pruned is None and process.returncode is None:
             pruned = reporter.report(may_prune=prunable and not self.interrupted)
@@ -568,14 +568,14 @@ class Runner:
     trial.set_user_attr('interrupted', True)
     failed = self._tell(trial, state=TrialState.FAIL)
     if failed is not None:
-      sweep_study.retry(self.study, failed, max_retry=None)
+      studies.retry(self.study, failed, max_retry=None)
     self._say(f'    {name}: interrupted ({seconds:.0f} s); it resumes from its checkpoint when the sweep reruns')
 
   def write_results(self, final: bool = False) -> None:
     command = lambda t: trial_command(self.sweep, t.user_attrs['name'], {k: t.params[k] for k in self.sweep.keys
                                                                          if k in t.params}, self.workdir,
                                       self.extra_args, program=('python', 'launch.py'))
-    sweep_report.write_results(self.sweep, self.study, self.workdir, command, final)
+    report.write_results(self.sweep, self.study, self.workdir, command, final)
 
   def interrupt(self, forward: bool) -> None:
     """Stop taking trials; with `forward`, SIGTERM the running ones (each saves and stops)."""
@@ -615,9 +615,9 @@ def study_name(workdir: str) -> str:
 def open_study(sweep: Sweep, workdir: str, storage_, extra_args=()) -> optuna.Study:
   """The sweep's study in `storage_` (None: in memory), created by the first host (or run) and
   joined by the others; SweepError when it holds another sweep."""
-  return sweep_study.create_or_join(
-      storage_, study_name(workdir), sweep_study.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space),
-      sweep_study.make_pruner(*sweep.pruner), sweep.direction, sweep.points, sweep.record(extra_args))
+  return studies.create_or_join(
+      storage_, study_name(workdir), studies.make_sampler(*sweep.sampler, sweep.seed, sweep.points, sweep.space),
+      studies.make_pruner(*sweep.pruner), sweep.direction, sweep.points, sweep.record(extra_args))
 
 
 def print_commands(sweep: Sweep, workdir: str, extra_args=()) -> None:
@@ -626,7 +626,7 @@ def print_commands(sweep: Sweep, workdir: str, extra_args=()) -> None:
   study = open_study(sweep, workdir, None, extra_args)
   for _ in range(sweep.n_trials):
     trial = study.ask()
-    slot = sweep_study.take_slot(study, trial, sweep.n_trials)
+    slot = studies.take_slot(study, trial, sweep.n_trials)
     own = propose(sweep, trial, slot)
     print(shlex.join(trial_command(sweep, name_of(sweep, slot, own), own, workdir, extra_args)), flush=True)
 
@@ -650,7 +650,7 @@ def run_sweep(sweep: Sweep, workdir: str, *, storage_location: str | None = None
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
   location = storage_location or os.path.join(workdir, 'study.journal')
   # A storage that fails leaves no workdir.
-  study = open_study(sweep, workdir, sweep_study.open_storage(location), extra_args)
+  study = open_study(sweep, workdir, studies.open_storage(location), extra_args)
   storage.path(workdir).mkdir(parents=True, exist_ok=True)
   runner = Runner(sweep, study, workdir, workers=workers, devices=pool, heartbeat=heartbeat, extra_args=extra_args,
                   env=env)
@@ -666,7 +666,7 @@ def run_sweep(sweep: Sweep, workdir: str, *, storage_location: str | None = None
 
 
 def _summary(runner: Runner, location: str) -> None:
-  best = sweep_report.best_trial(runner.study)
+  best = report.best_trial(runner.study)
   if best is not None:
     print(f'Best: {best.user_attrs["name"]} ({runner.sweep.metric}={best.value:.4f})', flush=True)
   print(f'Results: {os.path.join(runner.workdir, "sweep.md")}, sweep.csv, eval_loss.png, history.png, '
@@ -675,7 +675,7 @@ def _summary(runner: Runner, location: str) -> None:
 
 def _check_some_trial_ok(study: optuna.Study, workdir: str) -> None:
   """SweepError when the sweep ended with no trial ok (every one failed or was pruned)."""
-  trials = sweep_report.budget_trials(study)
+  trials = report.budget_trials(study)
   if any(t.state == TrialState.COMPLETE for t in trials):
     return
   failed = [t for t in trials if t.state == TrialState.FAIL]

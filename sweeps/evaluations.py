@@ -1,6 +1,6 @@
 """A sweep's trial as the worker that launched it sees it: its evaluations, read as training logs them.
 
-Training knows nothing of sweeps. The worker (train/sweep.py) starts a trial's `launch.py` process
+Training knows nothing of sweeps. The worker (sweeps/runner.py) starts a trial's `launch.py` process
 and, while it runs, reads the evaluations it appends to `<trial workdir>/metrics.jsonl`, reports
 the sweep's metric at each to the trial's Optuna Trial (`Trial.report`, what pruners and the
 dashboard's curves read) and asks the study's pruner (`Trial.should_prune`). When the pruner says

@@ -1,4 +1,4 @@
-"""A sweep's results, read from its study (train/sweep.py): the tables, the plots, the best trial.
+"""A sweep's results, read from its study (sweeps/runner.py): the tables, the plots, the best trial.
 
   sweep.csv       one row per trial of the budget: status, its overrides, final metrics, seconds, error
   sweep.md        the same as a Markdown table, then the best trial and its command line
