@@ -23,10 +23,13 @@ The pairs are an example cache (data/token_cache.py, `pretraining_datasets`):
     document larger than that becomes several documents, a shard holding several of them. The split
     hashes a document's key, which every piece of it carries: its file ('file'), or its file and the
     byte offset where it starts ('blank_line': a piece that begins inside a document takes the key of
-    that document's start, `continued_documents`), so no document is in two splits. EVAL_FRACTION
-    of the documents by a hash of their keys is validation (at most sources.HELD_OUT_BYTES of text:
-    sources.carve_out); bbc_news keeps its own split (train / valid / test), so pretraining never
-    sees the articles fine-tuning is tested on.
+    that document's start, `continued_documents`), so no document is in two splits. Validation is
+    EVAL_FRACTION by the held-out rule of data/sources.py (at most sources.HELD_OUT_BYTES of text,
+    at least sources.HELD_OUT_DOCUMENTS documents): files chosen whole by the hash of their keys
+    and size when planned, planned last in shards of their own (a shard pairs its own documents);
+    blank-line documents and TFDS records by the hash of each one's key as they are read. bbc_news
+    keeps its own split (train / valid / test), so pretraining never sees the articles fine-tuning
+    is tested on.
   - Each shard is paired alone (process p builds the shards i with i % P == p): its documents of a
     split tokenized, cut dupe_factor times (validation: once) with an RNG seeded from
     (seed + SEED_OFFSETS[split], shard index) (the documents' orders and the shuffle; the cuts and
@@ -57,6 +60,7 @@ _SENTENCE_END = re.compile(r'(?=\s)(?:(?<=[.!?])|(?<=[.!?]["\')\]]))'
                            r'(?<!\b[A-Z]\.)(?<!\bMr\.)(?<!\bMrs\.)(?<!\bMs\.)(?<!\bDr\.)(?<!\bSt\.)'
                            r'\s+(?=["\'(\[]?[A-Z0-9])')
 EVAL_FRACTION = 0.05
+FRACTIONS = (('train', 1 - EVAL_FRACTION), ('valid', EVAL_FRACTION))
 FIELDS = ('tokens', 'segments', 'valid', 'next_sentence')  # an example's fields (module docstring)
 IN_MEMORY = {'tokens': np.int32, 'segments': np.int32, 'valid': np.bool_, 'next_sentence': np.int32}
 ENCODE_CHARS = 1 << 20  # characters per encode call: documents of ~10,000 sentences, enough for every core
@@ -309,7 +313,9 @@ class Documents(token_cache.Processor):
   """The processor of BERT pretraining caches: a record is a document's text; a split's documents in
   a shard become its sentence pairs (FIELDS; 'test' documents are only counted)."""
   prefix = 'bert'
-  VERSION = 2  # bump with any change to what records or encode write (token_cache.Processor; PAIRING stays)
+  # bump with any change to what records or encode write (token_cache.Processor; PAIRING stays); 3: the
+  # held-out rule (data/sources.py) deals files by size, in shards of their own; TFDS pieces follow a sample
+  VERSION = 3
 
   def __init__(self, data_config, seed: int, blank_lines: bool = False, tokenizer: Tokenizer | None = None,
                continued: dict[tuple[str, int], str] | None = None):
@@ -406,24 +412,35 @@ def plan_source(source: str, role: str, data_config, size: int):
   if kind == 'tfds':
     whole, identity = token_cache.tfds_range(argument, sources.TFDS_SPLITS[role])
     identity['field'] = data_config.text_field
-    corpus, blank_lines = token_cache.plan(source, [whole], identity, size), False
-  elif kind == 'text':
-    files, identity = token_cache.text_files(source)
-    mode = data_config.documents
-    if mode not in ('file', 'blank_line', 'auto'):
-      raise sources.DataError(f"data.documents={mode!r}: use 'file', 'blank_line' or 'auto'.")
-    blank_lines = mode == 'blank_line' or (mode == 'auto' and len(files) == 1)
-    identity['blank_lines'] = blank_lines
-    files = [dataclasses.replace(f, cut='blocks') for f in files]
-    # Pieces of about a quarter of a shard: a shard holds several documents even of one huge file.
-    corpus = token_cache.plan(source, files, identity, size, piece_bytes=size // 4)
-  else:
+    name, split = whole.key.rsplit(':', 1)
+    per_record = sources.bytes_per_record(sources.tfds_records(name, split), [data_config.text_field], whole.path,
+                                          'set data.text_field')
+    corpus = token_cache.plan(source, [whole], identity, size, max(round(per_record), 256))
+    if held_out:  # records dealt as they are read
+      carve = sources.carve_out(FRACTIONS, ('valid',), whole.end * per_record)
+      origins = sources.carved_origins(source, carve, 'documents')
+    return corpus, carve, origins, False
+  if kind != 'text':
     raise sources.unknown_source(source, 'BERT pretraining', 'bbc_news, text:<glob> or tfds:<name>[:<split>]')
-  if held_out:  # a TFDS record's size is plan's estimate
-    carve = sources.carve_out((('train', 1 - EVAL_FRACTION), ('valid', EVAL_FRACTION)), ('valid',),
-                              sum(piece.size for shard in corpus.shards for piece in shard))
+  files, identity = token_cache.text_files(source)
+  mode = data_config.documents
+  if mode not in ('file', 'blank_line', 'auto'):
+    raise sources.DataError(f"data.documents={mode!r}: use 'file', 'blank_line' or 'auto'.")
+  blank_lines = mode == 'blank_line' or (mode == 'auto' and len(files) == 1)
+  identity['blank_lines'] = blank_lines
+  files = [dataclasses.replace(f, cut='blocks') for f in files]
+  if held_out and blank_lines:  # documents met as they are read, dealt by the hash of each one's key
+    carve = sources.carve_out(FRACTIONS, ('valid',), sum(f.end for f in files))
     origins = sources.carved_origins(source, carve, 'documents')
-  return corpus, carve, origins, blank_lines
+  elif held_out:  # files dealt whole, the held-out ones last, in shards of their own (a shard pairs its own)
+    documents = [(f.key, f.end) for f in files]
+    dealt = sources.hold_out_documents(documents, FRACTIONS, ('valid',))
+    files = sorted((dataclasses.replace(f, split=dealt.get(f.key, ('train',))[0]) for f in files),
+                   key=lambda f: f.split != 'train')
+    carve = sources.Carve(fractions=FRACTIONS, held_out=('valid',))
+    origins = sources.held_out_origins(source, documents, dealt, ('valid',))
+  # Pieces of about a quarter of a shard: a shard holds several documents even of one huge file.
+  return token_cache.plan(source, files, identity, size, piece_bytes=size // 4, apart=True), carve, origins, blank_lines
 
 
 def pretraining_datasets(data_config, workdir: str, seed: int, tokenizer: Tokenizer | None = None,

@@ -194,9 +194,10 @@ def plan_source(source: str, role: str, held_out: tuple[str, ...], data_config, 
   else:
     raise sources.unknown_source(source, 'classification', 'bbc_news, tsv:<path> or tfds:<name>[:<split>]')
   corpus = token_cache.plan(name, [whole], identity, size, BYTES_PER_RECORD)
-  if role == 'train' and held_out:  # each held-out share at most sources.HELD_OUT_BYTES of the text (records: estimated)
-    carve = sources.carve_out(FRACTIONS, held_out, sum(piece.size for shard in corpus.shards for piece in shard),
-                              SPLIT_SEED)
+  if role == 'train' and held_out:  # each held-out share at most sources.HELD_OUT_BYTES of the text
+    text_bytes = whole.end if kind == 'tsv' else whole.end * sources.bytes_per_record(
+        sources.tfds_records(*whole.key.rsplit(':', 1)), [data_config.text_field], name, 'set data.text_field')
+    carve = sources.carve_out(FRACTIONS, held_out, text_bytes, SPLIT_SEED)
     origins = sources.carved_origins(source, carve, 'examples')
   return corpus, carve, origins
 

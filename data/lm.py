@@ -5,9 +5,10 @@ Documents are joined with the tokenizer's EOS id so a window may span a document
 GPT-2 training; with data.document_masking the GPT family finds the boundaries at those EOS ids
 and keeps attention within each document (models/gpt.py `document_segments`). Sources: pystdlib
 and text:<glob> (a file is a document), tfds:<name>[:<split>] (a record's `text` is one).
-Validation is held out of data.source by documents (sources.Carve on each file's key, at least one
-file; on each record's key), a single file by its last EVAL_FRACTION from a safe cut
-(data/token_cache.py).
+Validation is held out of data.source by the held-out rule of data/sources.py: files by the hash
+of their keys, each whole or, when large, cut at a safe place (data/token_cache.py) into a start
+that trains and an end held out (a single file: its last EVAL_FRACTION); TFDS records by the hash
+of each record's key.
 
 The stream is an example cache with one 1-D field per split, `tokens`: a shard's documents cut
 into ~PIECE_BYTES items at safe places, tokenized BATCH_BYTES at a time by the threaded
@@ -22,6 +23,7 @@ import numpy as np
 from data import sources, token_cache
 
 EVAL_FRACTION = 0.05
+FRACTIONS = (('train', 1 - EVAL_FRACTION), ('valid', EVAL_FRACTION))
 PIECE_BYTES = 256 << 10  # text per encode_batch item: enough items per batch for every core
 BATCH_BYTES = 4 << 20  # text per encode_batch call: HF tokenizers holds ~100 bytes per token until it returns
 
@@ -30,7 +32,9 @@ class Tokens(token_cache.Processor):
   """The processor of language-model caches: a record is an item of a document's text and whether
   the document ends with it; a split's records become its `tokens`."""
   prefix = 'lm'
-  VERSION = 1  # bump with any change to what records or encode write (token_cache.Processor)
+  # bump with any change to what records or encode write (token_cache.Processor); 2: the held-out rule
+  # (data/sources.py) deals files by size, and a TFDS split's records per piece follow a sample
+  VERSION = 2
 
   def __init__(self, tokenizer=None):
     self.tokenizer = tokenizer
@@ -68,44 +72,40 @@ class Tokens(token_cache.Processor):
 
 def plan_corpus(source: str, carve_valid: bool, seed: int, default_split: str, shard_bytes: int):
   """(token_cache.Corpus, sources.Carve, {split: origin}) of an LM source: with `carve_valid`,
-  EVAL_FRACTION of its documents (at most sources.HELD_OUT_BYTES of text) held out as 'valid' and the
-  rest 'train'; else all of it 'all'."""
+  EVAL_FRACTION of it held out as 'valid' by the held-out rule of data/sources.py (at most
+  sources.HELD_OUT_BYTES of text, at least sources.HELD_OUT_DOCUMENTS documents, a large file cut
+  to its end) and the rest 'train'; else all of it 'all'."""
   kind, argument = sources.parse_source(source)
   carve, origins = sources.Carve(whole='all'), {'all': f'{source}, whole'}
-  # A carved share: EVAL_FRACTION of the text, at most sources.HELD_OUT_BYTES of it.
-  carved = lambda text_bytes: sources.carve_out((('train', 1 - EVAL_FRACTION), ('valid', EVAL_FRACTION)), ('valid',),
-                                                text_bytes, seed)
   if kind == 'tfds':
     whole, identity = token_cache.tfds_range(argument, default_split)
     name, split = whole.key.rsplit(':', 1)
-    [first] = sources.tfds_fields(sources.tfds_records(name, split)[0], ['text'], whole.path,
-                                  'a language model reads the field text')
-    corpus = token_cache.plan(source, [whole], identity, shard_bytes, max(len(first.encode()), 256))
+    per_record = sources.bytes_per_record(sources.tfds_records(name, split), ['text'], whole.path,
+                                          'a language model reads the field text')
+    corpus = token_cache.plan(source, [whole], identity, shard_bytes, max(round(per_record), 256))
     if carve_valid:
-      carve = carved(sum(piece.size for shard in corpus.shards for piece in shard))
+      carve = sources.carve_out(FRACTIONS, ('valid',), whole.end * per_record, seed)
       origins = sources.carved_origins(source, carve, 'documents')
     return corpus, carve, origins
   if kind not in ('pystdlib', 'text'):
     raise sources.unknown_source(source, 'LM data', 'pystdlib, text:<glob> or tfds:<name>[:<split>]')
   files, identity = token_cache.text_files(source)
-  if carve_valid:
-    carve = carved(sum(f.end for f in files))
-    origins = sources.carved_origins(source, carve, 'documents')
-  if carve_valid and len(files) == 1:  # one file: its last share (from a safe cut) is validation
-    [whole], share = files, dict(carve.fractions)['valid']
-    cut = token_cache.next_cut(whole.path, int(whole.end * (1 - share)), whole.end, 'bytes')
-    # Each part ends with EOS: two documents.
-    files = [dataclasses.replace(whole, end=cut, split='train'), dataclasses.replace(whole, start=cut, split='valid')]
-    origins = {'train': f'{source}, the first {sources.percent(1 - share)} of the text',
-               'valid': f'{source}, the last {sources.percent(share)} of the text'}
-  elif carve_valid:
-    splits = [carve.of(f.key) for f in files]
-    if 'valid' not in splits:  # no file hashed to validation: the last one is
-      splits[-1] = 'valid'
-    files = [dataclasses.replace(f, split=split) for f, split in zip(files, splits)]
-  else:
-    files = [dataclasses.replace(f, split='all') for f in files]
-  return token_cache.plan(source, files, identity, shard_bytes), carve, origins
+  if not carve_valid:
+    return token_cache.plan(source, [dataclasses.replace(f, split='all') for f in files], identity,
+                            shard_bytes), carve, origins
+  documents = [(f.key, f.end) for f in files]
+  dealt = sources.hold_out_documents(documents, FRACTIONS, ('valid',), seed, can_cut=True)
+  ranges = []
+  for f in files:  # a file held out whole, trained on whole, or its start trained on and its end held out
+    split, held = dealt.get(f.key, ('train', 0))
+    cut = f.end - held if held in (0, f.end) else token_cache.next_cut(f.path, f.end - held, f.end, 'bytes')
+    ranges += [dataclasses.replace(f, end=cut, split='train')] if cut > f.start else []
+    ranges += [dataclasses.replace(f, start=cut, split=split)] if cut < f.end else []
+    if split != 'train':
+      dealt[f.key] = (split, f.end - cut)
+  origins = sources.held_out_origins(source, documents, {k: v for k, v in dealt.items() if v[1]}, ('valid',))
+  carve = sources.Carve(fractions=FRACTIONS, held_out=('valid',), seed=seed)
+  return token_cache.plan(source, ranges, identity, shard_bytes), carve, origins
 
 
 def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1):

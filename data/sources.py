@@ -20,13 +20,27 @@ carved out of data.source, which then trains on the rest only:
   source + eval_source    source trains whole; validation and test are eval_source
   source + test_source    validation comes out of source; test is test_source
   all three               each used whole
-Carving (`Carve`) gives every record its split by a hash of its key (a document's path, a tsv
-line's text), stable across runs, machines and shards, while a cache is built; a document read in
-several pieces (one larger than a quarter shard) has its key on every piece, so it is never in two
-splits. A carved split is its family's share of the source (5% for LM and BERT pretraining,
-5% + 5% for translation, 10% + 10% for classification) but at most HELD_OUT_BYTES of its text
-(`carve_out`): the share shrinks for a source above HELD_OUT_BYTES / share (40 MB at 5%), so that
-a large corpus holds out a few MB, not 5% of it. Sources with their own held-out data keep it:
+The held-out rule (one for every family): a carved split is its family's share of the source (5%
+for LM and BERT pretraining, 5% + 5% for translation, 10% + 10% for classification), but at most
+HELD_OUT_BYTES of text, so that a large corpus holds out a few MB, not 5% of it, and at least
+HELD_OUT_DOCUMENTS documents (where its share holds that many; at least one), so that a corpus of
+large documents still has a split to evaluate. Every choice is by a hash of a key (`key_fraction`
+with a seed): stable across runs, machines and shards. Two ways apply it:
+  - documents listed when a source is planned (the files of text:/pystdlib: `hold_out_documents`)
+    are taken in the order of their keys' hashes until the split holds its share and its floor.
+    The floor's documents share the cap equally: one larger than its part is cut to it, its end
+    held out and its start trained on, where the family can cut (LM text: a cut is a document
+    boundary; a corpus of one file gives its last share, from a safe cut), else passed over for a
+    smaller one (BERT, which needs whole documents); after the floor, documents are taken whole
+    where they fit under the cap. A document is dealt whole to its split, however many cache
+    pieces it is read in.
+  - records met only while a cache is built (tsv lines, TFDS records, blank-line documents:
+    `carve_out`, `Carve`) are dealt one by one: a record is held out when its key's hash falls in
+    the share, cut to HELD_OUT_BYTES / the source's bytes (a TFDS split's bytes estimated from
+    RECORD_SAMPLE records, `bytes_per_record`). Such records are small (a pair, a paragraph), so
+    the cap's share holds thousands of them, far above the floor. A blank-line document read in
+    several pieces has its key on every piece, so it is never in two splits.
+Sources with their own held-out data keep it:
 numbers_en_fr, bbc_news (an exact 80/10/10 of its articles' hash order), the validation/test
 splits of a TFDS translation set. Families with a single held-out
 split (gpt, rnn_lm, BERT pretraining; none runs a test evaluation) carve validation only: their
@@ -41,6 +55,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import math
 import os
 import re
 from typing import Sequence
@@ -66,10 +81,15 @@ HEADER_WORDS = frozenset('source target src tgt text label labels sentence sente
                          'input output question answer category class'.split())
 LANGUAGE_CODE = re.compile(r'[a-z]{2}([-_][A-Za-z]{2,4})?')
 BBC_NEWS_FRACTIONS = (('train', 0.8), ('valid', 0.1), ('test', 0.1))
-# A split carved out of data.source holds at most about this much of its text (`carve_out`): of the
-# standard library's sources ~7,800 BERT pairs of 128 tokens or a few thousand GPT windows of 128
-# tokens; ~30,000 tsv lines of 70 bytes.
+# A split carved out of data.source holds at most about this much of its text (the held-out rule,
+# module docstring): ~7,800 BERT pairs of 128 tokens or a few thousand GPT windows of 128 tokens;
+# ~30,000 tsv lines of 70 bytes. Changing it, HELD_OUT_DOCUMENTS or `hold_out_documents` changes
+# which documents LM and BERT caches hold: bump lm.Tokens.VERSION and bert_data.Documents.VERSION.
 HELD_OUT_BYTES = 2 << 20
+# A carved split keeps at least this many documents where its share holds as many: BERT draws a
+# random next sentence from another document of its split.
+HELD_OUT_DOCUMENTS = 2
+RECORD_SAMPLE = 256  # TFDS records, spread over a split, whose mean size estimates its bytes per record
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -238,14 +258,72 @@ class Carve:
 def carve_out(fractions: Sequence[tuple[str, float]], held_out: Sequence[str], text_bytes: float, seed: int = 0
               ) -> Carve:
   """The Carve holding `held_out` out of a source of `text_bytes` bytes of text (an estimate for
-  records) by `fractions` ((role, share), ..., 'train' first): each held-out share cut to
-  HELD_OUT_BYTES / text_bytes, 'train' taking the rest. A source of up to HELD_OUT_BYTES / share
+  records) by `fractions` ((role, share), ..., 'train' first), for records dealt as they are read
+  (the held-out rule, module docstring): each held-out share cut to HELD_OUT_BYTES / text_bytes,
+  'train' taking the rest. A source of up to HELD_OUT_BYTES / share
   keeps `fractions` as given (its carve, and so its cache, as before the cap existed)."""
   cap = HELD_OUT_BYTES / max(text_bytes, 1)
   if all(share <= cap for role, share in fractions if role in held_out):
     return Carve(fractions=tuple(fractions), held_out=tuple(held_out), seed=seed)
   shares = {role: min(share, cap) if role in held_out else share for role, share in fractions if role != 'train'}
   return Carve(fractions=(('train', 1 - sum(shares.values())), *shares.items()), held_out=tuple(held_out), seed=seed)
+
+
+def hold_out_documents(documents: Sequence[tuple[str, int]], fractions: Sequence[tuple[str, float]],
+                       held_out: Sequence[str], seed: int = 0, can_cut: bool = False) -> dict[str, tuple[str, int]]:
+  """{key: (role, bytes held out)} of the `documents` ((key, bytes of text), keys unique) that the
+  `held_out` roles of `fractions` ((role, share), ..., 'train' first) take by the held-out rule
+  (module docstring): bytes held out is the document's size (whole) or, where `can_cut`, the size of
+  its end held out (its start trains). A key not returned trains whole. Reads no text: the list is
+  the corpus's files, which its plan holds anyway."""
+  total = sum(size for _, size in documents)
+  order = sorted(documents, key=lambda document: key_fraction(document[0], seed))
+  dealt, position = {}, 0
+  for role, share in fractions:
+    if role not in held_out:
+      continue
+    target = min(share * total, HELD_OUT_BYTES)
+    floor = min(HELD_OUT_DOCUMENTS, math.ceil(share * len(documents)))
+    held = count = 0
+    while position < len(order) and (count < floor or held < target):
+      key, size = order[position]
+      position += 1
+      if count < floor:  # an equal part of the cap left for each document the floor still needs
+        part = target if len(documents) == 1 else (HELD_OUT_BYTES - held) / (floor - count)
+        taken = size if size <= part else int(part) if can_cut else 0
+      else:
+        taken = size if held + size <= HELD_OUT_BYTES else 0
+      if taken:
+        dealt[key] = (role, taken)
+        held, count = held + taken, count + 1
+  return dealt
+
+
+def held_out_origins(source: str, documents: Sequence[tuple[str, int]], dealt: dict[str, tuple[str, int]],
+                     held_out: Sequence[str]) -> dict[str, str]:
+  """{split: origin} of the splits `hold_out_documents` dealt (`dealt`, its bytes as finally cut) out of
+  `source`'s `documents`, for their report lines."""
+  sizes, total = dict(documents), max(sum(size for _, size in documents), 1)
+  cut = {key for key, (_, taken) in dealt.items() if taken < sizes[key]}
+  origins = {'train': f'{source}, the documents not held out' + (' and the starts of those cut' if cut else '')}
+  for role in held_out:
+    keys = [key for key, (split, _) in dealt.items() if split == role]
+    held = sum(dealt[key][1] for key in keys)
+    ends = sum(key in cut for key in keys)
+    origins[role] = (f'{source}, {len(keys)} document{"s" if len(keys) != 1 else ""} by hash'
+                     + (f' ({ends} cut to {"its" if len(keys) == 1 else "their"} end{"s" if ends > 1 else ""})'
+                        if ends else '') + f', {percent(held / total)} of the text')
+  return origins
+
+
+def bytes_per_record(records: Sequence[dict], fields: Sequence[str], where: str, hint: str) -> float:
+  """The mean UTF-8 bytes of `fields` (`tfds_fields`) over RECORD_SAMPLE records spread evenly over
+  `records` (all of them when fewer): a split's estimate that a first record alone would skew."""
+  count = len(records)
+  picks = sorted({index * count // RECORD_SAMPLE for index in range(RECORD_SAMPLE)}) if count > RECORD_SAMPLE \
+      else range(count)
+  sizes = [sum(len(text.encode()) for text in tfds_fields(records[i], fields, where, hint)) for i in picks]
+  return sum(sizes) / max(len(sizes), 1)
 
 
 def carved_origins(source: str, carve: Carve, unit: str) -> dict[str, str]:

@@ -118,11 +118,12 @@ class Corpus:
 
 
 def plan(source: str, ranges: Sequence[Range], identity: dict, shard_bytes: int, bytes_per_record: int = 256,
-         piece_bytes: int = 0) -> Corpus:
+         piece_bytes: int = 0, apart: bool = False) -> Corpus:
   """`ranges` (whole files, record ranges) cut into pieces where their kind allows, grouped in
   order into shards of at most `shard_bytes` (a larger piece alone). A file is cut at the first
   place its kind allows after every `piece_bytes` (default shard_bytes), records every
-  shard_bytes // bytes_per_record."""
+  shard_bytes // bytes_per_record. `apart`: a shard holds the pieces of one `split` only (ranges
+  given grouped by split keep each split's documents together)."""
   piece_bytes = piece_bytes or shard_bytes
   pieces = []
   for whole in ranges:
@@ -143,7 +144,7 @@ def plan(source: str, ranges: Sequence[Range], identity: dict, shard_bytes: int,
                for a, b in zip(cuts, cuts[1:]) if b > a]
   shards, current, total = [], [], 0
   for piece in pieces:
-    if current and total + piece.size > shard_bytes:
+    if current and (total + piece.size > shard_bytes or apart and piece.split != current[-1].split):
       shards.append(tuple(current))
       current, total = [], 0
     current.append(piece)

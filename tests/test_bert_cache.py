@@ -61,11 +61,12 @@ def in_pieces(raw: bytes, step: int) -> list[tuple[int, int]]:
   return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def grouped(pieces: list, size, shard_bytes: int) -> list[list]:
-  """Consecutive pieces in shards of at most `shard_bytes` of text (a larger one alone)."""
+def grouped(pieces: list, size, shard_bytes: int, apart=lambda piece: False) -> list[list]:
+  """Consecutive pieces in shards of at most `shard_bytes` of text (a larger one alone), a new shard
+  where `apart` of a piece differs from the piece's before it."""
   shards, total = [[]], 0
   for piece in pieces:
-    if shards[-1] and total + size(piece) > shard_bytes:
+    if shards[-1] and (total + size(piece) > shard_bytes or apart(piece) != apart(shards[-1][-1])):
       shards.append([])
       total = 0
     shards[-1].append(piece)
@@ -73,24 +74,40 @@ def grouped(pieces: list, size, shard_bytes: int) -> list[list]:
   return shards
 
 
-def split_of(key: str, carved: bool = True) -> str:
-  """'valid' for EVAL_FRACTION of the keys by SHA-256 of (0, key) when carved, else 'train'."""
+def split_of(key: str, carved: bool = True, held: frozenset = frozenset()) -> str:
+  """'valid' when carved for the files `held` out, and for EVAL_FRACTION of the other keys (records,
+  blank-line documents) by SHA-256 of (0, key); else 'train'."""
   share = int.from_bytes(hashlib.sha256(f'0:{key}'.encode()).digest()[:8], 'big') / 2**64
-  return 'valid' if carved and share >= 0.95 else 'train'
+  return 'valid' if carved and (key in held if held else share >= 0.95) else 'train'
 
 
-def reference_shards(layout: str, inputs, shard_bytes: int) -> list[list[tuple[str, str]]]:
+def held_files(paths) -> frozenset:
+  """The files a carve holds out of a source far under sources.HELD_OUT_BYTES (the held-out rule of
+  data/sources.py, written out here): in the order of SHA-256 of (0, name), until there are two
+  (the floor) holding 5% of the bytes."""
+  sizes = {os.path.basename(path): os.path.getsize(path) for path in paths}
+  held, total = [], 0
+  for name in sorted(sizes, key=lambda name: hashlib.sha256(f'0:{name}'.encode()).digest()):
+    if len(held) >= 2 and total >= 0.05 * sum(sizes.values()):
+      break
+    held, total = held + [name], total + sizes[name]
+  return frozenset(held)
+
+
+def reference_shards(layout: str, inputs, shard_bytes: int, held=frozenset()) -> list[list[tuple[str, str]]]:
   """Per shard, its (key, text) documents in order: TFDS records shard_bytes // 256 a shard; a
   file's pieces of about a quarter of a shard, each a document keyed by its file (every piece of
-  it), or its blocks between blank lines (keyed file:offset)."""
+  it), the files `held` out last, in shards of their own; or its blocks between blank lines (keyed
+  file:offset)."""
   if layout == 'tfds':
     step = shard_bytes // 256
     records = [(f'fake:train:{i}', r['text'].decode()) for i, r in enumerate(inputs)]
     return [records[a:a + step] for a in range(0, len(records), step)]
+  inputs = sorted(inputs, key=lambda path: os.path.basename(path) in held)
   pieces = [(os.path.basename(path), open(path, 'rb').read(), start, end) for path in inputs
             for start, end in in_pieces(open(path, 'rb').read(), shard_bytes // 4)]
   shards = []
-  for shard in grouped(pieces, lambda piece: piece[3] - piece[2], shard_bytes):
+  for shard in grouped(pieces, lambda piece: piece[3] - piece[2], shard_bytes, lambda piece: piece[0] in held):
     shards.append([])
     for key, raw, start, end in shard:
       if layout == 'blank_line':
@@ -157,12 +174,12 @@ def reference_pairs(documents, max_tokens, short_seq_prob, dupe, rng) -> list:
   return [pairs[k] for k in rng.permutation(len(pairs))]
 
 
-def reference_rows(shards, split, tokenizer, config, carved=True) -> dict[str, np.ndarray]:
+def reference_rows(shards, split, tokenizer, config, carved=True, held=frozenset()) -> dict[str, np.ndarray]:
   """The rows of `split`, shard after shard: each shard's documents of the split (one sentence a line)
   paired alone, with the RNG of (seed + 1 for validation, shard index)."""
   rows = {field: [] for field in bert_data.FIELDS}
   for index, shard in enumerate(shards):
-    texts = [text for key, text in shard if split_of(key, carved) == split]
+    texts = [text for key, text in shard if split_of(key, carved, held) == split]
     tokenized = [[tokenizer.encode(line.strip()) for line in text.splitlines() if line.strip()] for text in texts]
     tokenized = [[ids for ids in document if ids] for document in tokenized]
     tokenized = [document for document in tokenized if document]
@@ -214,20 +231,24 @@ def test_the_bert_cache_equals_an_independent_reference(tmp_path, monkeypatch, c
       samples.append(list(sample)), train_tokenizer(kind, samples[-1], *args))[1])
   tokenizer, examples, caches = bert_data.pretraining_datasets(config, str(tmp_path / 'run'), SEED)
   carved = layout != 'one huge document'
+  held = held_files(inputs) if layout == 'file' else frozenset()
   shards = reference_shards('file' if layout == 'one huge document' else layout, inputs,
-                            int(config.cache_shard_mb * 2**20))
+                            int(config.cache_shard_mb * 2**20), held)
   assert len(shards) >= 4 and all(len(shard) >= 2 for shard in shards)
   assert caches['train'].startswith('bert-v') and (caches['train'] == caches['valid']) == carved
-  train_texts = [text for shard in shards for key, text in shard if split_of(key, carved) == 'train']
+  train_texts = [text for shard in shards for key, text in shard if split_of(key, carved, held) == 'train']
   counts = {'train': len(train_texts), 'valid': sum(map(len, shards)) - len(train_texts)}
   lines = [line for line in capsys.readouterr().out.splitlines() if ' split: ' in line]
   assert lines[0] == f'train split: {counts["train"]} documents from {source}, ' + (
       'the documents not held out' if carved else 'whole (data.source)')
   if carved:
-    assert lines[1] == f'valid split: {counts["valid"]} documents from {source}, a 5% hash split'
+    sizes = {os.path.basename(path): os.path.getsize(path) for path in inputs} if held else {}
+    share = sum(sizes[name] for name in held) / max(sum(sizes.values()), 1)
+    assert lines[1] == f'valid split: {counts["valid"]} documents from {source}, ' + (
+        f'{len(held)} documents by hash, {sources.percent(share)} of the text' if held else 'a 5% hash split')
   assert samples == [train_texts]  # the tokenizer trained on the training documents, in order
   for split in ('train', 'valid') if carved else ('train',):
-    expected, got = reference_rows(shards, split, tokenizer, config, carved), in_file_order(examples[split])
+    expected, got = reference_rows(shards, split, tokenizer, config, carved, held), in_file_order(examples[split])
     assert len(expected['tokens']) > (50 if split == 'train' else 5)
     for field in bert_data.FIELDS:
       np.testing.assert_array_equal(got[field], expected[field].astype(got[field].dtype), err_msg=f'{split} {field}')
@@ -253,8 +274,8 @@ def test_shards_pair_their_own_documents(tmp_path):
   config = data_config(source, tmp_path / 'cache', dupe_factor=3)
   _, examples, caches = bert_data.pretraining_datasets(config, str(tmp_path / 'run'), SEED, tokenizer)
   paths = sorted(str(tmp_path / 'corpus' / name) for name in os.listdir(tmp_path / 'corpus'))
-  shard_of = {key: index for index, shard in enumerate(reference_shards('file', paths, SHARD_BYTES))
-              for key, _ in shard}
+  shards = reference_shards('file', paths, SHARD_BYTES, held_files(paths))
+  shard_of = {key: index for index, shard in enumerate(shards) for key, _ in shard}
   assert len(set(shard_of.values())) >= 4
   document_of = {tokenizer.token_id(word): f'doc{i // 5:03d}.txt' for i, word in enumerate(vocabulary)}
   for split in ('train', 'valid'):

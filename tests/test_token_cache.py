@@ -8,6 +8,7 @@ import glob
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -78,10 +79,11 @@ def bpe(corpus):
 
 # ----------------------------------------------------------------------------- an independent reference
 def reference_documents(source: str, seed: int, carve: bool) -> dict[str, list[str]]:
-  """{split: document texts} by the rule of data/sources.py, written out here: the files (not blank)
-  keyed by their path relative to their folder, EVAL_FRACTION held out by SHA-256 of (seed, key)
-  (the last file when none falls there); a single file's tail from the first newline between two
-  printable ASCII characters after 95% of its bytes (a CRLF: before its '\\r')."""
+  """{split: document texts} by the rule of data/sources.py for a source far under its cap, written
+  out here: the files (not blank) keyed by their path relative to their folder, held out whole in the
+  order of SHA-256 of (seed, key) until they are 2 (or 5% of the files, at least one) holding
+  EVAL_FRACTION of the bytes; a single file's tail from the first newline between two printable
+  ASCII characters after 95% of its bytes (a CRLF: before its '\\r')."""
   paths = sorted(glob.glob(source.removeprefix('text:')))
   texts = {os.path.basename(p): open(p, 'rb').read().decode().removeprefix('\ufeff') for p in paths}
   texts = {key: text for key, text in texts.items() if text.strip()}
@@ -92,8 +94,12 @@ def reference_documents(source: str, seed: int, carve: bool) -> dict[str, list[s
     match = re.compile(rb'[!-~](\r?)\n[!-~]').search(raw, int(len(raw) * 0.95))
     cut = match.start(1) if match.group(1) else match.end() - 1
     return {'train': [raw[:cut].decode()], 'valid': [raw[cut:].decode()]}
-  share = lambda key: int.from_bytes(hashlib.sha256(f'{seed}:{key}'.encode()).digest()[:8], 'big') / 2**64
-  valid = [key for key in texts if share(key) >= 0.95] or [list(texts)[-1]]
+  sizes = {os.path.basename(p): os.path.getsize(p) for p in paths if os.path.basename(p) in texts}
+  floor, valid = min(2, math.ceil(0.05 * len(texts))), []
+  for key in sorted(texts, key=lambda key: hashlib.sha256(f'{seed}:{key}'.encode()).digest()):
+    if len(valid) >= floor and sum(sizes[k] for k in valid) >= 0.05 * sum(sizes.values()):
+      break
+    valid.append(key)
   return {'train': [t for k, t in texts.items() if k not in valid], 'valid': [texts[k] for k in valid]}
 
 
