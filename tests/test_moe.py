@@ -1,7 +1,11 @@
 """Mixture-of-experts GPT (models/moe.py): the grouped-matmul layer against a per-token loop, the
-capacity path's drops, the balancing losses and bias by hand, scan/remat/decoding."""
+capacity path's drops, the balancing losses and bias by hand, scan/remat/decoding, a training run
+through the trainer with its metrics and picture, the presets' parameter counts, and bad config
+values as one-line errors."""
 import functools
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import support
+from configs import gpt as gpt_configs
 from models import moe
 from models.gpt import GPT, GPT2Config, generate
 from models.layers import ACTIVATIONS
@@ -261,6 +267,178 @@ def test_cached_greedy_decoding_of_an_moe_gpt_equals_an_argmax_loop_without_cach
   for _ in range(new):
     sequence.append(int(jnp.argmax(full_forward(model, jnp.asarray([sequence]))[0, -1])))
   assert list(np.asarray(out)[0]) == sequence[len(prompt):]
+
+
+def test_a_tiny_moe_gpt_trains_through_the_trainer_and_logs_its_routing(tmp_path):
+  from train.rundir import load_run
+  from train.trainer import evaluate_run, train_and_evaluate
+  corpus = support.write_corpus(str(tmp_path / 'corpus'), files=3, lines=30)
+  config = support.tiny_gpt_config(corpus, **{
+      'model.moe_experts': 4, 'model.moe_every': 2, 'model.moe_shared_experts': 1, 'model.moe_router_bias': True,
+      'model.mlp': 'swiglu', 'train.moe_bias_rate': 0.01, 'train.steps': 3, 'train.log_every': 1,
+      'train.eval_every': 3, 'train.checkpoint_every': 3, 'decode.prompts': ''})
+  workdir = str(tmp_path / 'run')
+  results = train_and_evaluate(config, workdir)
+  rows = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+  train_rows = [row for row in rows if 'train/loss' in row]
+  assert [row['step'] for row in train_rows] == [1, 2, 3]
+  for row in train_rows:  # block 1 alone holds experts (moe_every=2)
+    assert 1.0 <= row['train/moe/block_1/max_load'] <= 4.0 and 0.0 <= row['train/moe/block_1/min_load'] <= 1.0
+    assert 'train/moe/block_0/max_load' not in row
+    assert row['train/moe/dropped_fraction'] == 0.0
+    assert row['train/moe/load_balancing_loss'] > 0 and row['train/moe/z_loss'] > 0
+  assert os.path.isfile(results['images']['moe/expert_load'])
+  run = load_run(workdir)
+  # The load bias moved once per step, by +-rate (or stayed for an expert at the mean load).
+  bias = np.asarray(run.model.blocks[1].mlp.load_bias[...])
+  assert np.any(bias != 0) and np.allclose(np.round(bias / 0.01), bias / 0.01, atol=1e-4)
+  assert np.abs(bias).max() <= 3 * 0.01 + 1e-6
+  assert not isinstance(run.model.blocks[0].mlp, moe.MoEFeedForward)
+  evaluated = evaluate_run(workdir)
+  assert evaluated['eval/loss'] == pytest.approx(results['eval/loss'], rel=1e-6)
+
+
+def test_the_balancing_losses_join_the_minimised_loss_with_their_coefficients():
+  from train.tasks import gpt as gpt_task
+  config = support.smallest_config('gpt', {'model.moe_experts': 4, 'train.moe_aux_loss': 0.5,
+                                           'train.moe_z_loss': 0.25, 'train.loss_chunk_tokens': 0})
+  from train.task import Prepared
+  model_config = gpt_task.Task.resolve_model_config(config, 'cpu', vocab_size=37)
+  task = gpt_task.Task(config, Prepared(None, model_config))
+  model = task.build_model(nnx.Rngs(0))
+  batch = {'tokens': np.asarray(tokens(batch=2, length=10))}
+  loss, metrics = task.loss(model, batch, deterministic=False)
+  cross_entropy = metrics['loss'][0] / metrics['loss'][1]
+  balancing = metrics['moe/load_balancing_loss'][0]
+  z_loss = metrics['moe/z_loss'][0]
+  assert float(loss) == pytest.approx(float(cross_entropy + 0.5 * balancing + 0.25 * z_loss), rel=1e-6)
+  eval_loss, eval_metrics = task.loss(model, batch, deterministic=True)
+  assert float(eval_loss) == pytest.approx(float(cross_entropy), rel=1e-6) and 'moe/z_loss' not in eval_metrics
+
+
+# ------------------------------------------------------------------------------------------- presets
+def expert_matrices(config: GPT2Config) -> int:
+  """Parameters of one expert: two or three matrices E x H."""
+  return (3 if config.mlp == 'swiglu' else 2) * config.width * config.expert_width
+
+
+def preset_model_config(preset: str, **overrides) -> GPT2Config:
+  config = gpt_configs.get_config(preset)
+  return GPT2Config(**{**config.model.to_dict(), 'vocab_size': config.data.vocab_size, 'attention': 'xla',
+                       'dtype': 'float32', **overrides})
+
+
+def counts(preset: str) -> tuple[int, int]:
+  """(parameters, parameters active per token) of a preset's model, built abstractly (scanned: flat
+  in depth); active = all but the N - k experts each MoE block leaves out."""
+  config = preset_model_config(preset, scan_layers=True)
+  total = support.abstract_parameter_count(config, lambda c: GPT(c, rngs=nnx.Rngs(0)))
+  idle = len(config.moe_blocks()) * (config.moe_experts - config.moe_top_k) * expert_matrices(config)
+  return total, total - idle
+
+
+def llama_style_count(vocab, layers, width, heads, kv_heads, head_dim, experts, expert_width, qk_norm):
+  """By hand: untied embedding and head 2 V E; per block query and output 2 E H D, key and value
+  2 E K D, two RMSNorms 2E, QK-norm 2D, the router E N and N experts of three E x H' matrices; the
+  final RMSNorm E."""
+  block = (2 * width * heads * head_dim + 2 * width * kv_heads * head_dim + 2 * width + qk_norm * 2 * head_dim
+           + width * experts + experts * 3 * width * expert_width)
+  return 2 * vocab * width + layers * block + width
+
+
+@pytest.mark.parametrize('preset, published, by_hand', [
+    # Mixtral 8x7B (Jiang et al. 2024; HF MixtralForCausalLM): 46.7B parameters, 12.9B active.
+    ('mixtral-8x7b', (46.7e9, 12.9e9), (46_702_792_704, 12_879_925_248)),
+    # Qwen3-30B-A3B (Qwen3 technical report 2025; HF Qwen3MoeForCausalLM): 30.5B, 3.3B active
+    # (29.9B without the embedding and output layer, 2 x 151,936 x 2,048).
+    ('qwen3-30b-a3b', (30.5e9, 3.3e9), (30_532_122_624, 3_353_032_704)),
+    # OLMoE-1B-7B (Muennighoff et al. 2024): 6.9B, 1.3B active; its QK-norm scales the whole
+    # projections (2 x 2,048 per block), ours each head's (2 x 128): 16 x 3,840 = 61,440 fewer.
+    ('olmoe-1b-7b', (6.9e9, 1.3e9), (6_919_161_856 - 61_440, 1_282_017_280 - 61_440)),
+])
+def test_the_published_moe_shapes_have_their_published_parameter_counts(preset, published, by_hand):
+  config = preset_model_config(preset)
+  hand_total = llama_style_count(config.vocab_size, config.num_layers, config.width, config.num_heads,
+                                 config.kv_heads, config.head_width, config.moe_experts, config.expert_width,
+                                 config.qk_norm)
+  hand_active = hand_total - config.num_layers * (config.moe_experts - config.moe_top_k) * expert_matrices(config)
+  assert (hand_total, hand_active) == by_hand
+  assert counts(preset) == by_hand
+  # Published to a tenth of a billion (Qwen3's 3.353B active is given as 3.3B).
+  assert all(abs(count - value) < 0.06e9 for count, value in zip(by_hand, published))
+
+
+def test_the_moe_preset_has_the_dense_defaults_active_parameters():
+  # default: embeddings (2,048 + 256 positions) x 256; per block attention 4 x 256^2 + 4 x 256 biases,
+  # QK-norm 2 x 64, two LayerNorms 4 x 256, MLP 2 x 256 x 1,024 + 1,024 + 256 biases; final LayerNorm 512.
+  embeddings, attention, norms = (2048 + 256) * 256, 4 * 256**2 + 4 * 256 + 2 * 64, 4 * 256
+  dense = embeddings + 4 * (attention + norms + 2 * 256 * 1024 + 1024 + 256) + 512
+  # moe: the MLP is the 256 x 8 router and 8 experts of 2 x 256 x 510, 2 of them active per token.
+  total = embeddings + 4 * (attention + norms + 256 * 8 + 8 * 2 * 256 * 510) + 512
+  active = embeddings + 4 * (attention + norms + 256 * 8 + 2 * 2 * 256 * 510) + 512
+  assert (dense, total, active) == (3_749_888, 10_011_648, 3_744_768)
+  assert 256 * 8 + 2 * 2 * 256 * 510 == 2 * 256 * 1024  # the MLP weights a token passes through
+  assert counts('moe') == (total, active)
+  assert counts('default')[0] == dense
+
+
+def test_bench_flops_count_the_chosen_and_shared_experts_not_all_of_them():
+  from train import bench
+  config = gpt_configs.get_config('moe')
+  task = bench.bench_task(config, 'cpu')
+  # 6 x (per block 4 x 256^2 attention + the router 256 x 8 + 2 chosen experts x 2 x 256 x 510,
+  # the 2,048 x 256 output layer) + 12 x 4 blocks x 128 positions x 256.
+  per_block = 4 * 256**2 + 256 * 8 + 2 * 2 * 256 * 510
+  assert task.flops_per_token() == 6 * (4 * per_block + 2048 * 256) + 12 * 4 * 128 * 256
+  shared = bench.bench_task(support.with_overrides(gpt_configs.get_config('moe'), {
+      'model.moe_shared_experts': 1, 'model.moe_every': 2}), 'cpu')
+  dense_block = 4 * 256**2 + 2 * 256 * 1024
+  moe_block = 4 * 256**2 + 256 * 8 + 3 * 2 * 256 * 510
+  assert shared.flops_per_token() == 6 * (2 * dense_block + 2 * moe_block + 2048 * 256) + 12 * 4 * 128 * 256
+
+
+# --------------------------------------------------------------------------------------- bad values
+@pytest.mark.parametrize('override, message', [
+    ({'model.moe_experts': 4, 'model.moe_top_k': 5},
+     'config.model.moe_top_k=5 must be between 1 and model.moe_experts=4.'),
+    ({'model.moe_experts': 4, 'model.moe_top_k': 0},
+     'config.model.moe_top_k=0 must be between 1 and model.moe_experts=4.'),
+    ({'model.moe_top_k': 4}, 'config.model.moe_top_k=4 is set on a dense model (model.moe_experts=0); set '
+                             'model.moe_experts to the number of experts, or drop it.'),
+    ({'model.moe_capacity_factor': 1.25}, 'config.model.moe_capacity_factor=1.25 is set on a dense model '
+                                          '(model.moe_experts=0); set model.moe_experts to the number of experts, '
+                                          'or drop it.'),
+    ({'model.moe_experts': -2}, 'config.model.moe_experts=-2 must be >= 0 (0: a dense model).'),
+    ({'model.moe_experts': 4, 'model.moe_capacity_factor': -1.0},
+     'config.model.moe_capacity_factor=-1.0 must be >= 0 (0: dropless; 1.25 is a common capacity).'),
+    ({'model.moe_experts': 4, 'model.moe_every': 0},
+     'config.model.moe_every=0 must be >= 1 (1: every block holds experts).'),
+    ({'model.moe_experts': 4, 'model.moe_every': 3},
+     'config.model.moe_every=3 exceeds model.num_layers=2: no block would hold experts; lower it.'),
+    ({'model.moe_experts': 4, 'model.moe_every': 2, 'model.scan_layers': True},
+     'config.model.moe_every=2 with model.scan_layers=True: scanned blocks are identical, so set moe_every=1 or '
+     'scan_layers=False.'),
+    ({'model.moe_experts': 4, 'model.moe_hidden': -8},
+     'config.model.moe_hidden=-8 must be >= 0 (0: the dense MLP width).'),
+    ({'model.moe_experts': 4, 'model.moe_shared_experts': -1}, 'config.model.moe_shared_experts=-1 must be >= 0.'),
+    ({'model.moe_experts': 4, 'train.moe_aux_loss': -0.01}, 'config.train.moe_aux_loss=-0.01 must be >= 0 (0: off).'),
+    ({'model.head_dim': -1}, 'config.model.head_dim=-1 must be >= 0 (0: width // num_heads).'),
+])
+def test_bad_moe_values_are_one_line_config_errors(override, message):
+  from errors import ConfigError
+  from train.validation import validate_config
+  with pytest.raises(ConfigError) as error:
+    validate_config(support.with_overrides(gpt_configs.get_config('tiny'), override), num_devices=1)
+  assert str(error.value) == message
+
+
+def test_a_bad_moe_value_stops_launch_in_one_line_before_any_workdir(tmp_path):
+  result = support.launch(['--config=configs/gpt.py:tiny', '--config.model.moe_experts=2',
+                           '--config.model.moe_top_k=3', f'--workdir={tmp_path}/run'])
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [
+      'error: config.model.moe_top_k=3 must be between 1 and model.moe_experts=2.'], result.stderr
+  assert not os.path.exists(tmp_path / 'run')
 
 
 def test_muon_takes_each_experts_matrices_and_adamw_the_router():
