@@ -12,7 +12,8 @@ export. Scanned models ([num_layers, ...] block parameters) export one `layers.<
 The same layout (embeddings, attention, norms, head) is Mixtral's and Qwen3-MoE's, whose blocks
 hold experts instead of one MLP: interop/hf_moe.py builds on `decoder_tensor_names`,
 `decoder_fields_from_hf`, `import_decoder` and `export_decoder`, giving each its MLP names and
-config entries.
+config entries. `head_dim` (Qwen3's heads are wider than hidden_size / num_attention_heads) is
+read and written.
 
 config.json: transformers 5 writes the rotary settings as `rope_parameters` {'rope_type',
 'rope_theta', ...}; older files carry `rope_theta` and `rope_scaling`. Both are read; exports write
@@ -120,11 +121,11 @@ def decoder_fields_from_hf(hf: dict, where: str) -> dict:
   fields = fields_from_hf(hf, CONFIG_KEYS, where)
   if hf.get('hidden_act', 'silu') != 'silu':
     raise HFImportError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU uses 'silu').")
-  if hf.get('head_dim') not in (None, fields['width'] // fields['num_heads']):
-    raise HFImportError(f"{where}: head_dim={hf['head_dim']} is not hidden_size / num_attention_heads, which this "
-                        f'GPT assumes.')
+  head_dim = hf.get('head_dim') or fields['width'] // fields['num_heads']
+  # head_dim 0 (width / num_heads) unless the file sets another, so a round trip keeps the config as it was.
   return {**fields, **LLAMA_STEPS, **rope_fields_from_hf(hf, where), 'dropout': 0.0,
-          'num_kv_heads': hf.get('num_key_value_heads') or fields['num_heads']}
+          'num_kv_heads': hf.get('num_key_value_heads') or fields['num_heads'],
+          'head_dim': 0 if head_dim * fields['num_heads'] == fields['width'] else head_dim}
 
 
 def llama_config_from_hf(hf_dir: str, dtype: str = 'float32', attention: str = 'xla', vocab_multiple: int = 128
@@ -191,7 +192,7 @@ def export_decoder(model: GPT, tokenizer, out_dir: str, names: list[TensorName],
     rope = rope_parameters(config)
     write_json(staging, 'config.json', {
         **fields_to_hf(config, CONFIG_KEYS), 'intermediate_size': config.mlp_width,
-        'num_key_value_heads': config.kv_heads, 'head_dim': config.width // config.num_heads, 'hidden_act': 'silu',
+        'num_key_value_heads': config.kv_heads, 'head_dim': config.head_width, 'hidden_act': 'silu',
         'attention_dropout': config.dropout,
         'rope_parameters': rope, 'rope_theta': config.rope_theta,  # transformers 5; 4 reads these two:
         'rope_scaling': None if config.rope_scaling == 'none' else rope,
