@@ -45,6 +45,7 @@ Presets:
   qwen3-30b-a3b  Qwen3-30B-A3B: 30,532,122,624 parameters, 3,353,032,704 active (128 experts, top-8; --mode=compile)
   olmoe-1b-7b    OLMoE-1B-7B: 6,919,100,416 parameters, 1,281,955,840 active (64 experts, top-8; per-head
                  QK-norm, 61,440 parameters fewer than OLMoE's; --mode=compile)
+  Import a Mixtral or Qwen3-MoE from Hugging Face with --mode=import_hf (it starts from `moe`'s recipe).
 
 Decoder options (issue 33), each usable alone with the GPT-2 or the Llama block, all off by default:
   --config.model.qk_norm=True          RMSNorm of query and key heads (a learned [D] scale each), before RoPE
@@ -125,7 +126,7 @@ PRESETS |= {
 }
 
 # `--mode=import_hf` without --config: the preset a Hugging Face config.json's model_type starts from.
-HF_MODEL_TYPES = {'gpt2': 'gpt2', 'llama': 'llama'}
+HF_MODEL_TYPES = {'gpt2': 'gpt2', 'llama': 'llama', 'mixtral': 'moe', 'qwen3_moe': 'moe'}
 
 
 def get_config(preset: str = 'default'):

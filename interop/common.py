@@ -5,12 +5,15 @@ A family describes its tensors once, as a list of `TensorName`s: the HF name, th
 parameter(s) in our model's `nnx.to_pure_dict(nnx.state(model, nnx.Param))`, and whether HF
 stores the matrix transposed. `load_tensors` (import) and `to_hf_tensors` (export) both read
 that list, so the two directions cannot drift apart, and both check that it covers every
-parameter of the model. Our token embeddings (and BERT's MLM bias) may have padded vocabulary
-rows (models/layers.py) that HF does not have: import fills them with zeros and export drops
-them, so HF files keep the tokenizer's vocabulary size.
+parameter of the model. A mixture of experts stacks its experts' matrices in one [N, ...]
+parameter where HF files hold one tensor per expert: a `TensorName` with `expert=n` is slice n.
+Our token embeddings (and BERT's MLM bias) may have padded vocabulary rows (models/layers.py)
+that HF does not have: import fills them with zeros and export drops them, so HF files keep the
+tokenizer's vocabulary size.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -62,11 +65,14 @@ class TensorName(NamedTuple):
   """One HF tensor. `ours` holds one parameter path, or several whose arrays sit side by side on
   the last axis of the HF tensor (GPT-2's fused query/key/value); `transpose`: HF stores the
   matrix as [out, in] (torch.nn.Linear) while `nnx.Linear.kernel` is [in, out]; `rows`: HF holds
-  only the first `rows` rows of our (untransposed) parameter, the rest being vocabulary padding."""
+  only the first `rows` rows of our (untransposed) parameter, the rest being vocabulary padding;
+  `expert`: HF holds only our parameter's [expert] slice on its leading [N] (experts) axis, and the
+  table names every slice 0..N-1 of it."""
   hf: str
   ours: tuple[ParamPath, ...]
   transpose: bool = False
   rows: int | None = None
+  expert: int | None = None
 
 
 def linear_names(hf: str, ours: ParamPath, *, transpose: bool) -> list[TensorName]:
@@ -96,13 +102,20 @@ def _set(tree: dict, path: ParamPath, value) -> None:
 
 
 def _check_covers(params: dict, names: list[TensorName]) -> None:
-  """The table names every parameter exactly once (a model change must update the table)."""
-  named = [path for name in names for path in name.ours]
-  missing = set(_leaf_paths(params)) - set(named)
-  unknown = set(named) - set(_leaf_paths(params))
-  if missing or unknown or len(named) != len(set(named)):
+  """The table names every parameter exactly once, or each of its expert slices once (a model
+  change must update the table)."""
+  slices = collections.defaultdict(list)  # path -> the expert of each name of it (None: the whole parameter)
+  for name in names:
+    for path in name.ours:
+      slices[path].append(name.expert)
+  missing = set(_leaf_paths(params)) - set(slices)
+  unknown = set(slices) - set(_leaf_paths(params))
+  uneven = [path for path, experts in slices.items() if path not in unknown and experts != [None]
+            and sorted(e if e is not None else -1 for e in experts) != list(range(np.shape(_get(params, path))[0]))]
+  if missing or unknown or uneven:
     raise ValueError(f'The HF tensor table does not match the model: parameters without an HF name '
-                     f'{sorted(map(str, missing))[:3]}, names of no parameter {sorted(map(str, unknown))[:3]}.')
+                     f'{sorted(map(str, missing))[:3]}, names of no parameter {sorted(map(str, unknown))[:3]}, '
+                     f'named more than once or not by every expert {sorted(map(str, uneven))[:3]}.')
 
 
 def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list[TensorName], hf_dir: str
@@ -112,12 +125,14 @@ def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list
   state = nnx.state(module, nnx.Param)
   params = nnx.to_pure_dict(state)
   _check_covers(params, names)
+  expert_slices: dict[ParamPath, dict[int, np.ndarray]] = {}  # stacked once all are read
   for name in names:
     if name.hf not in tensors:
       raise HFImportError(f'The weights in {hf_dir} lack the tensor {name.hf!r} that its config.json implies; '
                           f'the weights and config.json are not of one model.')
     targets = [_get(params, path) for path in name.ours]
-    shape = targets[0].shape[:-1] + (sum(t.shape[-1] for t in targets),)
+    shapes = [t.shape if name.expert is None else t.shape[1:] for t in targets]
+    shape = shapes[0][:-1] + (sum(s[-1] for s in shapes),)
     expected = shape[::-1] if name.transpose else shape
     expected = expected if name.rows is None else (name.rows,) + expected[1:]
     value = np.asarray(tensors[name.hf])
@@ -128,7 +143,12 @@ def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list
       value = _pad_rows(value, shape[0])
     value = value.T if name.transpose else value
     for path, target, part in zip(name.ours, targets, np.split(value, len(targets), axis=-1)):
-      _set(params, path, jnp.asarray(part, target.dtype))
+      if name.expert is None:
+        _set(params, path, jnp.asarray(part, target.dtype))
+      else:
+        expert_slices.setdefault(path, {})[name.expert] = part
+  for path, parts in expert_slices.items():
+    _set(params, path, jnp.asarray(np.stack([parts[n] for n in range(len(parts))]), _get(params, path).dtype))
   nnx.replace_by_pure_dict(state, params)
   nnx.update(module, state)
   return {name.hf for name in names}
@@ -166,7 +186,8 @@ def to_hf_tensors(params: dict, names: list[TensorName]) -> dict[str, np.ndarray
   _check_covers(params, names)
   tensors = {}
   for name in names:
-    parts = [np.asarray(_get(params, path)) for path in name.ours]
+    parts = [np.asarray(_get(params, path) if name.expert is None else _get(params, path)[name.expert])
+             for path in name.ours]
     value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
     value = value if name.rows is None else value[:name.rows]
     # safetensors writes an array's buffer as is: a transposed view must be made contiguous first.

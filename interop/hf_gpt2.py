@@ -36,8 +36,8 @@ QKV = ('query', 'key', 'value')  # their order in c_attn
 # What a GPT needs to be a GPT2LMHeadModel (besides one key/value head per query head).
 GPT2_STEPS = {'positions': 'learned', 'norm': 'layernorm', 'mlp': 'gelu', 'use_bias': True, 'tie_embeddings': True}
 # The decoder options neither GPT2LMHeadModel nor LlamaForCausalLM has (models/gpt.py), each with the
-# test of its being on. zero_init_out changes only the initialisation: such models export.
-OPTIONS_WITHOUT_HF = {'qk_norm': bool, 'mlp': lambda mlp: mlp == 'relu2', 'logit_softcap': bool}
+# test of its being on (experts: interop/hf_moe.py). zero_init_out changes only the initialisation: such models export.
+OPTIONS_WITHOUT_HF = {'qk_norm': bool, 'mlp': lambda mlp: mlp == 'relu2', 'logit_softcap': bool, 'moe_experts': bool}
 
 
 class ImportedGPT2(NamedTuple):

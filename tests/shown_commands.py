@@ -200,6 +200,8 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
         ByTest('tests/test_bert_task.py::test_launch_predict_applies_config_overrides_to_a_trained_run'),
     'python launch.py --mode=export_hf --workdir=runs/smollm --hf_dir=hf/smollm':
         ByTest('tests/test_llama.py::test_import_then_export_is_the_identity_and_loads_in_transformers'),
+    'python launch.py --mode=export_hf --workdir=runs/qwen3-moe --hf_dir=hf/qwen3-moe':
+        ByTest('tests/test_interop_moe.py::test_import_then_export_is_the_identity_and_loads_in_transformers'),
     'export STORAGE_EMULATOR_HOST=http://localhost:9023':
         ByTest('tests/test_cloud_workdir.py::test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads'),
     'export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false':
@@ -277,6 +279,7 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     '--hf_dir=/path/bert-base-uncased --workdir=runs/bert-base': Needs('network'),
     'python launch.py --mode=import_hf --hf_dir=/path/to/gpt2 --workdir=runs/gpt2': Needs('network'),
     'python launch.py --mode=import_hf --hf_dir=/path/to/SmolLM-135M --workdir=runs/smollm': Needs('network'),
+    'python launch.py --mode=import_hf --hf_dir=/path/to/Qwen3-30B-A3B --workdir=runs/qwen3-moe': Needs('network'),
     'gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...': Needs('accelerator'),
     "gcloud compute tpus tpu-vm ssh NAME --worker=all --command='cd attention-lineage && python launch.py "
     "--config=configs/gpt.py:gpt2 --workdir=gs://BUCKET/runs/gpt2'": Needs('accelerator'),

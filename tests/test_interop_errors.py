@@ -1,8 +1,9 @@
 """A bad Hugging Face directory given to --mode=import_hf ends with one `error:` line naming the
-file and the fix, exit status 1, and no --workdir written, whichever reader (GPT-2, Llama, BERT)
-and whichever part is bad: config.json (cut short, sizes missing, no model_type), the weights
-(missing, damaged, tensors missing, extra or of the wrong shape), the tokenizer (missing, not
-loading, not a BERT vocabulary).
+file and the fix, exit status 1, and no --workdir written, whichever reader (GPT-2, Llama, Mixtral,
+Qwen3-MoE, BERT) and whichever part is bad: config.json (cut short, sizes missing, no model_type,
+an option this GPT lacks: a sliding window, Qwen3-MoE's mlp_only_layers), the weights (missing,
+damaged, tensors missing, extra or of the wrong shape), the tokenizer (missing, not loading, not a
+BERT vocabulary).
 
 The directories are written by our own exporters (no torch needed) and then broken one way each."""
 import json
@@ -21,11 +22,13 @@ WORDS = ' '.join(support.WORDS)
 
 @pytest.fixture(scope='module')
 def hf_dirs(tmp_path_factory):
-  """{'gpt2' | 'llama' | 'bert': a complete tiny Hugging Face directory of that model_type}."""
+  """{'gpt2' | 'llama' | 'mixtral' | 'qwen3_moe' | 'bert': a complete tiny Hugging Face directory of
+  that model_type}."""
   from data.tokenizers import train_bpe, train_wordpiece
   from interop.hf_bert import export_bert
   from interop.hf_gpt2 import export_gpt2
   from interop.hf_llama import LLAMA_STEPS, export_llama
+  from interop.hf_moe import export_moe
   from models.bert import BertConfig, BertForPretraining
   from models.gpt import GPT, GPT2Config
   root = tmp_path_factory.mktemp('hf')
@@ -33,10 +36,15 @@ def hf_dirs(tmp_path_factory):
   sizes = dict(vocab_size=bpe.vocab_size, max_len=16, num_layers=1, num_heads=2, width=8)
   export_gpt2(GPT(GPT2Config(**sizes), rngs=nnx.Rngs(0)), bpe, str(root / 'gpt2'))
   export_llama(GPT(GPT2Config(**sizes, **LLAMA_STEPS, use_bias=False), rngs=nnx.Rngs(0)), bpe, str(root / 'llama'))
+  experts = dict(sizes, **LLAMA_STEPS, use_bias=False, moe_experts=3, moe_hidden=4)
+  export_moe(GPT(GPT2Config(**experts), rngs=nnx.Rngs(0)), bpe, str(root / 'mixtral'))
+  # Experts in block 1 of 2 (decoder_sparse_step=2), QK-norm.
+  qwen3_moe = GPT2Config(**{**experts, 'num_layers': 2}, moe_every=2, qk_norm=True)
+  export_moe(GPT(qwen3_moe, rngs=nnx.Rngs(0)), bpe, str(root / 'qwen3_moe'))
   wordpiece = train_wordpiece([WORDS] * 4, vocab_size=100)
   bert = BertConfig(vocab_size=wordpiece.vocab_size, max_len=16, num_layers=1, num_heads=2, width=8, mlp_dim=16)
   export_bert(BertForPretraining(bert, rngs=nnx.Rngs(0)), wordpiece, str(root / 'bert'))
-  return {name: str(root / name) for name in ('gpt2', 'llama', 'bert')}
+  return {name: str(root / name) for name in ('gpt2', 'llama', 'mixtral', 'qwen3_moe', 'bert')}
 
 
 # Each way of breaking a directory `d`, and the error it must give ({d}: the directory, ...: the
@@ -74,6 +82,13 @@ def edit_weights(edit):
     tensors = load_file(f'{d}/model.safetensors')
     edit(tensors)
     save_file(tensors, f'{d}/model.safetensors')
+  return rewrite
+
+
+def edit_config(**entries):
+  def rewrite(d):
+    config = json.load(open(f'{d}/config.json'))
+    json.dump({**config, **entries}, open(f'{d}/config.json', 'w'))
   return rewrite
 
 
@@ -131,6 +146,37 @@ CASES = {
         'llama', vocabulary_one_larger,
         'The tensor model.embed_tokens.weight in {d} is [{vocab}, 8], but its config.json implies [{vocab1}, 8]; '
         'the weights and config.json are not of one model.'),
+    'mixtral sliding window shorter than the positions': (
+        'mixtral', edit_config(sliding_window=8),
+        '{d}/config.json: sliding_window=8 is shorter than max_position_embeddings=16, and this GPT attends to '
+        'every earlier token; to import it for sequences of at most 8 tokens (where the window cuts nothing), set '
+        'max_position_embeddings to 8.'),
+    'qwen3_moe mlp_only_layers not expressible with decoder_sparse_step': (
+        'qwen3_moe', edit_config(mlp_only_layers=[0, 1]),
+        '{d}/config.json: mlp_only_layers=[0, 1] makes blocks [1] dense, which decoder_sparse_step=2 gives experts; '
+        'this GPT places experts only every moe_every-th block (decoder_sparse_step), so such a model cannot be '
+        'imported.'),
+    'qwen3_moe attention biases': (
+        'qwen3_moe', edit_config(attention_bias=True),
+        '{d}/config.json: attention_bias=true is not supported for Qwen3-MoE (its MLPs have no biases, and this GPT '
+        'has one use_bias for both).'),
+    'qwen3_moe more experts per token than experts': (
+        'qwen3_moe', edit_config(num_experts_per_tok=4),
+        '{d}/config.json: num_experts_per_tok=4 must be between 1 and the 3 experts; the config.json is damaged: '
+        'download it again.'),
+    'mixtral config.json without its experts': (
+        'mixtral', edit_config(num_local_experts=None),
+        '{d}/config.json lacks num_local_experts (or num_experts) or num_experts_per_tok: the experts of a mixture '
+        'of experts. A complete Hugging Face config.json has them; download it again.'),
+    "an expert's tensor missing": (
+        'mixtral', edit_weights(lambda tensors: tensors.pop('model.layers.0.block_sparse_moe.experts.2.w3.weight')),
+        "The weights in {d} lack the tensor 'model.layers.0.block_sparse_moe.experts.2.w3.weight' that its "
+        "config.json implies; the weights and config.json are not of one model."),
+    'an expert too many': (
+        'qwen3_moe', edit_weights(lambda tensors: tensors.update(
+            {'model.layers.1.mlp.experts.3.up_proj.weight': np.zeros((4, 8), np.float32)})),
+        "The weights in {d} hold tensors that its config.json gives no place: "
+        "['model.layers.1.mlp.experts.3.up_proj.weight']; the weights and config.json are not of one model."),
     'tokenizer.json that does not load': (
         'gpt2', tokenizer_json_of_another_format,
         '{d}/tokenizer.json does not load as a tokenizer (...); download it again.'),

@@ -229,17 +229,19 @@ class Task(task_lib.Task):
                                      seed=self.config.seed, max_len=self.model_config.max_len)
 
   def export_hf(self, model, out_dir):
-    """A GPT2LMHeadModel or a LlamaForCausalLM directory, whichever architecture the model is."""
+    """A GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM directory, whichever
+    architecture the model is."""
     from interop import gpt_exporter
     return gpt_exporter(model.config)(model, self.tokenizer, out_dir)
 
   @classmethod
   def import_hf(cls, config, hf_dir, rngs):
-    """A GPT2LMHeadModel or LlamaForCausalLM directory, by its config.json's model_type."""
-    from interop import hf_gpt2, hf_llama
+    """A GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM directory, by its
+    config.json's model_type."""
+    from interop import GPT_IMPORTERS, import_gpt2
     from interop.common import read_hf_config
     from models.attention import resolve_compute_dtype
-    importer = hf_llama.import_llama if read_hf_config(hf_dir).get('model_type') == 'llama' else hf_gpt2.import_gpt2
+    importer = GPT_IMPORTERS.get(read_hf_config(hf_dir).get('model_type'), import_gpt2)
     imported = importer(hf_dir, dtype=resolve_compute_dtype(config.model.dtype),
                         vocab_multiple=config.model.vocab_multiple, rngs=rngs)
     return task_lib.Prepared(imported.tokenizer, imported.config), imported.model
