@@ -45,7 +45,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import storage  # noqa: E402
+from scripts import testbed  # noqa: E402
 
 # The phases a kill aims at; the final evaluation's kill comes last, the others in a seeded order.
 PHASES = ('start-up', 'steps', 'evaluation', 'checkpoint write', 'final evaluation')
@@ -75,8 +75,6 @@ EVAL_LINE = re.compile(r'^step (\d+): eval/')
 RESUMED_LINE = re.compile(r'^Resumed from the checkpoint at step (\d+) ')
 LOOP_READY_LINE = 'Each evaluation during training scores'  # logged after the resume, before the first step
 LOOP_DONE = re.compile(r'^(The train step was compiled|Final evaluation)')
-WORDS = ('alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau '
-         'upsilon phi chi psi omega').split()
 
 
 class SoakInputError(Exception):
@@ -159,24 +157,6 @@ def soak_steps(plan: list[Aim], eval_every: int, save_every: int) -> int:
 
 
 # ============================================================================ the runs
-def write_corpus(directory: str, files: int = 6, lines: int = 60) -> str:
-  """Small text files of pseudo-sentences (a fixed seed); returns their `text:` source."""
-  rng = random.Random(0)
-  os.makedirs(directory, exist_ok=True)
-  for f in range(files):
-    with open(os.path.join(directory, f'doc{f}.txt'), 'w') as out:
-      for _ in range(lines):
-        start = rng.randrange(len(WORDS))
-        out.write(' '.join(WORDS[(start + k) % len(WORDS)] for k in range(rng.randrange(3, 9))) + '.\n')
-  return f'text:{directory}/*.txt'
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
-
-
 class Attempt:
   """One launch of the run (`processes` launch.py processes); process 0's output is read line by line."""
 
@@ -186,7 +166,7 @@ class Attempt:
     self.log = open(log_path, 'w')
     self.processes = []
     if processes > 1:
-      coordinator = [f'--coordinator_address=localhost:{free_port()}', f'--num_processes={processes}']
+      coordinator = [f'--coordinator_address=localhost:{testbed.free_port()}', f'--num_processes={processes}']
     for index in range(processes):
       command = [sys.executable, os.path.join(REPO, 'launch.py'), *args]
       if processes > 1:
@@ -221,7 +201,7 @@ class Attempt:
 
 def launch_args(args, workdir: str, scratch: str, keep: int | None = None) -> list[str]:
   overrides = {**RUN_DEFAULTS, 'train.steps': args.steps,
-               'data.source': write_corpus(os.path.join(scratch, 'corpus')),
+               'data.source': testbed.write_corpus(os.path.join(scratch, 'corpus')),
                'data.cache_dir': os.path.join(scratch, 'cache')}
   if keep:
     overrides['train.keep_checkpoints'] = keep
@@ -550,24 +530,13 @@ def end_state_differences(soak: Soak) -> dict[str, list[str]]:
 # ============================================================================ main
 def start_emulator(workdir: str, logs: str):
   """A GCS emulator (tests/gcs_emulator.py) serving the workdir's bucket; its environment set here and for children."""
-  bucket = workdir.removeprefix('gs://').split('/')[0]
-  port = free_port()
-  with open(os.path.join(logs, 'emulator.log'), 'w') as log:  # never a pipe: it logs every dropped connection
-    process = subprocess.Popen([sys.executable, os.path.join(REPO, 'tests', 'gcs_emulator.py'), 'start',
-                                f'--port={port}', '--in-memory', f'--default-bucket={bucket}', '--quiet'],
-                               stdout=log, stderr=subprocess.STDOUT)
-  deadline = time.time() + 30
-  while True:
-    try:
-      socket.create_connection(('localhost', port), timeout=1).close()
-      break
-    except OSError:
-      if process.poll() is not None or time.time() > deadline:
-        process.kill()
-        raise SoakInputError(f'the GCS emulator did not start (pip install -r requirements-dev.txt); '
-                             f'its log: {logs}/emulator.log')
-      time.sleep(0.1)
-  os.environ.update(storage.emulator_environment(f'http://localhost:{port}'))
+  try:
+    process, url = testbed.start_gcs_emulator(workdir.removeprefix('gs://').split('/')[0],
+                                              os.path.join(logs, 'emulator.log'))
+  except RuntimeError:
+    raise SoakInputError(f'the GCS emulator did not start (pip install -r requirements-dev.txt); '
+                         f'its log: {logs}/emulator.log') from None
+  os.environ.update(storage.emulator_environment(url))
   return process
 
 

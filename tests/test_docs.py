@@ -3,7 +3,6 @@
 finds every key base_config() really sets, and the README's links and commands hold; the numbers the
 pages report (speed ratios, studies, the time-to-target table) are those of measurements/, read from
 both."""
-import importlib.util
 import itertools
 import os
 import re
@@ -11,6 +10,7 @@ import statistics
 
 import pytest
 
+import support
 from configs.base import base_config
 from train.validation import flatten
 
@@ -18,11 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def reference_module():
-  spec = importlib.util.spec_from_file_location('gen_config_reference', os.path.join(ROOT, 'docs',
-                                                                                     'gen_config_reference.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return support.load_file('docs/gen_config_reference.py')
 
 
 def test_every_config_key_has_a_one_line_meaning():
@@ -84,10 +80,7 @@ def test_the_readme_links_to_pages_that_exist(link):
 
 
 def figures_module():
-  spec = importlib.util.spec_from_file_location('make_figures', os.path.join(ROOT, 'scripts', 'make_figures.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return support.load_file('scripts/make_figures.py')
 
 
 def page_text(page: str) -> str:

@@ -2,7 +2,6 @@
 short soak (5 SIGKILLs of one tiny GPT run, local, one process) hits every phase, survives every kill
 with an end state bit-equal to an uninterrupted run, and each attempt resumes from the newest complete
 checkpoint; a bad flag is one `error:` line."""
-import importlib.util
 import json
 import os
 import re
@@ -19,15 +18,8 @@ def soak(*args, timeout: int = 400) -> subprocess.CompletedProcess:
                         timeout=timeout)
 
 
-def load_script():
-  spec = importlib.util.spec_from_file_location('fault_soak', SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_the_plan_aims_at_every_phase_and_ends_in_the_final_evaluation():
-  fault_soak = load_script()
+  fault_soak = support.load_file('scripts/fault_soak.py')
   orders = set()
   for kills in (5, 6, 30):
     for seed in range(20):
