@@ -69,7 +69,8 @@ def test_five_kills_hit_every_phase_and_are_survived_bit_for_bit(tmp_path):
 
 
 def test_bad_flags_are_one_error_line(tmp_path):
-  cases = {('--kills=0',): '--kills=0', ('--kills=4',): 'give --kills=5 or more', ('--processes=3',): '--processes=3', ('--emulator',): '--emulator',
+  cases = {('--kills=0',): '--kills=0', ('--kills=4',): 'give --kills=5 or more', ('--processes=3',): '--processes=3',
+           ('--emulator',): '--emulator',
            ('--config.train.steps',): '--config.train.steps', ('--unknown=1',): '--unknown=1',
            ('--kills=many',): 'many', ('--config.train.eval_every=0',): '--config.train.eval_every=0'}
   for extra, named in cases.items():
