@@ -149,8 +149,10 @@ def decode_defaults() -> ml_collections.ConfigDict:
   decode.beam_size = 4  # translation: beam width (1 = greedy)
   decode.length_penalty = 0.6  # GNMT alpha
   decode.max_len_ratio = 1.5  # beam search: max target length = ratio * source length + 10
-  decode.num_samples = 3  # read by no code today (kept so that configs and saved runs that set it still load)
-  decode.prompts = ''  # '|'-separated prompts printed after training
+  # GPT, RNN LM: continuations the end of a run prints (and writes to samples.json), of decode.prompts
+  # taken in turn (3 prompts, 6 samples: two draws each); 0 or no prompts = none
+  decode.num_samples = 3
+  decode.prompts = ''  # '|'-separated prompts the samples continue
   return decode
 
 

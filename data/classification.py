@@ -235,7 +235,7 @@ def labelled_datasets(data_config, workdir: str, tokenizer=None, process_index: 
   corpora = _plan(data_config)
   train, carve, _ = corpora['train']
   tokenizer = token_cache.shared_tokenizer(
-      data_config, workdir, {'family': 'classification', 'corpus': train.identity, 'carve': dataclasses.asdict(carve)},
+      data_config, workdir, {'family': Labelled.prefix, 'corpus': train.identity, 'carve': dataclasses.asdict(carve)},
       lambda: (text for _, e in token_cache.records(train, Labelled(data_config), carve, 'train')
                for text in (e.text, e.text_b) if text), tokenizer)
   views, caches = {}, {}

@@ -382,15 +382,20 @@ def _digest(value) -> str:
   return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def cache_name(prefix: str, identity: dict) -> str:
-  """The one naming of caches: the family's prefix, the format and a hash of what decides the rows,
-  its processor's VERSION among it (version 1, what processors wrote when versions began, adds
-  nothing: the caches named before keep their names, and the runs that recorded them resume)."""
+def _versioned(prefix: str) -> dict:
+  """{'version': the VERSION of the processor registered as `prefix`}, for a key; empty at version 1
+  (what processors wrote when versions began), so that what was keyed before keeps its key."""
   if prefix not in PROCESSORS:
     raise KeyError(f'No token-cache processor has the prefix {prefix!r}; a processor subclasses token_cache.Processor.')
   version = PROCESSORS[prefix].VERSION
-  versioned = {'version': version} if version > 1 else {}
-  return f'{prefix}-v{FORMAT}-{_digest({**identity, "format": FORMAT, **versioned})}'
+  return {'version': version} if version > 1 else {}
+
+
+def cache_name(prefix: str, identity: dict) -> str:
+  """The one naming of caches: the family's prefix, the format and a hash of what decides the rows,
+  its processor's VERSION among it (version 1 adds nothing: the caches named before keep their
+  names, and the runs that recorded them resume)."""
+  return f'{prefix}-v{FORMAT}-{_digest({**identity, "format": FORMAT, **_versioned(prefix)})}'
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -900,17 +905,20 @@ def _locked(path: str):
 
 def shared_tokenizer(data_config, workdir: str, identity: dict, sample, tokenizer=None):
   """The run's tokenizer, saved in `workdir`: `tokenizer` when given (init_from); the workdir's own;
-  else the one trained before for the same data (`identity`: the corpus and its split) and tokenizer
-  settings, kept under data.cache_dir/tokenizers-v<FORMAT>/ so that runs on one corpus share it and
-  therefore its caches; else one trained on the first TOKENIZER_TRAINING_CHARS characters of
-  `sample()` (texts). Processes of a host that need the same new tokenizer take turns on a lock
-  file: the first trains it, the others load it."""
+  else the one trained before for the same data (`identity`: 'family', the prefix of the processor
+  whose records `sample` reads, the corpus and its split), that processor's VERSION (its records,
+  hence the text trained on, change with it; version 1 adds nothing, as in `cache_name`) and
+  tokenizer settings, kept under data.cache_dir/tokenizers-v<FORMAT>/ so that runs on one corpus
+  share it and therefore its caches; else one trained on the first TOKENIZER_TRAINING_CHARS
+  characters of `sample()` (texts). Processes of a host that need the same new tokenizer take turns
+  on a lock file: the first trains it, the others load it."""
   from data.tokenizers import TOKENIZER_FILE, load_tokenizer, train_tokenizer
   if tokenizer is None and (storage.path(workdir) / TOKENIZER_FILE).exists():
     return load_tokenizer(workdir)
   if tokenizer is None:
     settings = {'data': identity, 'kind': data_config.tokenizer, 'vocab_size': data_config.vocab_size,
-                'lowercase': data_config.lowercase, 'chars': TOKENIZER_TRAINING_CHARS, 'format': FORMAT}
+                'lowercase': data_config.lowercase, 'chars': TOKENIZER_TRAINING_CHARS, 'format': FORMAT,
+                **_versioned(identity['family'])}
     shared = cache_directory(cache_dir(data_config), f'tokenizers-v{FORMAT}/{_digest(settings)}')
     lock = (shared if not storage.is_remote(shared) else
             os.path.join(os.path.expanduser(LOCAL_MIRROR), shared.replace('://', '/'))) + '.lock'

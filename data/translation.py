@@ -331,7 +331,7 @@ def pair_datasets(data_config, workdir: str, seed: int, process_index: int = 0, 
   train, carve, _ = corpora['train']
   processor = Pairs(data_config, seed)
   processor.tokenizer = token_cache.shared_tokenizer(
-      data_config, workdir, {'family': 'translation', 'corpus': train.identity, 'carve': dataclasses.asdict(carve)},
+      data_config, workdir, {'family': Pairs.prefix, 'corpus': train.identity, 'carve': dataclasses.asdict(carve)},
       lambda: (text for pair in token_cache.records(train, processor, carve, 'train') for text in pair))
   tokenizer = processor.tokenizer
   splits, texts, caches, counts = {}, {}, {}, {}

@@ -3,12 +3,15 @@
 The run (configs/gpt.py:tiny on a small generated corpus, a checkpoint every 2 steps and an evaluation
 every 6, unless --config says otherwise) is trained twice under --workdir: `reference/` once without
 interruption, every checkpoint kept; then `soaked/`, killed --kills times and rerun with the same
-command after each kill (launch.py resumes when the workdir holds a checkpoint). Each kill lands at a
-moment a seeded RNG draws: during start-up (reading the run, restoring its checkpoint; uniform over the
-reference's start-up time), during the first steps after the resume (compiling, no write in flight yet),
-after a later training step, at the start of an evaluation, or while a checkpoint is being written
-(polling the checkpoints directory; Orbax's background writes included), after 0-2 earlier events of
-that kind in the attempt. It checks:
+command after each kill (launch.py resumes when the workdir holds a checkpoint). The kills are planned
+from --seed (`plan_kills`): each aims at a phase, after 0-2 earlier events of that kind in the attempt:
+start-up (reading the run, restoring its checkpoint: a moment uniform over the reference's time to its
+loop, at the latest when the loop is ready), the first steps after the resume (compiling, no write in
+flight yet), a later training step, the start of an evaluation, a checkpoint being written (polling the
+checkpoints directory; Orbax's background writes included), or the final evaluation. Every phase is
+aimed at once at the moment its event is seen, so that the kill lands in it (--kills is at least
+len(PHASES)); the other kills draw their phases by PHASE_WEIGHTS and their moments at random after the
+event; the final evaluation's kill is the last (only the end of training reaches it). It checks:
   - after each kill, the newest complete checkpoint (a step directory holding Orbax's
     commit_success.txt) restores and equals the reference's of that step bit for bit (parameters and
     every model variable, optimizer state, input position, progress and eval metrics; wall-clock
@@ -18,7 +21,8 @@ that kind in the attempt. It checks:
     reference's bit for bit.
 It prints one line per kill, `kills survived / kills sent`, the kills per phase (what the run was doing
 when the kill landed, from its log and the checkpoints left unfinished) and one JSON line last. Exit
-status 0 only when every kill was survived and the end state is bit-equal. A bad flag is one `error:`
+status 0 only when every kill was survived, every phase was hit (a kill landed in each of LOOP_PHASES,
+one of them with a checkpoint write in flight) and the end state is bit-equal. A bad flag is one `error:`
 line and status 1, before anything is written; so is a config launch.py refuses (its own line).
 
   python scripts/fault_soak.py --workdir=/tmp/soak --kills=30 --seed=0
@@ -41,20 +45,22 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import storage  # noqa: E402
+from scripts import testbed  # noqa: E402
 
-PHASES = ('start-up', 'steps', 'evaluation', 'checkpoint write')
-PHASE_WEIGHTS = (0.1, 0.3, 0.3, 0.3)  # start-up kills make no progress: fewer of them
+# The phases a kill aims at; the final evaluation's kill comes last, the others in a seeded order.
+PHASES = ('start-up', 'steps', 'evaluation', 'checkpoint write', 'final evaluation')
+PHASE_WEIGHTS = (0.1, 0.3, 0.3, 0.3)  # the kills beyond one per phase, before the last; start-up makes no progress
 # What the training loop was doing when a kill landed (its log tells); a checkpoint write in flight is
 # counted apart: Orbax writes in the background while steps and evaluations go on.
 LOOP_PHASES = ('start-up', 'steps', 'evaluation', 'final evaluation')
@@ -69,8 +75,6 @@ EVAL_LINE = re.compile(r'^step (\d+): eval/')
 RESUMED_LINE = re.compile(r'^Resumed from the checkpoint at step (\d+) ')
 LOOP_READY_LINE = 'Each evaluation during training scores'  # logged after the resume, before the first step
 LOOP_DONE = re.compile(r'^(The train step was compiled|Final evaluation)')
-WORDS = ('alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau '
-         'upsilon phi chi psi omega').split()
 
 
 class SoakInputError(Exception):
@@ -98,41 +102,61 @@ def parse_args(argv: list[str]):
   if bad:
     raise SoakInputError(f'{bad[0]}: not a flag of this script nor a --config.<key>=<value> override.')
   args.overrides = rest
-  if args.kills < 1:
-    raise SoakInputError(f'--kills={args.kills}: a soak sends at least 1 kill.')
+  if args.kills < len(PHASES):
+    raise SoakInputError(f'--kills={args.kills}: a soak aims a kill at each of its {len(PHASES)} phases '
+                         f'({", ".join(PHASES)}); give --kills={len(PHASES)} or more.')
   if args.processes not in (1, 2):
     raise SoakInputError(f'--processes={args.processes}: 1 or 2.')
   if args.emulator and not storage.is_remote(args.workdir):
     raise SoakInputError(f'--emulator serves a gs:// bucket; --workdir={args.workdir} is local.')
   if not storage.is_remote(args.workdir) and os.path.exists(args.workdir) and os.listdir(args.workdir):
     raise SoakInputError(f'--workdir={args.workdir} is not empty; give a new directory.')
+  every = {key: RUN_DEFAULTS[key] for key in ('train.eval_every', 'train.checkpoint_every')}
+  for arg in rest:
+    key, value = arg.removeprefix('--config.').split('=', 1)
+    if key in every:
+      if not value.isdigit() or int(value) < 1:
+        raise SoakInputError(f'{arg}: a positive number of steps.')
+      every[key] = int(value)
+  args.plan = plan_kills(args.kills, args.seed)
+  args.steps = soak_steps(args.plan, every['train.eval_every'], every['train.checkpoint_every'])
   return args
 
 
-def soak_steps(kills: int) -> int:
-  """train.steps long enough for `kills` kills: each attempt moves ~4 steps on average (at most ~14)."""
-  return max(24, 6 * kills)
+class Aim(NamedTuple):
+  """What a kill aims at: `phase` (PHASES), after `skip` earlier events of its kind in the attempt,
+  `exact`: at the event itself (landing in the phase), else at a random moment after it."""
+  phase: str
+  skip: int
+  exact: bool
+
+
+def plan_kills(kills: int, seed: int) -> list[Aim]:
+  """The kills' aims, drawn from `seed`: one exact aim per phase but the last (a step's after at least
+  one step, so that it lands after a logged step, not in the first step's compiling), the other kills'
+  phases by PHASE_WEIGHTS, in a seeded order; then the final evaluation's, at a moment in the first
+  half of the reference's final evaluation (any moment before the run's end lands in it)."""
+  rng = random.Random(f'plan {seed}')
+  during = PHASES[:-1]
+  skips = {'start-up': lambda: 0, 'steps': lambda: rng.randrange(1, 3)}  # start-up counts no events
+  aims = [Aim(phase, skips.get(phase, lambda: rng.randrange(3))(), True) for phase in during]
+  for phase in rng.choices(during, PHASE_WEIGHTS, k=kills - len(PHASES)):
+    aims.append(Aim(phase, 0 if phase == 'start-up' else rng.randrange(3), False))
+  rng.shuffle(aims)
+  return aims + [Aim('final evaluation', 0, False)]
+
+
+def soak_steps(plan: list[Aim], eval_every: int, save_every: int) -> int:
+  """train.steps that the kills before the last do not reach: an attempt moves the run at most to its
+  aim's event (the `skip + 1`-th step, evaluation or save after its resume; a step's count passes an
+  evaluated step) and, killed at a moment after it, a step or two further."""
+  most = {'start-up': lambda skip: 0, 'steps': lambda skip: skip + 3,
+          'evaluation': lambda skip: eval_every * (skip + 1) + 1,
+          'checkpoint write': lambda skip: save_every * (skip + 1) + 2}
+  return max(24, 1 + sum(most[aim.phase](aim.skip) for aim in plan[:-1]))
 
 
 # ============================================================================ the runs
-def write_corpus(directory: str, files: int = 6, lines: int = 60) -> str:
-  """Small text files of pseudo-sentences (a fixed seed); returns their `text:` source."""
-  rng = random.Random(0)
-  os.makedirs(directory, exist_ok=True)
-  for f in range(files):
-    with open(os.path.join(directory, f'doc{f}.txt'), 'w') as out:
-      for _ in range(lines):
-        start = rng.randrange(len(WORDS))
-        out.write(' '.join(WORDS[(start + k) % len(WORDS)] for k in range(rng.randrange(3, 9))) + '.\n')
-  return f'text:{directory}/*.txt'
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
-
-
 class Attempt:
   """One launch of the run (`processes` launch.py processes); process 0's output is read line by line."""
 
@@ -142,7 +166,7 @@ class Attempt:
     self.log = open(log_path, 'w')
     self.processes = []
     if processes > 1:
-      coordinator = [f'--coordinator_address=localhost:{free_port()}', f'--num_processes={processes}']
+      coordinator = [f'--coordinator_address=localhost:{testbed.free_port()}', f'--num_processes={processes}']
     for index in range(processes):
       command = [sys.executable, os.path.join(REPO, 'launch.py'), *args]
       if processes > 1:
@@ -176,8 +200,8 @@ class Attempt:
 
 
 def launch_args(args, workdir: str, scratch: str, keep: int | None = None) -> list[str]:
-  overrides = {**RUN_DEFAULTS, 'train.steps': soak_steps(args.kills),
-               'data.source': write_corpus(os.path.join(scratch, 'corpus')),
+  overrides = {**RUN_DEFAULTS, 'train.steps': args.steps,
+               'data.source': testbed.write_corpus(os.path.join(scratch, 'corpus')),
                'data.cache_dir': os.path.join(scratch, 'cache')}
   if keep:
     overrides['train.keep_checkpoints'] = keep
@@ -194,11 +218,12 @@ def child_environment(processes: int) -> dict:
 
 
 def run_reference(args, root: str, scratch: str, logs: str, env: dict) -> dict:
-  """Train the reference without interruption: its result line, its seconds to the first step's log line,
-  from the resume's end to that line (the first steps, compiling), in all."""
+  """Train the reference without interruption: its result line, its seconds to the loop's readiness
+  (start-up), from there to the first step's log line (the first steps, compiling), from the loop's end
+  to the process's (the final evaluation), in all."""
   attempt = Attempt(launch_args(args, f'{root}/reference', scratch, keep=KEEP_ALL), args.processes, env,
                     os.path.join(logs, 'reference.log'))
-  ready = first_step = None
+  ready = first_step = loop_done = None
   lines = []
   while (line := attempt.lines.get()) is not None:
     lines.append(line)
@@ -206,13 +231,16 @@ def run_reference(args, root: str, scratch: str, logs: str, env: dict) -> dict:
       ready = time.time() - attempt.started
     if first_step is None and PROGRESS_LINE.match(line):
       first_step = time.time() - attempt.started
+    if loop_done is None and LOOP_DONE.match(line):
+      loop_done = time.time() - attempt.started
   codes = attempt.wait()
+  seconds = time.time() - attempt.started
   if any(codes):
     reason = next((line for line in reversed(lines) if line.strip()), f'exit status {codes}').removeprefix('error: ')
     raise SoakInputError(f'the uninterrupted reference run failed: {reason} (log: {logs}/reference.log)')
-  first_step = first_step or 1.0
-  return {'result': json.loads(lines[-1]), 'startup_s': first_step, 'first_steps_s': first_step - (ready or 0),
-          'seconds': time.time() - attempt.started}
+  ready, first_step = ready or 1.0, first_step or 1.0
+  return {'result': json.loads(lines[-1]), 'startup_s': ready, 'first_steps_s': max(first_step - ready, 0.0),
+          'final_evaluation_s': seconds - (loop_done or seconds), 'seconds': seconds}
 
 
 # ============================================================================ what a checkpoint holds
@@ -312,24 +340,29 @@ class Soak:
 
   def run(self) -> int | None:
     """Send the kills, then let the run finish; its last attempt's exit status (None: it never ended)."""
-    while self.sent < self.args.kills and not self.failures:
+    for aim in self.args.plan:
       attempt = self.start(f'attempt-{self.sent:02d}')
-      phase, skip = self.rng.choices(PHASES, PHASE_WEIGHTS)[0], self.rng.randrange(3)
-      watch = self.watch(attempt, phase, skip)
+      watch = self.watch(attempt, aim)
       if watch['ended']:
         return self.finish(attempt, watch, early=True)
       self.after_kill(attempt, watch)
-    if self.failures:
-      return None
+      if self.failures:
+        return None
     attempt = self.start('final')
-    return self.finish(attempt, self.watch(attempt, None, 0))
+    status = self.finish(attempt, self.watch(attempt, None))
+    self.failures += [f'no kill landed in the {phase}' for phase, count in self.phases.items() if not count]
+    if not self.in_flight:
+      self.failures.append('no kill landed while a checkpoint was being written')
+    return status
 
   def start(self, name: str) -> Attempt:
     return Attempt(self.command, self.args.processes, self.env, os.path.join(self.logs, f'{name}.log'))
 
-  def watch(self, attempt: Attempt, phase: str | None, skip: int) -> dict:
-    """Follow the attempt until the moment `phase` draws (after `skip` events of its kind), then kill it;
-    phase None: until it ends. What its log showed: the resume, the last step, evaluations, the end."""
+  def watch(self, attempt: Attempt, aim: Aim | None) -> dict:
+    """Follow the attempt until the moment `aim` gives, then kill it; None: until it ends. What its log
+    showed: the resume, the last step, evaluations, the end."""
+    phase, skip = (aim.phase, aim.skip) if aim else (None, 0)
+    after = lambda most: 0.0 if aim.exact else self.rng.uniform(0, most)  # seconds from the event to the kill
     seen = {'resumed': None, 'ready': False, 'last_step': None, 'evals': set(), 'done': False, 'ended': False,
             'lines': [], 'events': 0, 'kill_at': None}
     if phase == 'start-up':
@@ -346,23 +379,27 @@ class Soak:
         return seen
       if line:
         self.note(seen, line, phase)
+        if phase == 'start-up' and line.startswith(LOOP_READY_LINE):  # start-up's end: at the latest now
+          seen['kill_at'] = min(seen['kill_at'], time.time())
         if phase == 'steps' and not skip and line.startswith(LOOP_READY_LINE):  # the first steps: no write yet
-          seen['kill_at'] = time.time() + self.rng.uniform(0, self.reference['first_steps_s'])
+          seen['kill_at'] = time.time() + after(self.reference['first_steps_s'])
       if phase == 'checkpoint write' and seen['ready']:
         fresh = unfinished_entries(self.checkpoints) - before - new_writes
         if fresh:
           new_writes |= fresh
           seen['events'] += 1
           if seen['events'] > skip and seen['kill_at'] is None:
-            seen['kill_at'] = time.time() + self.rng.uniform(0, 0.05)
+            seen['kill_at'] = time.time() + after(0.05)
       if phase in ('steps', 'evaluation') and seen['events'] > skip and seen['kill_at'] is None:
-        seen['kill_at'] = time.time() + (self.rng.uniform(0, 0.02) if phase == 'steps' else 0)
+        seen['kill_at'] = time.time() + (after(0.02) if phase == 'steps' else 0)
+      if phase == 'final evaluation' and seen['done'] and seen['kill_at'] is None:
+        seen['kill_at'] = time.time() + after(self.reference['final_evaluation_s'] / 2)
       if seen['kill_at'] is not None and time.time() >= seen['kill_at']:
         seen['killed_after'] = time.time() - attempt.started
         attempt.kill()
         while (line := attempt.lines.get()) is not None:  # what it wrote before it died
           self.note(seen, line, None)
-        seen['aimed'] = f'{phase} (after {skip} earlier)' if phase != 'start-up' else phase
+        seen['aimed'] = phase if phase in ('start-up', 'final evaluation') else f'{phase} (after {skip} earlier)'
         return seen
       if time.time() > deadline:
         attempt.kill()
@@ -493,24 +530,13 @@ def end_state_differences(soak: Soak) -> dict[str, list[str]]:
 # ============================================================================ main
 def start_emulator(workdir: str, logs: str):
   """A GCS emulator (tests/gcs_emulator.py) serving the workdir's bucket; its environment set here and for children."""
-  bucket = workdir.removeprefix('gs://').split('/')[0]
-  port = free_port()
-  with open(os.path.join(logs, 'emulator.log'), 'w') as log:  # never a pipe: it logs every dropped connection
-    process = subprocess.Popen([sys.executable, os.path.join(REPO, 'tests', 'gcs_emulator.py'), 'start',
-                                f'--port={port}', '--in-memory', f'--default-bucket={bucket}', '--quiet'],
-                               stdout=log, stderr=subprocess.STDOUT)
-  deadline = time.time() + 30
-  while True:
-    try:
-      socket.create_connection(('localhost', port), timeout=1).close()
-      break
-    except OSError:
-      if process.poll() is not None or time.time() > deadline:
-        process.kill()
-        raise SoakInputError(f'the GCS emulator did not start (pip install -r requirements-dev.txt); '
-                             f'its log: {logs}/emulator.log')
-      time.sleep(0.1)
-  os.environ.update(storage.emulator_environment(f'http://localhost:{port}'))
+  try:
+    process, url = testbed.start_gcs_emulator(workdir.removeprefix('gs://').split('/')[0],
+                                              os.path.join(logs, 'emulator.log'))
+  except RuntimeError:
+    raise SoakInputError(f'the GCS emulator did not start (pip install -r requirements-dev.txt); '
+                         f'its log: {logs}/emulator.log') from None
+  os.environ.update(storage.emulator_environment(url))
   return process
 
 

@@ -214,7 +214,8 @@ def logged_at(workdir: str, key: str, step: int) -> float:
     return next(m[key] for m in map(json.loads, f) if m['step'] == step and key in m)
 
 
-def main(argv: list[str] | None = None):
+def parse_args(argv: list[str] | None):
+  """The command line, checked: exactly one of --steps and --minutes, --probe_minutes as a list."""
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--config', required=True)
   parser.add_argument('--baseline', required=True, choices=sorted(BASELINES))
@@ -245,29 +246,43 @@ def main(argv: list[str] | None = None):
   if len(args.probe_minutes) == 1 and args.probe_minutes != [args.minutes]:
     raise SystemExit(f'--probe_minutes={args.probe_minutes[0]:g}: one probe at other minutes than --minutes cannot '
                      'tell the set-up time from the step rate; give two or more (e.g. 1,2), or leave it out.')
-  os.makedirs(args.out, exist_ok=True)
+  return args
+
+
+def arm_overrides(args) -> dict[str, dict]:
+  """{'baseline' | 'recipe': its overrides}: both on the same data, size and evaluations, without the
+  compilation cache, checkpoints or samples; the baseline's recipe on top."""
   common = {**data_overrides(args.data), **parse_overrides(args.size), **parse_overrides(args.set),
             'compile_cache': '', 'train.eval_every': args.eval_every, 'train.eval_steps': args.eval_steps,
-            'train.checkpoint_every': 100000, 'decode.num_samples': 0, 'decode.prompts': ''}
-  arms = {'baseline': {**common, **BASELINES[args.baseline]}, 'recipe': dict(common)}
-  config = [f'--config={args.config}']
+            'train.checkpoint_every': 100000, 'decode.num_samples': 0}
+  return {'baseline': {**common, **BASELINES[args.baseline]}, 'recipe': dict(common)}
+
+
+def steps_target(args, config: list[str], arms: dict[str, dict]) -> str | None:
+  """With --steps, the target both arms race to: the baseline's validation loss at step N (--target,
+  or a run of the baseline now); None with --minutes."""
+  if args.steps and args.target:  # the baseline's rerun in the rounds still shows whether it meets it at step N
+    return f'eval/loss<={args.target!r}'
+  if not args.steps:
+    return None
+  first = os.path.join(args.out, 'baseline-full')
+  launch(config, {**arms['baseline'], 'train.steps': args.steps}, first, first + '.log')
+  target = f'eval/loss<={logged_at(first, "eval/loss", args.steps)!r}'
+  print(f'target: the baseline\'s {args.steps}-step validation loss, {target}', flush=True)
+  return target
+
+
+def main(argv: list[str] | None = None):
+  args = parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  arms, config = arm_overrides(args), [f'--config={args.config}']
   print(f'CPU: {cpu_model()}', flush=True)
   launch(config + ['--mode=prepare'], arms['recipe'], None, os.path.join(args.out, 'prepare.log'))
-
-  target = None
-  if args.steps and args.target:  # the baseline's rerun below still shows whether it meets it at step N
-    target = f'eval/loss<={args.target!r}'
-  elif args.steps:
-    first = os.path.join(args.out, 'baseline-full')
-    launch(config, {**arms['baseline'], 'train.steps': args.steps}, first, first + '.log')
-    loss = logged_at(first, 'eval/loss', args.steps)
-    target = f'eval/loss<={loss!r}'
-    print(f'target: the baseline\'s {args.steps}-step validation loss, {target}', flush=True)
+  target = steps_target(args, config, arms)
   runs = []
   plans = same_clock_plans(args, arms, config, runs) if args.minutes else {}
   for round_ in range(args.rounds):
     for arm in ('recipe', 'baseline') if round_ % 2 == 0 else ('baseline', 'recipe'):
-      workdir = os.path.join(args.out, f'{arm}-{round_}')
       overrides = dict(arms[arm])
       if target:
         # N steps, as the baseline's first run: a schedule's length (cosine's decay, wsd's cooldown) is part
@@ -276,7 +291,7 @@ def main(argv: list[str] | None = None):
         overrides.update({'train.target': target, 'train.stop_at_target': True, 'train.steps': args.steps})
       else:
         overrides.update(plans[arm]['overrides'])
-      runs.append(timed_run(args, config, overrides, workdir, arm, round_))
+      runs.append(timed_run(args, config, overrides, os.path.join(args.out, f'{arm}-{round_}'), arm, round_))
   report(args, target, runs, plans)
 
 

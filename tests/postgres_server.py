@@ -17,10 +17,11 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
+
+from scripts.testbed import free_port
 
 USER = 'sweeps'  # the database role the tests connect as (initdb's superuser)
 DEBIAN_SERVERS = '/usr/lib/postgresql/*/bin'  # Debian's server programs, one folder per major version
@@ -38,12 +39,6 @@ def programs() -> dict[str, str] | None:
       return found
   found = {name: shutil.which(name) for name in ('initdb', 'postgres')}
   return found if all(found.values()) else None
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 class PostgresServer:

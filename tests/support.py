@@ -1,6 +1,7 @@
 """Shared test fixtures: a tiny deterministic corpus, a subprocess runner for launch.py, every preset."""
 import glob
 import importlib
+import importlib.util
 import json
 import os
 import pkgutil
@@ -11,22 +12,19 @@ import sys
 import numpy as np
 
 from numerics import transformer_terms
+# The tests' corpus, ports and GCS emulator, shared with scripts/.
+from scripts.testbed import WORDS, free_port, start_gcs_emulator, write_corpus  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = ('alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau '
-         'upsilon phi chi psi omega').split()
 
 
-def write_corpus(directory, files: int = 6, lines: int = 60, seed: int = 0) -> str:
-  """Small text files of pseudo-sentences; returns a `text:` source for them."""
-  rng = np.random.default_rng(seed)
-  os.makedirs(directory, exist_ok=True)
-  for f in range(files):
-    with open(os.path.join(directory, f'doc{f}.txt'), 'w') as out:
-      for _ in range(lines):
-        start = rng.integers(len(WORDS))
-        out.write(' '.join(WORDS[(start + k) % len(WORDS)] for k in range(rng.integers(3, 9))) + '.\n')
-  return f'text:{directory}/*.txt'
+def load_file(path: str):
+  """The repository's file `path` ('scripts/make_figures.py') as a module: scripts and docs/ generators
+  run as files, not imported as packages."""
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-len('.py')], os.path.join(REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def family_presets() -> list[tuple[str, str]]:

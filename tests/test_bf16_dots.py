@@ -64,6 +64,15 @@ def test_float32_newton_schulz_is_counted():
   assert hlo.float32_dots(lowered_train_step(config).as_text(dialect='hlo')) == 3 * 3
 
 
+def test_a_step_lowered_for_an_accelerator_resolves_muon_for_it():
+  """The 'auto' settings resolved for the target, the optimizer's too: on GPU the preset's model
+  (model.dtype='auto') and Muon's Newton-Schulz ('auto') compute in bfloat16, whatever this host is."""
+  from configs import gpt
+  config = support.with_overrides(gpt.get_config('default'), {'model.attention': 'xla'})  # cuDNN's lowers on GPU only
+  assert (config.model.dtype, config.train.optimizer, config.train.muon_ns_dtype) == ('auto', 'muon', 'auto')
+  assert hlo.float32_dots(bench.lower_train_step(config, platform='gpu').as_text(dialect='hlo')) == 0
+
+
 FAMILIES_WITH_DTYPE = ('gpt', 'bert', 'transformer', 'classifier', 'rnn_lm', 'seq2seq')
 
 

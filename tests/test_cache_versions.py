@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import data
-from data import bert_data, classification, lm, token_cache, translation
+from configs.base import base_config
+from data import bert_data, classification, lm, token_cache, tokenizers, translation
 from data.tokenizers import CharTokenizer
 
 # {prefix: (the processor's VERSION, the digest of what it writes for its SAMPLES input)}: update an
@@ -24,7 +25,7 @@ RECORDED = {
     'texts': (1, '4b0defcced72b5824c14fb3e2accabe4108e54fe44ec6291bdf9b9ccd3516190'),
     'pairs': (1, '1cab1a2eb1b9dfff1a79587c076314e7d59f10d3e29efe1b2f6ade75cb613312'),
     # 2: a piece of a file keyed by it; 3: files held out by size, in shards of their own
-    'bert': (3, 'de6953b001372871864471767f5724ef9236212613a64344912370a4cde9a0d0'),
+    'bert': (3, 'f1ffeb0d31993f2d225e5fc02e2f7fa170224a976a5e93eaf9d10af5914d2874'),
 }
 SEED = 3
 SHARD_BYTES = 2048  # several shards, files cut into pieces
@@ -63,7 +64,7 @@ def data_config(**values) -> ml_collections.ConfigDict:
 def lm_sample(folder):
   corpus, carve, _ = lm.plan_corpus(text_files(folder, 12, lambda i: 4 + 9 * (i % 4)), True, SEED, 'train',
                                     SHARD_BYTES)
-  return lm.Tokens(TOKENIZER), corpus, carve
+  return [(lm.Tokens(TOKENIZER), corpus, carve)]
 
 
 def classification_sample(folder):
@@ -73,7 +74,7 @@ def classification_sample(folder):
   config = data_config(seq_len=16)
   config.source = 'tsv:' + write(os.path.join(folder, 'labelled.tsv'), '\n'.join(lines) + '\n')
   corpus, carve, _ = classification.plan_source(config.source, 'train', ('valid', 'test'), config, SHARD_BYTES)
-  return classification.Labelled(config, TOKENIZER), corpus, carve
+  return [(classification.Labelled(config, TOKENIZER), corpus, carve)]
 
 
 def translation_sample(folder):
@@ -81,18 +82,36 @@ def translation_sample(folder):
   config = data_config(seq_len=60)  # the longer sentences do not fit: training drops them, held-out truncates
   config.source = 'tsv:' + write(os.path.join(folder, 'pairs.tsv'), '\n'.join(lines) + '\n')
   corpus, carve, _ = translation.plan_source(config.source, 'train', ('valid', 'test'), config, SEED, SHARD_BYTES)
-  return translation.Pairs(config, SEED, TOKENIZER), corpus, carve
+  return [(translation.Pairs(config, SEED, TOKENIZER), corpus, carve)]
+
+
+def paragraphs(path, count: int, lines) -> str:
+  """A file of `count` paragraphs of `lines(i)` sentences, one a line, between blank lines."""
+  return write(path, '\n'.join(''.join(sentence(i * 17 + j) + '\n' for j in range(lines(i))) for i in range(count)))
 
 
 def bert_sample(folder):
+  """Both kinds of documents: files (data.documents='file'), and the blocks between blank lines
+  (data.documents='blank_line'), keyed by where they start, also when a piece begins inside one."""
   # 80 files (documents), a few larger than a quarter shard (read in pieces), in shards large enough
   # that some hold two validation documents (a split pairs its documents within a shard).
-  config = data_config(seq_len=32, source=text_files(folder, 80, lambda i: 3 + (i % 5) * (7 if i % 9 else 30)))
-  corpus, carve, _, blank_lines = bert_data.plan_source(config.source, 'train', config, 8 * SHARD_BYTES)
-  return bert_data.Documents(config, SEED, blank_lines, TOKENIZER), corpus, carve
+  files = data_config(seq_len=32, source=text_files(os.path.join(folder, 'files'), 80,
+                                                    lambda i: 3 + (i % 5) * (7 if i % 9 else 30)))
+  # 2 files of 60 paragraphs, the last of 300 lines (~15 KiB): a piece (a quarter shard, 4 KiB) ends
+  # at the first blank line after its size, and in the last paragraph, which has none, at a newline:
+  # the pieces after begin inside it and continue the document begun in the piece before.
+  for k in range(2):
+    paragraphs(os.path.join(folder, 'blocks', f'part{k}.txt'), 60, lambda i: 300 if i == 59 else 2 + (i * 7 + k) % 9)
+  blocks = data_config(seq_len=32, documents='blank_line', source=f'text:{folder}/blocks/*.txt')
+  built = []
+  for config in (files, blocks):
+    corpus, carve, _, blank_lines = bert_data.plan_source(config.source, 'train', config, 8 * SHARD_BYTES)
+    continued = bert_data.continued_documents(corpus) if blank_lines else {}
+    built.append((bert_data.Documents(config, SEED, blank_lines, TOKENIZER, continued), corpus, carve))
+  return built
 
 
-# {prefix: a function of a folder -> (the processor, a planned Corpus, its Carve)}: one per processor.
+# {prefix: a function of a folder -> [(the processor, a planned Corpus, its Carve), ...]}: one per processor.
 SAMPLES = {'lm': lm_sample, 'texts': classification_sample, 'pairs': translation_sample, 'bert': bert_sample}
 
 
@@ -126,10 +145,13 @@ def written_digest(processor, corpus, carve, directory) -> str:
 
 
 def build_sample(prefix: str, folder) -> str:
-  processor, corpus, carve = SAMPLES[prefix](os.path.join(folder, 'input'))
-  directory = os.path.join(folder, 'cache')
-  token_cache.build(directory, corpus, processor, carve, {}, progress=False)
-  return written_digest(processor, corpus, carve, directory)
+  """The digests of what each of the prefix's samples writes, joined."""
+  digests = []
+  for index, (processor, corpus, carve) in enumerate(SAMPLES[prefix](os.path.join(folder, 'input'))):
+    directory = os.path.join(folder, f'cache{index}')
+    token_cache.build(directory, corpus, processor, carve, {}, progress=False)
+    digests.append(written_digest(processor, corpus, carve, directory))
+  return digests[0] if len(digests) == 1 else hashlib.sha256(' '.join(digests).encode()).hexdigest()
 
 
 def version_problem(prefix: str, folder) -> str | None:
@@ -184,6 +206,37 @@ def test_a_changed_encode_without_a_version_bump_fails_naming_the_bump(tmp_path,
   monkeypatch.setattr(lm.Tokens, 'VERSION', version + 1)  # bumped, the table not yet updated
   problem = version_problem('lm', tmp_path / 'bumped')
   assert problem.startswith(f"data.lm.Tokens.VERSION is {version + 1}: set RECORDED['lm'] = ({version + 1}, '")
+
+
+def test_blank_line_documents_keyed_as_before_version_2_change_the_bert_sample(tmp_path, monkeypatch):
+  # Before version 2 a piece that begins inside a blank-line document was keyed by its own start,
+  # not by the document's (`continued_documents`): the sample must see that keying.
+  monkeypatch.setattr(bert_data, 'continued_documents', lambda corpus: {})
+  problem = version_problem('bert', tmp_path)
+  assert problem is not None and 'Bump Documents.VERSION to 4 in' in problem, problem
+
+
+def test_the_shared_tokenizer_is_retrained_when_its_processor_version_changes(tmp_path, monkeypatch):
+  """The text a tokenizer trains on is its processor's records: another VERSION may read other
+  records (another split), so it gets a tokenizer of its own; version 1 keeps the key it had."""
+  trained, train = [], tokenizers.train_tokenizer
+  monkeypatch.setattr(tokenizers, 'train_tokenizer', lambda *args: trained.append(args[0]) or train(*args))
+  config = base_config('test').data
+  config.update({'cache_dir': str(tmp_path / 'cache'), 'tokenizer': 'bpe', 'vocab_size': 300})
+  shared = tmp_path / 'cache' / f'tokenizers-v{token_cache.FORMAT}'
+
+  def tokenizer(version: int, run: str):
+    monkeypatch.setattr(lm.Tokens, 'VERSION', version)
+    return token_cache.shared_tokenizer(config, str(tmp_path / run), {'family': 'lm', 'corpus': 'one'},
+                                        lambda: iter(['alpha beta gamma delta ' * 200]))
+
+  tokenizer(1, 'first')
+  assert trained == ['bpe'] and sorted(os.listdir(shared)) == ['dbbd826a5e6fd7789df8', 'dbbd826a5e6fd7789df8.lock']
+  tokenizer(2, 'second')
+  assert trained == ['bpe', 'bpe'] and len(os.listdir(shared)) == 4  # a second tokenizer, its own lock
+  tokenizer(2, 'third')
+  tokenizer(1, 'fourth')
+  assert trained == ['bpe', 'bpe']  # each version's tokenizer loaded
 
 
 def test_a_version_bump_renames_only_its_own_caches_and_version_1_keeps_the_old_names(monkeypatch):

@@ -3,10 +3,7 @@
 in a local directory; and the one-line errors of a gs:// workdir that cannot work."""
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,12 +19,6 @@ TRAIN = {'mesh.data': 1, 'train.log_every': 1, 'train.eval_every': 10, 'train.ch
          'train.schedule': 'constant', 'decode.temperature': 0.0, 'decode.prompts': 'alpha'}  # constant: 10 + 10 steps = 20
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope='session')
 def emulator(tmp_path_factory):
   """A GCS emulator process (tests/gcs_emulator.py) serving the bucket `bucket`; yields the
@@ -36,26 +27,11 @@ def emulator(tmp_path_factory):
     import gcp_storage_emulator  # noqa: F401
   except ImportError:
     pytest.skip('gcp-storage-emulator is not installed (pip install -r requirements-dev.txt)')
-  port = free_port()
-  command = [sys.executable, os.path.join(support.REPO, 'tests', 'gcs_emulator.py'), 'start', f'--port={port}',
-             '--in-memory', f'--default-bucket={BUCKET}', '--quiet']
-  # Its output goes to a file, never to a pipe: the emulator prints a traceback for every connection a
-  # client drops, and once an unread pipe's 64 KiB fill up, it blocks and every request hangs.
-  log = tmp_path_factory.mktemp('gcs_emulator') / 'emulator.log'
-  with open(log, 'w') as log_file:
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-  deadline = time.time() + 30
-  while True:
-    try:
-      socket.create_connection(('localhost', port), timeout=1).close()
-      break
-    except OSError:
-      if process.poll() is not None or time.time() > deadline:
-        process.kill()
-        process.wait()
-        pytest.skip(f'the GCS emulator did not start on port {port}: {log.read_text()[-500:]}')
-      time.sleep(0.1)
-  environment = storage.emulator_environment(f'http://localhost:{port}')
+  try:
+    process, url = support.start_gcs_emulator(BUCKET, str(tmp_path_factory.mktemp('gcs_emulator') / 'emulator.log'))
+  except RuntimeError as e:
+    pytest.skip(str(e))
+  environment = storage.emulator_environment(url)
   saved = {k: os.environ.get(k) for k in environment}
   os.environ.update(environment)
   yield environment

@@ -1,13 +1,16 @@
 """The documentation's generated parts cannot drift: every key of configs/base.py has a one-line meaning
 (its comment, which docs/gen_config_reference.py turns into the configuration reference), the parser
-finds every key base_config() really sets, and the README's links and commands hold."""
-import importlib.util
+finds every key base_config() really sets, and the README's links and commands hold; the numbers the
+pages report (speed ratios, studies, the time-to-target table) are those of measurements/, read from
+both."""
+import itertools
 import os
 import re
 import statistics
 
 import pytest
 
+import support
 from configs.base import base_config
 from train.validation import flatten
 
@@ -15,11 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def reference_module():
-  spec = importlib.util.spec_from_file_location('gen_config_reference', os.path.join(ROOT, 'docs',
-                                                                                     'gen_config_reference.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return support.load_file('docs/gen_config_reference.py')
 
 
 def test_every_config_key_has_a_one_line_meaning():
@@ -81,31 +80,70 @@ def test_the_readme_links_to_pages_that_exist(link):
 
 
 def figures_module():
-  spec = importlib.util.spec_from_file_location('make_figures', os.path.join(ROOT, 'scripts', 'make_figures.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return support.load_file('scripts/make_figures.py')
 
 
-def test_the_speed_figure_reads_the_ratios_the_benchmarks_page_reports():
-  ratios = {}
-  for row in figures_module().ratio_rows_from_raw():
-    ratios.setdefault(row['benchmark'], []).append(round(row['ratio'], 2))
-  assert ratios == {  # docs/benchmarks.md, the AMD EPYC table
-      'GPT train tokens/s': [0.81, 0.87], 'BERT train tokens/s': [1.08, 1.09],
-      'Transformer seq2seq train target tokens/s': [0.85, 0.87],
-      'GPT decode tokens/s batch 1': [2.31, 2.26], 'GPT decode tokens/s batch 8': [2.02, 1.76]}
+def page_text(page: str) -> str:
+  """docs/<page> with its lines joined by single spaces (a sentence may wrap anywhere)."""
+  with open(os.path.join(ROOT, 'docs', page), encoding='utf-8') as f:
+    return ' '.join(f.read().split())
 
 
-@pytest.mark.parametrize('study, best, finished', [('gpt_recipe_study', 4.204, 11),
-                                                   ('transformer_recipe_study', 0.563, 19),
-                                                   ('classifier_recipe_study', 0.9865, 10)])
-def test_a_rebuilt_study_has_the_best_trial_the_docs_report(study, best, finished):
-  """The Optuna study the figures are drawn from holds the sweep's finished trials and its best score."""
+def speed_table(machine: str) -> dict[str, tuple[list[float], float]]:
+  """{benchmark, as the measurements name it: (its ratios per round, its target)} of the table headed
+  '| benchmark (<machine>) |' in docs/benchmarks.md."""
+  with open(os.path.join(ROOT, 'docs', 'benchmarks.md'), encoding='utf-8') as f:
+    lines = f.read().split(f'| benchmark ({machine}) |', 1)[1].splitlines()[2:]
+  table = {}
+  for line in itertools.takewhile(lambda line: line.startswith('|'), lines):
+    label, _, _, ratios, target = [cell.strip() for cell in line.strip('|').split('|')]
+    label = re.sub(r' \(.*\)$', '', label)  # the model's size
+    label = re.sub(r'^GPT cached greedy decoding, batch (\d+), new tokens/s$', r'GPT decode tokens/s batch \1', label)
+    table[label] = ([float(ratio) for ratio in ratios.split(', ')], float(target))
+  return table
+
+
+def test_the_speed_tables_report_the_ratios_of_the_committed_measurements():
+  """docs/benchmarks.md's tables against measurements/: the AMD EPYC's from its raw lines (as the figure
+  computes them), the Intel Xeon's from its CSV; the targets are the figure's."""
   module = figures_module()
+  amd, xeon = {}, {}
+  for row in module.ratio_rows_from_raw():
+    amd.setdefault(row['benchmark'], []).append(round(row['ratio'], 2))
+  targets = {}
+  for row in module.read_csv('speed_xeon.csv'):
+    xeon.setdefault(row['benchmark'], []).append(float(row['ours_over_reference']))
+    targets[row['benchmark']] = float(row['target'])
+  assert speed_table('AMD EPYC') == {name: (ratios, targets[name]) for name, ratios in amd.items()}
+  assert speed_table('Intel Xeon') == {name: (ratios, targets[name]) for name, ratios in xeon.items()}
+
+
+# What each study's page says of it: its trials, how many finished and were pruned, its best score.
+STUDY_REPORTS = {
+    'gpt_recipe_study': ('families/gpt.md', r'gpt_recipe\.py .*? (?P<trials>\d+) trials of .*?'
+                         r'`measurements/gpt_recipe_study\.csv`: (?P<finished>\d+) finished, (?P<pruned>\d+) '
+                         r'pruned\) .*? its best trial \(.*?\) scored (?P<best>\d\.\d+)'),
+    'transformer_recipe_study': ('recipes.md', r'transformer_recipe\.py .*? (?P<trials>\d+) trials \((?P<finished>\d+) '
+                                 r'finished, (?P<pruned>\d+) pruned\) .*? It scored (?P<best>\d\.\d+) validation'),
+    'classifier_recipe_study': ('recipes.md', r'(?P<finished>\d+) of (?P<trials>\d+) trials finished, (?P<pruned>\d+) '
+                                r'were pruned, and the best validation accuracy, (?P<best>\d\.\d+)'),
+}
+
+
+@pytest.mark.parametrize('study', sorted(STUDY_REPORTS))
+def test_a_rebuilt_study_has_the_trials_and_the_best_score_the_docs_report(study):
+  """The Optuna study the figures are drawn from holds the sweep's finished trials and its best score,
+  as the study's page reports them, and the CSV the trials the page counts."""
+  page, pattern = STUDY_REPORTS[study]
+  report = re.search(pattern, page_text(page))
+  assert report, f'docs/{page} no longer reports {study} as {pattern!r}'
+  module = figures_module()
+  rows = module.read_csv(f'{study}.csv')
+  assert (len(rows), sum(row['status'] == 'pruned' for row in rows)) == (int(report['trials']), int(report['pruned']))
   rebuilt, _ = module.rebuilt_study(study, module.STUDIES[study])
-  assert len(rebuilt.trials) == finished
-  assert round(rebuilt.best_value, 4 if best == 0.9865 else 3) == best
+  assert len(rebuilt.trials) == int(report['finished'])
+  decimals = len(report['best'].split('.')[1])
+  assert f'{rebuilt.best_value:.{decimals}f}' == report['best']
 
 
 def test_the_figures_are_drawn_from_the_committed_measurements(tmp_path, monkeypatch):

@@ -1,7 +1,10 @@
-"""scripts/fault_soak.py: a short soak (3 SIGKILLs of one tiny GPT run, local, one process) survives every
-kill with an end state bit-equal to an uninterrupted run; a bad flag is one `error:` line."""
+"""scripts/fault_soak.py: its kills are planned so that each phase is hit, the final evaluation last; a
+short soak (5 SIGKILLs of one tiny GPT run, local, one process) hits every phase, survives every kill
+with an end state bit-equal to an uninterrupted run, and each attempt resumes from the newest complete
+checkpoint; a bad flag is one `error:` line."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,28 +18,61 @@ def soak(*args, timeout: int = 400) -> subprocess.CompletedProcess:
                         timeout=timeout)
 
 
-def test_three_kills_are_survived_bit_for_bit(tmp_path):
-  result = soak(f'--workdir={tmp_path}/soak', '--kills=3', '--seed=0')
+def test_the_plan_aims_at_every_phase_and_ends_in_the_final_evaluation():
+  fault_soak = support.load_file('scripts/fault_soak.py')
+  orders = set()
+  for kills in (5, 6, 30):
+    for seed in range(20):
+      plan = fault_soak.plan_kills(kills, seed)
+      assert plan == fault_soak.plan_kills(kills, seed) and len(plan) == kills
+      assert plan[-1] == fault_soak.Aim('final evaluation', 0, False)
+      exact = [aim for aim in plan if aim.exact]
+      assert sorted(aim.phase for aim in exact) == sorted(fault_soak.PHASES[:-1])  # each once, at its event
+      assert all(aim.skip >= 1 for aim in exact if aim.phase == 'steps')  # after a logged step, not compiling
+      assert all(aim.phase != 'final evaluation' for aim in plan[:-1])
+      orders.add(tuple(aim.phase for aim in exact))
+  assert len(orders) > 6  # the seed orders them
+  # train.steps beyond what the kills before the last can reach (eval every 6 steps, a save every 2).
+  plan = [fault_soak.Aim('evaluation', 2, True), fault_soak.Aim('steps', 1, True), fault_soak.Aim('start-up', 0, True),
+          fault_soak.Aim('checkpoint write', 0, True), fault_soak.Aim('final evaluation', 0, False)]
+  assert fault_soak.soak_steps(plan, 6, 2) == 19 + 4 + 0 + 4 + 1
+  assert fault_soak.soak_steps(plan[-2:], 6, 2) == 24  # at least 24
+  assert fault_soak.soak_steps(plan[:-1] * 2 + plan[-1:], 6, 2) == 2 * 27 + 1
+
+
+def test_five_kills_hit_every_phase_and_are_survived_bit_for_bit(tmp_path):
+  result = soak(f'--workdir={tmp_path}/soak', '--kills=5', '--seed=0')
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   summary = json.loads(result.stdout.strip().splitlines()[-1])
-  assert (summary['kills_sent'], summary['kills_survived'], summary['failures']) == (3, 3, [])
+  assert (summary['kills_sent'], summary['kills_survived'], summary['failures']) == (5, 5, [])
   assert summary['bit_equal'] is True
   assert summary['end_state_equal'] == {'checkpoints': True, 'metrics.jsonl': True, 'result': True}
-  assert sum(summary['phases'].values()) == 3
-  assert 'kills survived / kills sent: 3 / 3' in result.stdout
-  # Three attempts were killed (SIGKILL leaves no result line) and a fourth finished the run.
-  logs = sorted(os.listdir(tmp_path / 'soak' / 'logs'))
-  assert [name for name in logs if name.startswith('attempt-')] == [f'attempt-0{i}.log' for i in range(3)]
-  assert 'final.log' in logs and 'reference.log' in logs
-  resumed = [line for name in ('attempt-01.log', 'attempt-02.log', 'final.log')
-             for line in open(tmp_path / 'soak' / 'logs' / name) if line.startswith('Resumed from the checkpoint')]
-  assert len(resumed) >= 1  # at least one kill came after a complete checkpoint
+  phases = summary['phases']
+  assert set(phases) == {'start-up', 'steps', 'evaluation', 'final evaluation'} and min(phases.values()) >= 1
+  assert sum(phases.values()) == 5 and summary['kills_during_checkpoint_writes'] >= 1
+  assert 'kills survived / kills sent: 5 / 5' in result.stdout
+  # Five attempts were killed (SIGKILL leaves no result line) and a sixth finished the run; each attempt
+  # after a kill resumed from the newest complete checkpoint that kill left (one killed in its start-up
+  # may die before it says so), the last from the last step.
+  logs = tmp_path / 'soak' / 'logs'
+  assert sorted(name for name in os.listdir(logs) if name.startswith('attempt-')) == [
+      f'attempt-0{i}.log' for i in range(5)]
+  kills = re.findall(r'^kill \d/5 .*?landed in ([a-z -]+?)(?: with| \().*?(?:newest complete checkpoint: step (\d+)|'
+                     r'no complete checkpoint yet)', result.stdout, re.M)
+  assert len(kills) == 5
+  for kill, name in enumerate([f'attempt-0{i}.log' for i in range(1, 5)] + ['final.log']):
+    found = re.findall(r'^Resumed from the checkpoint at step (\d+) ', (logs / name).read_text(), re.M)
+    newest = int(kills[kill][1]) if kills[kill][1] else None
+    if found or newest is None or name == 'final.log' or kills[kill + 1][0] != 'start-up':
+      assert [int(step) for step in found] == ([newest] if newest is not None else []), name
+  assert kills[-1][0] == 'final evaluation' and int(kills[-1][1]) == summary['train_steps']
 
 
 def test_bad_flags_are_one_error_line(tmp_path):
-  cases = {('--kills=0',): '--kills=0', ('--processes=3',): '--processes=3', ('--emulator',): '--emulator',
+  cases = {('--kills=0',): '--kills=0', ('--kills=4',): 'give --kills=5 or more', ('--processes=3',): '--processes=3',
+           ('--emulator',): '--emulator',
            ('--config.train.steps',): '--config.train.steps', ('--unknown=1',): '--unknown=1',
-           ('--kills=many',): 'many'}
+           ('--kills=many',): 'many', ('--config.train.eval_every=0',): '--config.train.eval_every=0'}
   for extra, named in cases.items():
     result = soak(f'--workdir={tmp_path}/new', *extra, timeout=60)
     assert result.returncode == 1 and result.stdout == '', (extra, result.stdout, result.stderr)

@@ -136,3 +136,33 @@ def test_hf_gpt2_import_matches_transformers_logits(hf_gpt2_dir, tmp_path):
   assert run.tokenizer.encode(text) == hf_tokenizer(text)['input_ids']
   with open(os.path.join(workdir, 'config.json')) as f:
     assert json.load(f)['model']['width'] == 32
+
+
+def test_the_end_of_a_run_prints_decode_num_samples_continuations_of_the_prompts_in_turn(tmp_path, capsys):
+  import ml_collections
+
+  from configs.base import decode_defaults
+  from data.tokenizers import CharTokenizer
+  from errors import ConfigError
+  from train import sampling
+  from train.validation import check_decode
+
+  tokenizer = CharTokenizer('abcdefghijklmnopqrstuvwxyz ')
+  model = small_gpt(vocab=tokenizer.vocab_size)
+  decode = decode_defaults()
+  decode.update({'prompts': 'ab|cd', 'num_samples': 5, 'max_new_tokens': 12, 'temperature': 1.0})
+  (tmp_path / 'five').mkdir()
+  (tmp_path / 'none').mkdir()
+  samples = sampling.sample_prompts(generate, model, tokenizer, decode, str(tmp_path / 'five'), seed=0, max_len=48)
+  with open(tmp_path / 'five' / 'samples.json') as f:
+    written = json.load(f)
+  assert [w['prompt'] for w in written] == ['ab', 'cd', 'ab', 'cd', 'ab']
+  assert [w['continuation'] for w in written] == samples
+  assert capsys.readouterr().out.count('--- prompt: ') == 5
+  assert len({samples[0], samples[2], samples[4]}) == 3  # one prompt, three draws of their own
+  decode.num_samples = 0  # what sweeps and scripts set for no sampling
+  assert sampling.sample_prompts(generate, model, tokenizer, decode, str(tmp_path / 'none'), seed=0, max_len=48) == []
+  assert not (tmp_path / 'none' / 'samples.json').exists() and capsys.readouterr().out == ''
+  decode.num_samples = -1
+  with pytest.raises(ConfigError, match=r'config.decode.num_samples=-1 must be >= 0'):
+    check_decode(ml_collections.ConfigDict({'decode': decode}))

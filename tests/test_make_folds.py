@@ -1,6 +1,5 @@
 """scripts/make_folds.py: k folds of a classification source, each example in exactly one test fold."""
 import collections
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,10 +10,7 @@ import support
 
 
 def load_script():
-  spec = importlib.util.spec_from_file_location('make_folds', os.path.join(support.REPO, 'scripts', 'make_folds.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return support.load_file('scripts/make_folds.py')
 
 
 def read(path):

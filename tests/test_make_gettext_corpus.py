@@ -1,5 +1,4 @@
 """scripts/make_gettext_corpus.py on small .mo catalogs written here in the binary format."""
-import importlib.util
 import os
 import struct
 
@@ -9,11 +8,7 @@ HEADER = 'Content-Type: text/plain; charset=UTF-8\nPlural-Forms: nplurals=2; plu
 
 
 def load_script():
-  spec = importlib.util.spec_from_file_location('make_gettext_corpus',
-                                                os.path.join(support.REPO, 'scripts', 'make_gettext_corpus.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return support.load_file('scripts/make_gettext_corpus.py')
 
 
 def write_mo(path, messages: dict[str, str]) -> None:

@@ -4,7 +4,6 @@ both built shards of the token cache they read."""
 import glob
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -17,12 +16,6 @@ STEP_TERMS = support.TINY_GPT_STEP_TERMS  # the reductions behind one tiny GPT s
 OVERRIDES = {'train.steps': 6, 'train.eval_every': 6, 'train.checkpoint_every': 6, 'train.log_every': 1,
              'train.eval_steps': 2, 'mesh.data': 4, 'mesh.fsdp': 2, 'train.async_checkpoints': False,
              'data.cache_shard_mb': 0.001}  # ~1 KB token-cache shards: each process builds several
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
 
 
 def train_losses(workdir):
@@ -39,7 +32,7 @@ def runs(tmp_path_factory):
   single = support.launch(args + [f'--workdir={root}/single', f'--config.data.cache_dir={root}/single-cache'],
                           devices=8, timeout=240)
   assert single.returncode == 0, single.stderr[-3000:]
-  address = f'localhost:{free_port()}'
+  address = f'localhost:{support.free_port()}'
   processes = [support.launch(args + [f'--workdir={root}/multi', f'--config.data.cache_dir={root}/multi-cache',
                                       f'--coordinator_address={address}', '--num_processes=2', f'--process_id={i}'],
                               devices=4, background=True, start_new_session=True)

@@ -166,4 +166,19 @@ def test_bfloat16_newton_schulz_rounds_its_matmuls_only():
   assert precisions(tx) == ['BF16_BF16_F32'] * (3 * 3)
   state = jax.eval_shape(lambda: tx.update(params, tx.init(params), params)[1])
   assert {x.dtype for x in jax.tree.leaves(state) if x.ndim >= 2} == {np.dtype(np.float32)}
-  assert optim.make_optimizer(train_config(), platform='gpu')[0] is not None
+  # 'auto' for a GPU: the same bfloat16 matmuls, whatever this host is.
+  assert precisions(optim.make_optimizer(train_config(), platform='gpu')[0]) == ['BF16_BF16_F32'] * (3 * 3)
+
+
+@pytest.mark.numerics
+def test_bfloat16_newton_schulz_gives_optaxs_per_matrix_updates_at_that_precision():
+  """The stacks in bfloat16 update as Optax's muon over the unstacked leaves does with its matmuls at
+  the same precision, step after step (XLA:CPU computes BF16_BF16_F32 dots in float32: here the two
+  agree with the float32 updates too; an accelerator rounds both alike)."""
+  params, config = gpt_params(scan_layers=False), train_config(muon_ns_dtype='bfloat16')
+  ours, our_state = run_steps(optim.make_optimizer(config)[0], params)
+  with jax.default_matmul_precision(optim.BF16_MATMULS):
+    theirs, their_state = run_steps(per_matrix_muon(config), params)
+  for step in range(STEPS):
+    assert_trees_close(ours[step], theirs[step], terms=terms(params), err_msg=f'step {step + 1}: ')
+  assert_trees_close(our_state, their_state, terms=terms(params))

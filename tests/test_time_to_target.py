@@ -1,7 +1,6 @@
 """scripts/time_to_target.py's same-wall-clock mode with a fake launcher (no training): each arm gets the
 step count its schedule expects at the clock, from a probe where its schedule decays over
 train.steps, and the table says how."""
-import importlib.util
 import json
 import os
 
@@ -14,10 +13,7 @@ import support
 def script(monkeypatch):
   """The script as a module, its launcher replaced: each call is recorded, and a run the clock ends
   reaches `clock_steps(minutes)` steps, one of N steps reaches N."""
-  spec = importlib.util.spec_from_file_location('time_to_target', os.path.join(support.REPO, 'scripts',
-                                                                               'time_to_target.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = support.load_file('scripts/time_to_target.py')
   module.calls = []
   module.clock_steps = lambda minutes: int(95 * minutes)
 

@@ -314,7 +314,7 @@ def test_a_restart_and_another_workdir_reuse_the_tokenizer_and_the_cache_without
 TRAIN_ONE_TOKENIZER = textwrap.dedent('''
     import os, sys, time
     from configs.base import base_config
-    from data import token_cache
+    from data import lm, token_cache  # lm registers the processor the tokenizer is keyed by
     cache_dir, workdir, marks = sys.argv[1:]
     config = base_config('test').data
     config.update({'cache_dir': cache_dir, 'tokenizer': 'bpe', 'vocab_size': 300})
@@ -324,7 +324,7 @@ TRAIN_ONE_TOKENIZER = textwrap.dedent('''
       time.sleep(3)  # long enough that the other process asks for the tokenizer meanwhile
       yield 'alpha beta gamma delta ' * 200
 
-    print(token_cache.shared_tokenizer(config, workdir, {'corpus': 'one'}, sample).to_json())
+    print(token_cache.shared_tokenizer(config, workdir, {'family': 'lm', 'corpus': 'one'}, sample).to_json())
 ''')
 
 

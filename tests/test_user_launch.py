@@ -4,7 +4,6 @@ cache settings (tests/conftest.py: JAX_DISABLE_MOST_OPTIMIZATIONS, --xla_cpu_use
 so that XLA compiles with the settings a user's run gets (the token caches stay in the suite's
 temporary folder). A tiny GPT trains a few steps, and `--mode=eval` on its workdir gives the numbers
 of its result line."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -56,10 +55,7 @@ def test_a_fresh_launch_with_xlas_default_settings_trains_and_evaluates_to_its_r
 
 def test_ci_reads_readme_command_1_from_the_readme():
   # .ci/readme_command.py runs this command (a couple of minutes: CI's own step, not the suite's).
-  script = os.path.join(support.REPO, '.ci', 'readme_command.py')
-  spec = importlib.util.spec_from_file_location('readme_command', script)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = support.load_file('.ci/readme_command.py')
   with open(os.path.join(support.REPO, 'README.md')) as f:
     command = module.readme_command(f.read())
   assert command.startswith('python launch.py') and 'pip' not in command, command

@@ -233,11 +233,12 @@ def compile_train_step(config, devices=None, compiler_options: dict | None = Non
 
 def lower_train_step(config, devices=None, platform: str | None = None):
   """`compile_train_step`'s program lowered, before any XLA pass (a backend may upcast when it
-  compiles): the model's 'auto' settings resolved for `platform` (None: this process's backend)."""
+  compiles): every 'auto' setting (the model's dtype and attention, Muon's Newton-Schulz dtype, the
+  random number generator) resolved for `platform` (None: this process's backend)."""
   task = bench_task(config, platform)
   mesh = sharding.make_mesh(config.mesh, devices)
-  tx, _ = make_optimizer(config.train)
-  spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl), tx)
+  tx, _ = make_optimizer(config.train, platform)
+  spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl, platform), tx)
   batch = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding.batch_sharding(mesh))
            for name, value in task.example_batch(config.train.batch_size).items()}
   with sharding.use_mesh(mesh):

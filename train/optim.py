@@ -58,6 +58,7 @@ import numpy as np
 import optax
 
 from errors import ConfigError
+from models.attention import resolve_compute_dtype
 from train.sharding import path_to_string
 
 OPTIMIZERS = ('adamw', 'adam', 'muon', 'schedule_free_adamw', 'lion', 'adafactor')
@@ -209,17 +210,16 @@ MUON_NS_DTYPES = ('auto', 'float32', 'bfloat16')
 # products in float32, the precision of the NanoGPT speedrun's iterations. Optax's muon takes no dtype
 # for them, and casting its input would not reach them: the float32 momentum promotes it back.
 BF16_MATMULS = 'BF16_BF16_F32'
-_OTHERS, _STACKS = 'adamw_leaves', 'muon_stacks'  # the two parts of a `MatrixStacks.stack` tree
+_ADAMW_LEAVES, _MUON_STACKS = 'adamw_leaves', 'muon_stacks'  # the two parts of a `MatrixStacks.stack` tree
 
 
 def resolve_ns_dtype(name: str, platform: str | None = None) -> str:
   """`train.muon_ns_dtype` for `platform` ('cpu' | 'gpu' | 'tpu'; None: this process's backend):
-  'auto' is 'bfloat16' on GPU and TPU, 'float32' on CPU (where runs, tests and fixtures keep their numbers)."""
+  'auto' follows the model's compute dtype rule (`resolve_compute_dtype`): 'bfloat16' on GPU and TPU,
+  'float32' on CPU (where runs, tests and fixtures keep their numbers)."""
   if name not in MUON_NS_DTYPES:
     raise ConfigError(f'config.train.muon_ns_dtype={name!r} is not one of {MUON_NS_DTYPES}.')
-  if name == 'auto':
-    return 'float32' if (platform or jax.default_backend()) == 'cpu' else 'bfloat16'
-  return name
+  return resolve_compute_dtype(name, platform)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,15 +229,15 @@ class MatrixStacks:
   Newton-Schulz chain per shape instead of one per leaf. Each matrix keeps its own normalisation,
   shape scaling and weight decay: Optax treats a stack's first axis as a batch of matrices.
 
-  `stack(tree)` of a tree shaped like the parameters is {_OTHERS: [AdamW's leaves, in tree order],
-  _STACKS: {'INxOUT': [n, in, out], the matrices in tree order}}; `unstack` undoes it.
+  `stack(tree)` of a tree shaped like the parameters is {_ADAMW_LEAVES: [AdamW's leaves, in tree
+  order], _MUON_STACKS: {'INxOUT': [n, in, out], the matrices in tree order}}; `unstack` undoes it.
   `stacked_like` / `unstacked_like` move any tree that holds such trees (an optimizer state, whose
   moments sit at the parameters' paths) between the two layouts.
   """
   treedef: jax.tree_util.PyTreeDef
   paths: tuple[tuple, ...]  # each leaf's key path
   shapes: tuple[tuple[int, ...], ...]
-  others: tuple[int, ...]  # the leaves AdamW takes (indices into `paths`)
+  adamw_leaves: tuple[int, ...]  # the leaves AdamW takes (indices into `paths`)
   stacks: tuple[tuple[str, tuple[int, ...]], ...]  # ('INxOUT', the leaves whose matrices it stacks)
 
   @classmethod
@@ -245,16 +245,17 @@ class MatrixStacks:
     """The stacks of `tree` (arrays or shapes), Muon's matrices chosen by `MUON_RULES`."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths, shapes = tuple(path for path, _ in flat), tuple(tuple(leaf.shape) for _, leaf in flat)
-    others, stacks = [], {}
+    adamw_leaves, stacks = [], {}
     for index, (path, shape) in enumerate(zip(paths, shapes)):
       if muon_side(path_to_string(path), shape) == 'muon':
         stacks.setdefault(f'{shape[-2]}x{shape[-1]}', []).append(index)
       else:
-        others.append(index)
-    return cls(treedef, paths, shapes, tuple(others), tuple((key, tuple(v)) for key, v in stacks.items()))
+        adamw_leaves.append(index)
+    return cls(treedef, paths, shapes, tuple(adamw_leaves), tuple((key, tuple(v)) for key, v in stacks.items()))
 
   def stack(self, tree) -> dict:
-    return self.stacked_like(tree, {_OTHERS: [0] * len(self.others), _STACKS: {key: 0 for key, _ in self.stacks}})
+    return self.stacked_like(tree, {_ADAMW_LEAVES: [0] * len(self.adamw_leaves),
+                                    _MUON_STACKS: {key: 0 for key, _ in self.stacks}})
 
   def unstack(self, stacked: dict):
     values = self._unstacked_values(stacked)
@@ -269,7 +270,7 @@ class MatrixStacks:
       prefix, part, members = self._members(path)
       if part is None:
         leaves.append(values[path])
-      elif part == _OTHERS:
+      elif part == _ADAMW_LEAVES:
         leaves.append(values[prefix + self.paths[members[0]]])
       else:
         leaves.append(jnp.concatenate([values[prefix + self.paths[i]].reshape(-1, *self.shapes[i][-2:])
@@ -287,7 +288,7 @@ class MatrixStacks:
     values = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(stacked)[0]:
       prefix, part, members = self._members(path)
-      if part != _STACKS:
+      if part != _MUON_STACKS:
         values[path if part is None else prefix + self.paths[members[0]]] = leaf
         continue
       offset = 0
@@ -299,10 +300,10 @@ class MatrixStacks:
 
   def _members(self, path) -> tuple[tuple, str | None, tuple[int, ...]]:
     """(the path's prefix, the part of a stacked tree it ends in or None, the leaves its array holds)."""
-    if len(path) >= 2 and path[-2] == jax.tree_util.DictKey(_OTHERS):
-      return path[:-2], _OTHERS, (self.others[path[-1].idx],)
-    if len(path) >= 2 and path[-2] == jax.tree_util.DictKey(_STACKS):
-      return path[:-2], _STACKS, dict(self.stacks)[path[-1].key]
+    if len(path) >= 2 and path[-2] == jax.tree_util.DictKey(_ADAMW_LEAVES):
+      return path[:-2], _ADAMW_LEAVES, (self.adamw_leaves[path[-1].idx],)
+    if len(path) >= 2 and path[-2] == jax.tree_util.DictKey(_MUON_STACKS):
+      return path[:-2], _MUON_STACKS, dict(self.stacks)[path[-1].key]
     return path, None, ()
 
 
@@ -310,7 +311,8 @@ def _stacked_dimension_numbers(stacked: dict) -> dict:
   """Optax's `muon_weight_dimension_numbers` of a `MatrixStacks.stack` tree: each stack [n, in, out]
   is a batch of n matrices; AdamW takes the rest."""
   batch_of_matrices = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
-  return {_OTHERS: [None for _ in stacked[_OTHERS]], _STACKS: {key: batch_of_matrices for key in stacked[_STACKS]}}
+  return {_ADAMW_LEAVES: [None for _ in stacked[_ADAMW_LEAVES]],
+          _MUON_STACKS: {key: batch_of_matrices for key in stacked[_MUON_STACKS]}}
 
 
 def stacked_muon(muon: Callable[..., optax.GradientTransformation], ns_dtype: str = 'float32'

@@ -60,10 +60,18 @@ def prompt_truncation_notes(tokenizer, prompts: list[str], decode_config, max_le
   return notes
 
 
+def prompt_list(decode_config) -> list[str]:
+  """The prompts the end of a run continues, one per sample: `decode.num_samples` of them, the
+  '|'-separated `decode.prompts` taken in turn (sample i continues prompt i mod P, a draw of its own
+  unless decoding is greedy); none when either is empty or 0."""
+  prompts = [p for p in decode_config.prompts.split('|') if p]
+  return [prompts[i % len(prompts)] for i in range(decode_config.num_samples)] if prompts else []
+
+
 def sample_prompts(generate: Callable, model, tokenizer, decode_config, workdir: str, *, seed: int,
                    max_len: int | None = None) -> list[str]:
-  """Continue the '|'-separated `decode.prompts`, print them and write `workdir/samples.json`."""
-  prompts = [p for p in decode_config.prompts.split('|') if p]
+  """Continue `prompt_list(decode_config)`, print the samples and write `workdir/samples.json`."""
+  prompts = prompt_list(decode_config)
   if not prompts:
     return []
   note = max_new_tokens_note(decode_config, max_len)

@@ -173,6 +173,8 @@ def check_decode(config) -> None:
     raise ConfigError(f'config.decode.beam_size={d.beam_size} must be >= 0 (0 or 1: greedy).')
   if d.max_len_ratio <= 0:
     raise ConfigError(f'config.decode.max_len_ratio={d.max_len_ratio} must be positive.')
+  if d.num_samples < 0:
+    raise ConfigError(f'config.decode.num_samples={d.num_samples} must be >= 0 (0: no samples at the end).')
 
 
 def validate_config(config, num_devices: int | None = None) -> None:
