@@ -1,10 +1,10 @@
-"""wsd's wall-clock cooldown (train/loop.py `Cooldown`): re-planned as the step time changes, it ends at
+"""wsd's wall-clock cooldown (train/budget.py `Cooldown`): re-planned as the step time changes, it ends at
 lr * end_lr_fraction on the run's last step within `train.max_minutes`, the closing evaluations
 reserved; a cooldown before the warmup's end is refused; a resume mid-cooldown on the real clock
 still ends cooled down within the budget.
 
-The simulated runs drive the trainer's own pieces (Cooldown.check, loop.clock_stop, the Saver's
-clock and reserve) in the trainer's order, on a fake clock: each step, evaluation and save adds the
+The simulated runs drive the loop's own pieces (Cooldown.check, budget.clock_stop, the RunClock and
+its reserve) in the loop's order, on a fake clock: each step, evaluation and save adds the
 seconds the test gives it. The learning rate each update used is Optax's schedule of the plan in
 force when it ran (optim.learning_rate_schedule), as the compiled step reads it from the optimizer state."""
 import json
@@ -18,7 +18,7 @@ from configs import gpt
 from errors import ConfigError
 from numerics import assert_close
 from train import checkpoint as ckpt
-from train import loop, optim
+from train import budget, loop, optim
 from train.trainer import train_and_evaluate
 from train.validation import validate_config
 
@@ -33,38 +33,23 @@ def train_config(**values):
   return config
 
 
-class FakeClock(loop.Saver):
-  """The Saver's clock with seconds the simulation adds and no compilation."""
-
-  def __init__(self, final_eval_batches=0.0):
-    super().__init__(None, None, loop.Progress(), 0, 0.0, final_eval_batches=final_eval_batches)
-    self.now = 0.0
-
-  def seconds(self):
-    return self.now
-
-  def compile_seconds(self):
-    return 0.0
-
-
-def simulate(train, step_seconds, eval_seconds=0.0, final_eval_batches=0.0, setup_seconds=0.0):
+def simulate(train, step_seconds, eval_seconds=0.0, final_eval_scale=0.0, setup_seconds=0.0):
   """Run the trainer's clock logic with step k taking step_seconds(k) seconds and each evaluation
   `eval_seconds`; returns ({step: the learning rate its update used}, the stop's reason, the clock
   after the stop's evaluation, the clock after the final evaluation, the log)."""
-  clock, log = FakeClock(final_eval_batches), []
+  clock, log = support.scripted_clock(budget=60 * train.max_minutes, final_eval_scale=final_eval_scale), []
   clock.now = setup_seconds
-  cooldown = loop.Cooldown(train, clock, 0, log.append)
+  cooldown = budget.Cooldown(train, clock, 0, log.append)
   used, step, stopped = {}, 0, None
   while step < train.steps and stopped is None:
     used[step + 1] = float(optim.learning_rate_schedule(train, cooldown.plan)(step))  # the update of step + 1
     step += 1
     clock.now += step_seconds(step)
     cooldown.check(step)
-    stopped = loop.clock_stop(train, step, clock, cooldown)
+    stopped = budget.clock_stop(train, step, clock, cooldown)
     if step % train.eval_every == 0 or stopped:
-      clock.now += eval_seconds
-      clock.record_evaluation(eval_seconds)
-  return used, stopped, clock.now, clock.now + eval_seconds * final_eval_batches, log
+      clock.evaluate(eval_seconds)
+  return used, stopped, clock.now, clock.now + eval_seconds * final_eval_scale, log
 
 
 def assert_cooled_down(used, stopped, train):
@@ -97,7 +82,7 @@ def test_the_cooldown_ends_at_the_end_lr_within_the_budget_when_the_step_time_ch
 def test_the_budget_reserves_the_closing_evaluations_and_plans_the_ones_to_come():
   # 1 s steps, a 4 s evaluation every 10 steps, and a final evaluation 5 times as long: 4 + 20 s reserved.
   train = train_config(max_minutes=2.0, decay_fraction=0.4, eval_every=10)
-  used, stopped, seconds, finished, _ = simulate(train, lambda step: 1.0, eval_seconds=4.0, final_eval_batches=5.0)
+  used, stopped, seconds, finished, _ = simulate(train, lambda step: 1.0, eval_seconds=4.0, final_eval_scale=5.0)
   assert_cooled_down(used, stopped, train)
   # By hand: ending at step E costs E steps, the evaluations at the multiples of 10 before it, then the stop's
   # evaluation and the final one (24 s); the last E that fits in 120 s is 70 (118 s; 71 would take 123 s).
@@ -172,14 +157,14 @@ def test_a_resume_mid_cooldown_on_the_real_clock_ends_cooled_down_within_the_bud
   workdir = str(tmp_path / 'run')
   # The cooldown starts once 80% of the 24 s is left (or at the first step, after a slow set-up: one warmup
   # step, so never before it ends); a preemption a few checks into it.
-  cooling, check = [], loop.Cooldown.check
+  cooling, check = [], budget.Cooldown.check
 
   def counted_check(self, step):
     changed = check(self, step)
     cooling.extend([step] if self.by_clock else [])
     return changed
 
-  monkeypatch.setattr(loop.Cooldown, 'check', counted_check)
+  monkeypatch.setattr(budget.Cooldown, 'check', counted_check)
   monkeypatch.setattr(loop.PreemptionWatcher, 'should_stop', lambda self, step: len(cooling) >= 4)
   first = train_and_evaluate(config, workdir)
   assert first.get('preempted') and first['step'] == cooling[-1], first
