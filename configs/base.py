@@ -91,8 +91,9 @@ def schedule_keys(train: ml_collections.ConfigDict) -> None:
   train.warmup_steps = 100  # linear warmup (schedule_free_adamw: its own warmup)
   train.end_lr_fraction = 0.1  # final lr / peak lr for 'cosine', 'linear' and 'wsd'
   # wsd: the cooldown's share of train.steps (not starting before train.warmup_steps end); with train.max_minutes
-  # and a train.steps the budget will not reach, the cooldown starts when this share of the budget is left,
-  # is re-planned at every step from the recent step time, and the run's last step uses lr * end_lr_fraction.
+  # and a train.steps the budget will not reach, the cooldown starts when this share of the budget is left (from
+  # the rate the warmup reached, if it is not over), is re-planned at every step from the recent step time, and
+  # the run's last step uses lr * end_lr_fraction.
   train.decay_fraction = 0.2
   train.decay_shape = '1-sqrt'  # wsd's cooldown: 'linear' | '1-sqrt' (Hägele et al. 2024)
 

@@ -1,7 +1,8 @@
 """wsd's wall-clock cooldown (train/budget.py `Cooldown`): re-planned as the step time changes, it ends at
 lr * end_lr_fraction on the run's last step within `train.max_minutes`, the closing evaluations
-reserved; a cooldown before the warmup's end is refused; a resume mid-cooldown on the real clock
-still ends cooled down within the budget.
+reserved; one due before the warmup's end goes on from the warmup's rate (one that train.steps alone
+places there is refused at validation); a resume mid-cooldown on the real clock still ends cooled
+down within the budget.
 
 The simulated runs drive the loop's own pieces (Cooldown.check, budget.clock_stop, the RunClock and
 its reserve) in the loop's order, on a fake clock: each step, evaluation and save adds the
@@ -117,16 +118,49 @@ def test_a_cooldown_before_the_warmup_ends_is_refused_at_validation():
   validate_config(config)
 
 
-def test_a_clock_cooldown_before_the_warmup_ends_is_refused_in_one_line():
+def test_a_clock_cooldown_due_during_the_warmup_goes_on_from_the_warmup_rate():
   # 30 s of budget at 1 s a step, the cooldown over the last half: due at step 15, before 20 warmup steps end.
+  # It used to stop the run with a ConfigError there, unsaved.
   train = train_config(max_minutes=0.5, decay_fraction=0.5, warmup_steps=20)
-  with pytest.raises(ConfigError) as error:
-    simulate(train, lambda step: 1.0)
-  message = str(error.value)
-  assert '\n' not in message and 'step 15' in message and 'train.warmup_steps=20' in message
+  used, stopped, seconds, _, log = simulate(train, lambda step: 1.0)
+  assert stopped and 'the wall-clock cooldown ended' in stopped and seconds == 30 and max(used) == 30
+  # By hand: the update of step 15 (count 14) used 14/20 of the peak; the linear cooldown from there to
+  # 1/10 of it is (1 - 0.7) / 0.9 = 1/3 done, and the 15 updates of counts 15 .. 29 take it to the end:
+  # optim.wsd_schedule's plan of round(15 / (2/3)) = 22 steps from count 29 - 22 = 7.
+  assert_close([used[s] for s in range(1, 16)], [PEAK * (s - 1) / 20 for s in range(1, 16)], terms=1, scale=PEAK)
+  for s in range(16, 31):
+    assert_close(used[s], PEAK * (1 - 0.9 * (s - 1 - 7) / 22), terms=1, err_msg=str(s))
+  assert all(b < a for a, b in zip([used[s] for s in range(15, 31)], [used[s] for s in range(16, 31)]))
+  assert_close(used[30], PEAK * END_FRACTION, terms=1)
+  assert log[0].startswith('Cooldown from step 15 to step 30 ') and 'during the warmup' in log[0], log
   # A budget spent during set-up stops the run at its first step instead (the budget's own stop).
   _, stopped, _, _, _ = simulate(train, lambda step: 1.0, setup_seconds=31.0)
   assert stopped == 'train.max_minutes=0.5 reached'
+
+
+def test_a_cooldown_due_while_the_warmup_rate_is_below_the_end_rate_waits_for_it():
+  # The issue's run: warmup far past the budget. At step 15 the warmup has reached 14/200 of the peak, below
+  # the end rate (1/10): the warmup goes on to it (count 20), then the rate stays at the end rate to the
+  # budget's end (step 30), which the 1-sqrt cooldown from progress 1 reaches.
+  train = train_config(max_minutes=0.5, decay_fraction=0.5, warmup_steps=200, decay_shape='1-sqrt')
+  used, stopped, seconds, _, _ = simulate(train, lambda step: 1.0)
+  assert stopped and 'the wall-clock cooldown ended' in stopped and seconds == 30 and max(used) == 30
+  assert_close([used[s] for s in range(1, 22)], [PEAK * (s - 1) / 200 for s in range(1, 22)], terms=1, scale=PEAK)
+  for s in range(22, 31):
+    assert_close(used[s], PEAK * END_FRACTION, terms=1, err_msg=str(s))
+
+
+def test_cooldown_progress_inverts_the_schedule_from_the_rate_the_warmup_reached():
+  train = train_config(warmup_steps=100, end_lr_fraction=0.2)
+  for shape in ('linear', '1-sqrt'):
+    train.decay_shape = shape
+    for count in (20, 50, 99, 100, 150):
+      done = budget.cooldown_progress(train, (1000, 10), count)
+      # optim.wsd_schedule's cooldown at that progress has the rate the warmup (or the peak) gave `count`.
+      at = float(optim.wsd_schedule(PEAK, 1, 1, 1.0, 0.2, shape)(1.0 + done))  # a cooldown of one (fractional) step
+      assert_close(at, PEAK * min(count / 100, 1.0), terms=2, scale=PEAK, err_msg=f'{shape} {count}')
+    assert budget.cooldown_progress(train, (1000, 10), 19) is None  # 19/100 of the peak: below the end rate
+  assert budget.cooldown_progress(train, (40, 10), 45) == 0.5  # inside a cooldown: its own progress
 
 
 # ============================================================================ a resume on the real clock

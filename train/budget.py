@@ -16,7 +16,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from errors import ConfigError
 from train import compilation, evaluation, optim
 from train.multihost import agreed
 
@@ -96,19 +95,20 @@ class Cooldown:
   """Where wsd's cooldown starts and how long it lasts: the last `train.decay_fraction` of
   `train.steps`, unless a wall-clock budget (`train.max_minutes`) will end the run first.
 
-  The budget runs on the run's clock (`RunClock.seconds`: from train_and_evaluate's entry, resumes
-  included) and ends with the reserve for the evaluations that close the run (`RunClock.reserve`).
-  Once `decay_fraction` of it is left and the steps that still fit end before `train.steps`, the
-  cooldown starts, and from then on it is re-planned at every check from the recent step time
-  (compilation, evaluations and saves left out: `_measure`) and the evaluations and saves to come
-  (`_steps_that_fit`): the learning rate goes on from where it is (`replan`) to lr * end_lr_fraction,
-  which the update of the last step that fits uses; the run stops there (`finished`). A step slower
-  than planned can carry that last step past the budget, by at most itself. The same re-planning
-  takes over a cooldown of `train.steps` the budget will not let end. The plan is kept in the
-  checkpointed `progress`, so a resume continues it (re-planned for the time its start-up took);
-  the trainer writes it into the optimizer state (optim.with_cooldown), values the compiled step
-  reads. A cooldown that would start before `train.warmup_steps` end is refused. Several processes
-  take process 0's plan, checked every `train.log_every` steps."""
+  The budget runs on the run's clock (`RunClock.seconds`) and ends with the reserve for the
+  evaluations that close the run (`RunClock.reserve`). Once `decay_fraction` of it is left and the
+  steps that still fit end before `train.steps`, the cooldown starts, and from then on it is
+  re-planned at every check from the recent step time (compilation, evaluations and saves left out:
+  `_measure`) and the evaluations and saves to come (`_steps_that_fit`): the learning rate goes on
+  from the rate the last update used (`replan`) to lr * end_lr_fraction, which the update of the
+  last step that fits uses; the run stops there (`finished`). A step slower than planned can carry
+  that last step past the budget, by at most itself. The same re-planning takes over a cooldown of
+  `train.steps` the budget will not let end. A cooldown due during the warmup starts from the rate
+  the warmup reached, not the peak; one due while that rate is still below the end rate waits, and
+  the budget's own stop ends the run if it comes first. The plan is kept in the checkpointed
+  `progress`, so a resume continues it (re-planned for the time its start-up took); the trainer
+  writes it into the optimizer state (optim.with_cooldown), values the compiled step reads. Several
+  processes take process 0's plan, checked every `train.log_every` steps."""
 
   def __init__(self, train_config, clock: RunClock, start_step: int, log=print):
     self.train, self.clock, self.progress, self.log = train_config, clock, clock.progress, log
@@ -148,13 +148,8 @@ class Cooldown:
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # only multi-process runs need it
       decision = multihost_utils.broadcast_one_to_all(decision)
-    kind, start, length = (int(v) for v in decision)
-    if kind == _REFUSE:
-      raise ConfigError(
-          f'train.max_minutes={t.max_minutes}: {t.decay_fraction:.0%} of the budget (train.decay_fraction) is left at '
-          f'step {step}, before train.warmup_steps={t.warmup_steps} end, and a cooldown from there would jump the '
-          'learning rate to its peak; raise train.max_minutes or lower train.warmup_steps or train.decay_fraction.')
-    if kind == _KEEP:
+    changed, start, length = (int(v) for v in decision)
+    if not changed:
       return False
     started = not self.by_clock
     self.progress.cooldown_start, self.progress.cooldown_steps = start, length
@@ -170,11 +165,15 @@ class Cooldown:
 
   def describe(self, step: int, step_seconds: float) -> str:
     start, length = self.plan
-    return (f'Cooldown from step {step} to step {start + length + 1} (train.decay_shape={self.train.decay_shape}, '
-            f're-planned at every check): train.decay_fraction={self.train.decay_fraction} of the '
-            f'train.max_minutes={self.train.max_minutes} budget is left, and train.steps={self.train.steps} will not '
-            f'be reached; {step_seconds:.3g} s per step, {self.clock.reserve():.3g} s kept for the evaluations at '
-            'the end.')
+    t = self.train
+    line = (f'Cooldown from step {step} to step {start + length + 1} (train.decay_shape={t.decay_shape}, re-planned '
+            f'at every check): train.decay_fraction={t.decay_fraction} of the train.max_minutes={t.max_minutes} '
+            f'budget is left, and train.steps={t.steps} will not be reached; {step_seconds:.3g} s per step, '
+            f'{self.clock.reserve():.3g} s kept for the evaluations at the end.')
+    if step - 1 < t.warmup_steps:
+      line += (f' It starts during the warmup (train.warmup_steps={t.warmup_steps}), from the rate it reached, '
+               f'{self.learning_rate(step - 1):.3g}, not the peak.')
+    return line
 
   def _steps_clock(self) -> float:
     """The run's clock less compilation and this process's evaluations and saves: what steps took."""
@@ -195,8 +194,8 @@ class Cooldown:
     return max(now - first_clock, 0.0) / max(step - first_step, 1)
 
   def _decide(self, step: int, step_seconds: float) -> np.ndarray:
-    """[_KEEP | _PLAN | _REFUSE, start, length] after `step` at `step_seconds` per step."""
-    t, keep = self.train, np.asarray([_KEEP, 0, 0])
+    """[changed (0 | 1), start, length]: the plan after `step` at `step_seconds` per step."""
+    t, keep = self.train, np.asarray([0, 0, 0])
     budget = 60 * t.max_minutes
     left = budget - self.clock.seconds() - self.clock.reserve()
     waiting = not self.by_clock and (left <= 0 or left > t.decay_fraction * budget)  # or the budget's stop ends it
@@ -206,9 +205,8 @@ class Cooldown:
     start, length = self.plan
     if end == start + length + 1 or (not self.by_clock and end >= t.steps):
       return keep  # the plan ends there already; or train.steps comes first
-    if not self.by_clock and step < t.warmup_steps:
-      return np.asarray([_REFUSE, 0, 0])
-    return np.asarray([_PLAN, *replan(self.plan, step, end)])
+    plan = replan(t, self.plan, step, end)
+    return keep if plan is None else np.asarray([1, *plan])
 
   def _steps_that_fit(self, step: int, left: float, step_seconds: float) -> int:
     """How many steps after `step` fit in `left` seconds, with the evaluations (and their saves) and the
@@ -233,16 +231,34 @@ class Cooldown:
     return steps
 
 
-_KEEP, _PLAN, _REFUSE = 0, 1, 2  # Cooldown._decide's verdicts
 RECENT_CHECKS = 4  # the intervals between checks whose step time `Cooldown` plans with
 
 
-def replan(plan: tuple[int, int], step: int, end: int) -> tuple[int, int]:
-  """optim.wsd_schedule's cooldown (start, length) that goes on after `step` from the progress the
-  last update (count step - 1) had under `plan` and reaches the end learning rate at the update of
-  step `end` (count end - 1). Its progress never goes back."""
+def cooldown_progress(train_config, plan: tuple[int, int], count: int) -> float | None:
+  """The progress (0 to 1) at which wsd's cooldown has the rate that `plan`'s schedule gives the
+  update at `count`: the cooldown's own progress once it has started; before, that of the warmup's
+  rate (the peak's: 0); None while the warmup's rate is below the cooldown's end rate."""
   start, length = plan
-  done = min(max((step - 1 - start) / length, 0.0), 1.0)
+  if count >= start:
+    return min(max((count - start) / length, 0.0), 1.0)
+  t = train_config
+  reached = min(count / t.warmup_steps, 1.0) if t.warmup_steps else 1.0  # of the peak: optax's linear warmup
+  if reached >= 1.0:
+    return 0.0
+  fall = (1.0 - reached) / (1.0 - t.end_lr_fraction) if t.end_lr_fraction < 1 else math.inf  # of the cooldown's
+  if fall > 1.0:
+    return None
+  return fall**2 if t.decay_shape == '1-sqrt' else fall  # optim.wsd_schedule's shapes, inverted
+
+
+def replan(train_config, plan: tuple[int, int], step: int, end: int) -> tuple[int, int] | None:
+  """optim.wsd_schedule's cooldown (start, length) that goes on after `step` from the rate the last
+  update (count step - 1) used under `plan` (`cooldown_progress`) and reaches the end learning rate
+  at the update of step `end` (count end - 1); None while that rate is below the end rate. Its rate
+  never rises."""
+  done = cooldown_progress(train_config, plan, step - 1)
+  if done is None:
+    return None
   updates = end - step  # counts step .. end - 1
   length = min(max(round(updates / max(1.0 - done, 1e-9)), updates), 2 ** 30)
   return end - 1 - length, length
