@@ -151,9 +151,10 @@ def stopping_keys(train: ml_collections.ConfigDict) -> None:
   train.early_stopping_patience = 0  # stop after this many evaluations without a better best_metric; 0 = off
   # Wall-clock budget in minutes (0 = none) on the run's clock, which starts at train_and_evaluate's entry and
   # counts all of it: data preparation, setup, restoring, compiling, steps, evaluations and saves, each resume
-  # adding its own. The run saves, evaluates and ends once the budget less a reserve is spent; the reserve is
-  # the evaluation and save at the stop and the final evaluation's losses, at the last evaluation's timed rate
-  # (the family's decoding, samples and pictures are not counted). wsd's cooldown ends within it.
+  # adding its own. The loop stops once the budget less a reserve is spent, so that the run's result comes
+  # within it: the reserve is the closing work as timed in the run (the stop's evaluation and its save to the
+  # end of its writing, the best checkpoint's restore, the final evaluation's losses and the family's decoding;
+  # not its pictures). wsd's cooldown ends within it.
   train.max_minutes = 0.0
   # A clock to a target: 'eval/loss<=3.28' (an eval metric, <= or >=): the first evaluation meeting it
   # records its step, tokens and seconds (target/... in metrics.jsonl and the result); '' = none.

@@ -1,10 +1,18 @@
-"""The wall-clock budget (`train.max_minutes`): the run's clock, the reserve it keeps for the
-evaluations that close the run, the stop, and wsd's cooldown planned against it.
+"""The wall-clock budget (`train.max_minutes`): the run's clock, the reserve it keeps for the work that
+closes the run, the stop, and wsd's cooldown planned against it.
 
 The clock (`RunClock`) starts at train_and_evaluate's entry and counts every resume's seconds. The
 loop stops once the budget less the reserve is spent (`clock_stop`); the reserve
-(`RunClock.reserve`) is the stop's evaluation and save and the final evaluation's losses
-(`final_eval_scale` evaluations' worth), at the last evaluation's time.
+(`RunClock.reserve`) is what runs after the last step, each part timed in this run:
+  evaluations  the stop's evaluation during training and the final evaluation's losses
+               (`final_eval_scale` evaluations' worth), at the last evaluation's time
+  save         the stop's checkpoint, to the end of its writing (asynchronous or not)
+  restore      the best checkpoint's model, when the final evaluation scores it (train.final_eval_from)
+  decoding     the family's decoding after training (translation's greedy and beam search, samples)
+The loop times the save, the restore and a unit of the decoding at this process's first step, and
+one eval batch until an evaluation is timed (train/loop.py `time_closing_work`), so that a run
+evaluating nothing before its end keeps its reserve from the start. The family's pictures and
+programs its evaluation compiles afresh are not counted.
 """
 from __future__ import annotations
 
@@ -37,14 +45,15 @@ class RunClock:
   `progress` (loop.Progress) carries the seconds of earlier processes and the closing work's
   timings; `started` and `compile_started` are the time.time() and compilation.compile_seconds()
   when this process's run began; `budget` is train.max_minutes in seconds (0: none);
-  `final_eval_scale` the final evaluation's losses in evaluations during training (`final_eval_scale`)."""
+  `final_eval_scale` the final evaluation's losses in evaluations during training (`final_eval_scale`);
+  `restores`: whether the run ends by restoring the best checkpoint (train.final_eval_from='best')."""
 
   def __init__(self, progress, started: float, compile_started: float = 0.0, budget: float = 0.0,
-               final_eval_scale: float = 0.0):
+               final_eval_scale: float = 0.0, restores: bool = False):
     self.progress, self.budget = progress, budget
     self._seconds_before, self._started = progress.seconds, started
     self._compile_before, self._compile_started = progress.compile_seconds, compile_started
-    self.final_eval_scale = final_eval_scale
+    self.final_eval_scale, self.restores = final_eval_scale, restores
     self.outside_steps = 0.0  # this process's seconds in evaluations, saves and timings, compilation excluded
     self.last_save_seconds = 0.0  # the last save's seconds in the loop (an asynchronous save: its start)
 
@@ -65,10 +74,21 @@ class RunClock:
     return result, spent
 
   def reserve(self) -> float:
-    """The seconds `train.max_minutes` keeps for the evaluation and the save at the stop and the final
-    evaluation's losses, at the last evaluation's rate (until one is timed, the save's alone; the
-    family's decoding, samples and pictures are not counted)."""
-    return (self.progress.eval_seconds or 0.0) * (1 + self.final_eval_scale) + self.last_save_seconds
+    """The seconds the budget keeps for the work that closes the run (module docstring), at the
+    timings so far (a part not timed yet counts 0)."""
+    return sum(self.closing_work().values())
+
+  def closing_work(self) -> dict[str, float]:
+    """{part of the closing work: its seconds}, as `reserve` sums them."""
+    p = self.progress
+    return {'evaluations': (p.eval_seconds or 0.0) * (1 + self.final_eval_scale), 'save': p.save_seconds or 0.0,
+            'restore': (p.restore_seconds or 0.0) if self.restores else 0.0, 'decoding': p.decode_seconds or 0.0}
+
+  def describe_reserve(self, step: int) -> str:
+    parts = ', '.join(f'{name} {seconds:.3g} s' for name, seconds in self.closing_work().items()
+                      if seconds or name != 'restore')
+    return (f'train.max_minutes={self.budget / 60:g}: {self.reserve():.3g} s kept for the work that closes the run '
+            f'({parts}; timed at step {step}).')
 
 
 def budget_spent(train_config, step: int, seconds: float) -> bool:
@@ -81,7 +101,7 @@ def budget_spent(train_config, step: int, seconds: float) -> bool:
 
 def clock_stop(train_config, step: int, clock: RunClock, cooldown: Cooldown | None) -> str | None:
   """Why the wall clock ends the run after `step`, or None: wsd's wall-clock cooldown is over, or
-  (outside one) the `train.max_minutes` budget less its reserve for the closing evaluations is spent."""
+  (outside one) the `train.max_minutes` budget less its reserve for the closing work is spent."""
   if cooldown is not None and cooldown.by_clock:
     return f'the wall-clock cooldown ended (train.max_minutes={train_config.max_minutes})' \
         if cooldown.finished(step) else None
@@ -95,20 +115,20 @@ class Cooldown:
   """Where wsd's cooldown starts and how long it lasts: the last `train.decay_fraction` of
   `train.steps`, unless a wall-clock budget (`train.max_minutes`) will end the run first.
 
-  The budget runs on the run's clock (`RunClock.seconds`) and ends with the reserve for the
-  evaluations that close the run (`RunClock.reserve`). Once `decay_fraction` of it is left and the
-  steps that still fit end before `train.steps`, the cooldown starts, and from then on it is
-  re-planned at every check from the recent step time (compilation, evaluations and saves left out:
-  `_measure`) and the evaluations and saves to come (`_steps_that_fit`): the learning rate goes on
-  from the rate the last update used (`replan`) to lr * end_lr_fraction, which the update of the
-  last step that fits uses; the run stops there (`finished`). A step slower than planned can carry
-  that last step past the budget, by at most itself. The same re-planning takes over a cooldown of
-  `train.steps` the budget will not let end. A cooldown due during the warmup starts from the rate
-  the warmup reached, not the peak; one due while that rate is still below the end rate waits, and
-  the budget's own stop ends the run if it comes first. The plan is kept in the checkpointed
-  `progress`, so a resume continues it (re-planned for the time its start-up took); the trainer
-  writes it into the optimizer state (optim.with_cooldown), values the compiled step reads. Several
-  processes take process 0's plan, checked every `train.log_every` steps."""
+  The budget runs on the run's clock (`RunClock.seconds`) and ends with the reserve for the work
+  that closes the run (`RunClock.reserve`). Once `decay_fraction` of it is left and the steps that
+  still fit end before `train.steps`, the cooldown starts, and from then on it is re-planned at
+  every check from the recent step time (compilation, evaluations and saves left out: `_measure`)
+  and the evaluations and saves to come (`_steps_that_fit`): the learning rate goes on from the rate
+  the last update used (`replan`) to lr * end_lr_fraction, which the update of the last step that
+  fits uses; the run stops there (`finished`). A step slower than planned can carry that last step
+  past the budget, by at most itself. The same re-planning takes over a cooldown of `train.steps`
+  the budget will not let end. A cooldown due during the warmup starts from the rate the warmup
+  reached, not the peak; one due while that rate is still below the end rate waits, and the budget's
+  own stop ends the run if it comes first. The plan is kept in the checkpointed `progress`, so a
+  resume continues it (re-planned for the time its start-up took); the trainer writes it into the
+  optimizer state (optim.with_cooldown), values the compiled step reads. Several processes take
+  process 0's plan, checked every `train.log_every` steps."""
 
   def __init__(self, train_config, clock: RunClock, start_step: int, log=print):
     self.train, self.clock, self.progress, self.log = train_config, clock, clock.progress, log
@@ -169,7 +189,7 @@ class Cooldown:
     line = (f'Cooldown from step {step} to step {start + length + 1} (train.decay_shape={t.decay_shape}, re-planned '
             f'at every check): train.decay_fraction={t.decay_fraction} of the train.max_minutes={t.max_minutes} '
             f'budget is left, and train.steps={t.steps} will not be reached; {step_seconds:.3g} s per step, '
-            f'{self.clock.reserve():.3g} s kept for the evaluations at the end.')
+            f'{self.clock.reserve():.3g} s kept for the work that closes the run.')
     if step - 1 < t.warmup_steps:
       line += (f' It starts during the warmup (train.warmup_steps={t.warmup_steps}), from the rate it reached, '
                f'{self.learning_rate(step - 1):.3g}, not the peak.')

@@ -17,6 +17,7 @@ import numpy as np
 from errors import ConfigError, UserError
 from train import budget, compilation, evaluation, optim, sharding, steps
 from train import checkpoint as ckpt
+from train import state as state_lib
 from train.budget import RunClock
 from train.metrics import MetricWriter, reduce_metrics
 from train.state import TrainState
@@ -40,6 +41,11 @@ class Progress:
   cooldown_start: int | None = None
   cooldown_steps: int | None = None
   eval_seconds: float | None = None  # the last evaluation during training's wall time, compilation excluded
+  # The rest of the closing work budget.RunClock.reserve keeps, timed (None: not yet): a save to the end of
+  # its writing, the best checkpoint's restore, the family's decoding after training
+  save_seconds: float | None = None
+  restore_seconds: float | None = None
+  decode_seconds: float | None = None
   target: dict[str, float] | None = None  # where `train.target` was first met: step, tokens, seconds, ...
 
   def record(self, step: int, metrics: dict[str, float], metric: str, mode: str) -> None:
@@ -60,19 +66,24 @@ class Saver:
 
   `items(state)` gives the checkpoint's model and optimizer items (trainer `Setup.checkpoint_items`:
   schedule-free's averaged parameters as the model); `before_save` runs first (the metric writer's
-  sync: a checkpoint never outruns its logged rows)."""
+  sync: a checkpoint never outruns its logged rows). With `time_completion` (a budget), the next save
+  is waited for: its time to the end of its writing is the reserve's save (`Progress.save_seconds`)."""
 
   def __init__(self, checkpointer: ckpt.Checkpointer, data_iter, clock: RunClock, saved_step: int,
-               items: Callable | None = None, before_save: Callable[[], None] = lambda: None):
+               items: Callable | None = None, before_save: Callable[[], None] = lambda: None,
+               time_completion: bool = False):
     self.checkpointer, self.data_iter, self.clock, self.before_save = checkpointer, data_iter, clock, before_save
     self.saved_step = saved_step  # the newest checkpoint's step, so that a stop never saves it twice
     self.items = items or (lambda state: ({'params': state.params, 'extra': state.extra}, state.opt_state))
+    self.time_completion = time_completion
 
   def __call__(self, step: int, state: TrainState, metrics: dict[str, float] | None = None) -> None:
     if self.saved_step == step:
       return
     self.saved_step = step
     _, self.clock.last_save_seconds = self.clock.measure(lambda: self._save(step, state, metrics))
+    if self.time_completion:
+      self.clock.progress.save_seconds, self.time_completion = self.clock.last_save_seconds, False
 
   def _save(self, step: int, state: TrainState, metrics: dict[str, float] | None) -> None:
     progress = self.clock.progress
@@ -81,6 +92,8 @@ class Saver:
     self.before_save()
     self.checkpointer.save(step, model, optimizer,
                            {'input': self.data_iter.get_state(), 'progress': dataclasses.asdict(progress)}, metrics)
+    if self.time_completion:
+      self.checkpointer.wait()
 
   @contextlib.contextmanager
   def on_failure(self, step: int, state: TrainState):
@@ -208,6 +221,9 @@ def train_loop(setup, state: TrainState, saver: Saver, data_iter, writer: Metric
         if evaluated or stopped or step % train.checkpoint_every == 0:
           logger.flush()
           saver(step, state, last_eval if evaluated else None)
+        if train.max_minutes and step == start_step + 1 and not stopped:
+          logger.flush()
+          time_closing_work(setup, state, step, saver, writer)
       logger.flush()
     saver.checkpointer.wait()
   finally:
@@ -291,6 +307,30 @@ def evaluate_during_training(setup, state: TrainState, step: int, progress: Prog
     return metrics, (f'early stopping: {train.best_metric} has not improved on {progress.best_value:.4f} '
                      f'(step {progress.best_step}) in {progress.evals_since_best} evaluations')
   return metrics, None
+
+
+def time_closing_work(setup, state: TrainState, step: int, saver: Saver, writer: MetricWriter) -> None:
+  """Under a budget, at this process's first `step`: time the work that closes the run, so that the
+  budget keeps it from the start (budget.RunClock.reserve): this step's save to the end of its
+  writing (the process's first, `Saver.time_completion`), the restore of its model when the final
+  evaluation scores the best checkpoint, a unit of the family's decoding (`Task.decode_unit`), and,
+  until an evaluation is timed, one eval batch (an evaluation during training: that many)."""
+  clock, progress = saver.clock, saver.clock.progress
+  saver(step, state)  # nothing when the loop saved this step: that save was the timed one
+  if clock.restores:
+    _, progress.restore_seconds = clock.measure(lambda: jax.block_until_ready(
+        saver.checkpointer.restore(step, ckpt.restore_target(setup.spec))['model']))
+  evaluated = setup.evaluated(state)
+  units = setup.task.final_decoding()
+  if units:
+    model = state_lib.model_of(setup.spec, evaluated)
+    model.eval()
+    _, unit = clock.measure(lambda: setup.task.decode_unit(model))
+    progress.decode_seconds = unit * units
+  if progress.eval_seconds is None:
+    _, batch = clock.measure(lambda: evaluation.evaluate_loss(setup, evaluated, 1))
+    progress.eval_seconds = batch * evaluation.batches_during_training(setup)
+  writer.log(clock.describe_reserve(step))
 
 
 # ============================================================================ a clock to a target

@@ -60,10 +60,15 @@ def prompt_truncation_notes(tokenizer, prompts: list[str], decode_config, max_le
   return notes
 
 
+def prompt_list(decode_config) -> list[str]:
+  """The '|'-separated `decode.prompts` the end of a run continues."""
+  return [p for p in decode_config.prompts.split('|') if p]
+
+
 def sample_prompts(generate: Callable, model, tokenizer, decode_config, workdir: str, *, seed: int,
                    max_len: int | None = None) -> list[str]:
   """Continue the '|'-separated `decode.prompts`, print them and write `workdir/samples.json`."""
-  prompts = [p for p in decode_config.prompts.split('|') if p]
+  prompts = prompt_list(decode_config)
   if not prompts:
     return []
   note = max_new_tokens_note(decode_config, max_len)

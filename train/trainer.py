@@ -210,9 +210,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       writer.log(evaluation.describe(setup))
       writer.log(evaluation.describe_final(setup))
       # -------------------------------------------------------------- 4. loop
-      clock = budget.RunClock(progress, started, compile_started, 60 * config.train.max_minutes,
-                              budget.final_eval_scale(setup))
-      saver = loop.Saver(checkpointer, data_iter, clock, start_step, setup.checkpoint_items, writer.sync)
+      train = config.train
+      clock = budget.RunClock(progress, started, compile_started, 60 * train.max_minutes,
+                              budget.final_eval_scale(setup), restores=train.final_eval_from == 'best')
+      saver = loop.Saver(checkpointer, data_iter, clock, start_step, setup.checkpoint_items, writer.sync,
+                         time_completion=bool(train.max_minutes))
       state, results = loop.train_loop(setup, state, saver, data_iter, writer, start_step)
       if not results.get('preempted'):
         state, results['final_eval_step'] = evaluated_state(setup, state, checkpointer, results['step'], writer.log)
