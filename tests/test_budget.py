@@ -2,7 +2,7 @@
 evaluation, its save to the end of its writing, the best checkpoint's restore, the final evaluation's
 losses, the family's decoding), timed from the run's first step, so that the result comes within
 `train.max_minutes` even when nothing is evaluated before the end (on a scripted clock, and on the
-real one)."""
+real one); the progress line's eta is the earlier of the steps' end and the budget's."""
 import json
 import os
 import re
@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 import support
 from train import budget, loop
 from train import checkpoint as ckpt
+from train.metrics import MetricWriter
 from train.trainer import train_and_evaluate
 
 
@@ -85,6 +86,18 @@ def test_the_first_save_is_timed_to_the_end_of_its_writing():
   assert clock.now == 4.0
 
 
+def test_the_eta_is_the_earlier_of_the_steps_end_and_the_budgets(tmp_path, monkeypatch, capsys):
+  start = time.time()
+  monkeypatch.setattr(time, 'time', lambda: start)
+  writer = MetricWriter(str(tmp_path), 1000)
+  monkeypatch.setattr(time, 'time', lambda: start + 50.0)  # 10 steps in 50 s: 990 more take 4950 s
+  for seconds_left in (None, 30.0, 6000.0):
+    writer.progress(10, {'train/loss': 2.5}, seconds_left)
+  monkeypatch.undo()
+  writer.close()
+  assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()] == ['eta=4950s', 'eta=30s', 'eta=4950s']
+
+
 # ============================================================================ on the real clock
 def saved_progress(workdir: str, step: int) -> dict:
   manager = ckpt.Checkpointer(workdir, read_only=True).manager
@@ -116,6 +129,8 @@ def test_the_result_of_a_run_that_evaluates_nothing_before_its_end_comes_within_
   assert kept and all(float(value) > 0 for value in kept.groups()), out
   progress = saved_progress(workdir, results['step'])
   assert all(progress[f'{part}_seconds'] > 0 for part in ('eval', 'save', 'restore', 'decode')), progress
+  etas = [int(eta) for eta in re.findall(r'^step \d+/1000000 .* eta=(\d+)s$', out, re.MULTILINE)]
+  assert etas and max(etas) <= 60 * minutes, etas  # the budget's end, not a million steps'
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     evaluated = [row['step'] for row in map(json.loads, f) if 'eval/loss' in row]
   assert evaluated == [results['step']]  # the stop's evaluation only

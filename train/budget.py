@@ -65,6 +65,10 @@ class RunClock:
     """The part of `seconds()` spent tracing and compiling, over every resume."""
     return self._compile_before + compilation.compile_seconds() - self._compile_started
 
+  def seconds_left(self) -> float | None:
+    """The budget's seconds not spent yet (None without a budget)."""
+    return max(self.budget - self.seconds(), 0.0) if self.budget else None
+
   def measure(self, work: Callable[[], Any]) -> tuple[Any, float]:
     """(`work()`, its seconds without compilation), run outside the steps: counted in `outside_steps`."""
     seconds, compile_seconds = self.seconds(), self.compile_seconds()

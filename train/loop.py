@@ -109,8 +109,11 @@ class Saver:
 class StepLogger:
   """Checks and logs completed steps one step late, so that reading the loss never stalls the device."""
 
-  def __init__(self, train_config, schedule, writer: MetricWriter, checkpoint_dir):
+  def __init__(self, train_config, schedule, writer: MetricWriter, checkpoint_dir,
+               seconds_left: Callable[[], float | None] = lambda: None):
+    """`seconds_left`: the budget's seconds left (None: no budget), for the progress line's eta."""
     self.train, self.schedule, self.writer, self.checkpoint_dir = train_config, schedule, writer, checkpoint_dir
+    self.seconds_left = seconds_left
     self.pending = None  # (step, scalars, metrics, positions) of the step in flight
     self.last_time = time.time()
     self.positions, self.real_tokens = 0, 0.0  # summed over the steps since the last log line
@@ -142,7 +145,7 @@ class StepLogger:
                   'train/real_tokens_per_s': self.real_tokens / elapsed})
       self.last_time, self.positions, self.real_tokens = now, 0, 0.0
       self.writer.write(step, out)
-      self.writer.progress(step, out)
+      self.writer.progress(step, out, self.seconds_left())
 
 
 class PreemptionWatcher:
@@ -256,7 +259,7 @@ def schedule_and_logger(setup, state: TrainState, clock: RunClock, writer: Metri
                  're-planned for the time left.')
   # The logged learning rate: one compiled program, not an eager dispatch (and compilation) per op of the schedule.
   learning_rate = jax.jit(setup.schedule) if cooldown is None else cooldown.learning_rate
-  return state, cooldown, StepLogger(train, learning_rate, writer, checkpoint_dir)
+  return state, cooldown, StepLogger(train, learning_rate, writer, checkpoint_dir, clock.seconds_left)
 
 
 def save_and_leave(setup, state: TrainState, step: int, saver: Saver, writer: MetricWriter, requested: str | bool,
