@@ -29,11 +29,15 @@ def test_the_reserve_is_the_closing_work_as_timed():
   assert clock.reserve() == 20.0
   assert clock.describe_reserve(1) == ('train.max_minutes=1: 20 s kept for the work that closes the run '
                                        '(evaluations 10 s, save 3 s, decoding 7 s; timed at step 1).')
+  clock.now = 45.0  # 15 s left: the closing work does not fit, and the run says what to change
+  assert clock.describe_reserve(1).endswith(' It does not fit the 15 s left, so the run ends now: raise '
+                                            'train.max_minutes, or lower train.final_eval_examples (or '
+                                            'train.final_decode_examples).')
 
 
 def test_a_run_that_evaluates_nothing_before_its_end_stops_for_its_closing_work():
   # 1 s steps, no evaluation before the end, a 60 s budget; at step 1 the loop timed the closing work:
-  # an eval batch that makes an evaluation 2 s (the final one's losses: 3 of them), a save of 4 s to its end,
+  # an evaluation of 2 s (the final one's losses: 3 evaluations' worth), a save of 4 s to its end,
   # a restore of 1 s and decoding of 9 s: 8 + 4 + 1 + 9 = 22 s. Before, the reserve was 0 until an evaluation.
   train = support.smallest_config('gpt', {'train.max_minutes': 1.0, 'train.eval_every': 10_000,
                                           'train.steps': 10_000, 'train.log_every': 1}).train
@@ -107,28 +111,31 @@ def saved_progress(workdir: str, step: int) -> dict:
 def test_the_result_of_a_run_that_evaluates_nothing_before_its_end_comes_within_the_budget(tmp_path, capsys):
   # A translation run whose closing work is large beside its budget: no evaluation during training, the whole
   # validation and test splits scored at the end and the 100 test pairs decoded with greedy and beam search
-  # (13 batches, beam 8). Before, the reserve was 0 until an evaluation: this run returned ~8 s past its 24 s.
-  # Tolerance: 3 s, for the step during which the budget less its reserve runs out, the closing work's
-  # variation from its timing at step 1, and what is not counted (printing the result, closing the logs).
-  minutes, tolerance = 0.4, 3.0
+  # (13 batches, beam 8). Before, the reserve was 0 until an evaluation: this run returned 6-8 s past its budget.
+  # Tolerance: 4 s, for the step during which the budget less its reserve runs out, the closing work's
+  # variation from its timing at step 1 (the suite's other worker shares the cores), and what is not counted
+  # (the teacher-forced test loss's compilation, printing the result, closing the logs).
+  minutes, tolerance = 0.5, 4.0
   config = support.smallest_config('transformer', {
       'data.cache_dir': str(tmp_path / 'cache'), 'data.seq_len': 40, 'train.steps': 1_000_000,
       'train.max_minutes': minutes, 'train.eval_every': 1_000_000, 'train.checkpoint_every': 1_000_000,
       'train.eval_batch_size': 8, 'train.final_eval_examples': 0, 'train.final_decode_examples': 0,
-      'train.final_eval_from': 'best', 'train.async_checkpoints': True, 'decode.beam_size': 8,
-      'pictures.count': 0})
+      'train.final_eval_from': 'best', 'train.async_checkpoints': True, 'train.log_every': 1,
+      'decode.beam_size': 8, 'pictures.count': 0})
   workdir = str(tmp_path / 'run')
   started = time.time()
   results = train_and_evaluate(config, workdir)  # what launch.py prints as the result line
   seconds = time.time() - started
-  assert results['stopped'] == f'train.max_minutes={minutes} reached' and 'test/bleu' in results, results
-  assert seconds <= 60 * minutes + tolerance, (seconds, results['step'])
   out = capsys.readouterr().out
-  kept = re.search(r'kept for the work that closes the run \(evaluations (\S+) s, save (\S+) s, restore (\S+) s, '
-                   r'decoding (\S+) s; timed at step 1\)', out)
-  assert kept and all(float(value) > 0 for value in kept.groups()), out
+  kept = re.search(r'(\S+) s kept for the work that closes the run \(evaluations (\S+) s, save (\S+) s, '
+                   r'restore (\S+) s, decoding (\S+) s; timed at step 1\)\.(.*)', out)
+  assert results['stopped'] == f'train.max_minutes={minutes} reached' and 'test/bleu' in results, results
+  assert seconds <= 60 * minutes + tolerance, (seconds, results['step'], kept and kept.group(0))
+  assert kept and all(float(value) > 0 for value in kept.groups()[:5]) and not kept[6], out
   progress = saved_progress(workdir, results['step'])
   assert all(progress[f'{part}_seconds'] > 0 for part in ('eval', 'save', 'restore', 'decode')), progress
+  # The loop stopped with the reserve left (the stop's checkpoint holds the clock after its step and evaluation).
+  assert progress['seconds'] + float(kept[1]) <= 60 * minutes + 1.0, (progress['seconds'], kept[1])
   etas = [int(eta) for eta in re.findall(r'^step \d+/1000000 .* eta=(\d+)s$', out, re.MULTILINE)]
   assert etas and max(etas) <= 60 * minutes, etas  # the budget's end, not a million steps'
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:

@@ -10,9 +10,10 @@ loop stops once the budget less the reserve is spent (`clock_stop`); the reserve
   restore      the best checkpoint's model, when the final evaluation scores it (train.final_eval_from)
   decoding     the family's decoding after training (translation's greedy and beam search, samples)
 The loop times the save, the restore and a unit of the decoding at this process's first step, and
-one eval batch until an evaluation is timed (train/loop.py `time_closing_work`), so that a run
-evaluating nothing before its end keeps its reserve from the start. The family's pictures and
-programs its evaluation compiles afresh are not counted.
+an evaluation's batches until an evaluation is timed (train/loop.py `time_closing_work`), so that a
+run evaluating nothing before its end keeps its reserve from the start. The family's pictures and
+programs its evaluation compiles afresh are not counted. When the reserve alone does not fit the
+time left, the run ends at once and says what to change.
 """
 from __future__ import annotations
 
@@ -91,8 +92,13 @@ class RunClock:
   def describe_reserve(self, step: int) -> str:
     parts = ', '.join(f'{name} {seconds:.3g} s' for name, seconds in self.closing_work().items()
                       if seconds or name != 'restore')
-    return (f'train.max_minutes={self.budget / 60:g}: {self.reserve():.3g} s kept for the work that closes the run '
+    line = (f'train.max_minutes={self.budget / 60:g}: {self.reserve():.3g} s kept for the work that closes the run '
             f'({parts}; timed at step {step}).')
+    left = self.seconds_left()
+    if left is not None and self.reserve() > left:
+      line += (f' It does not fit the {left:.3g} s left, so the run ends now: raise train.max_minutes, or lower '
+               'train.final_eval_examples (or train.final_decode_examples).')
+    return line
 
 
 def budget_spent(train_config, step: int, seconds: float) -> bool:

@@ -317,7 +317,7 @@ def time_closing_work(setup, state: TrainState, step: int, saver: Saver, writer:
   budget keeps it from the start (budget.RunClock.reserve): this step's save to the end of its
   writing (the process's first, `Saver.time_completion`), the restore of its model when the final
   evaluation scores the best checkpoint, a unit of the family's decoding (`Task.decode_unit`), and,
-  until an evaluation is timed, one eval batch (an evaluation during training: that many)."""
+  until an evaluation is timed, an evaluation during training's batches (not logged)."""
   clock, progress = saver.clock, saver.clock.progress
   saver(step, state)  # nothing when the loop saved this step: that save was the timed one
   if clock.restores:
@@ -328,12 +328,18 @@ def time_closing_work(setup, state: TrainState, step: int, saver: Saver, writer:
   if units:
     model = state_lib.model_of(setup.spec, evaluated)
     model.eval()
-    _, unit = clock.measure(lambda: setup.task.decode_unit(model))
-    progress.decode_seconds = unit * units
+    progress.decode_seconds = warm_seconds(clock, lambda: setup.task.decode_unit(model)) * units
   if progress.eval_seconds is None:
-    _, batch = clock.measure(lambda: evaluation.evaluate_loss(setup, evaluated, 1))
-    progress.eval_seconds = batch * evaluation.batches_during_training(setup)
+    batches = evaluation.batches_during_training(setup)
+    progress.eval_seconds = warm_seconds(clock, lambda: evaluation.evaluate_loss(setup, evaluated, batches))
   writer.log(clock.describe_reserve(step))
+
+
+def warm_seconds(clock: RunClock, work: Callable[[], Any]) -> float:
+  """The seconds of `work`'s second run: the first compiles and warms its programs up, which the end
+  of the run, running them again, does not repeat (both count outside the steps)."""
+  clock.measure(work)
+  return clock.measure(work)[1]
 
 
 # ============================================================================ a clock to a target
