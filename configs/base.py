@@ -70,8 +70,19 @@ def data_defaults() -> ml_collections.ConfigDict:
 
 
 def train_defaults() -> ml_collections.ConfigDict:
-  """config.train's shared fields: the optimizer, schedule, evaluations, checkpoints, budgets."""
+  """config.train's shared fields, in parts: the run's length and schedule, the optimizer and loss,
+  evaluations, checkpoints, and what stops a run early."""
   train = ml_collections.ConfigDict()
+  schedule_keys(train)
+  optimizer_keys(train)
+  evaluation_keys(train)
+  checkpoint_keys(train)
+  stopping_keys(train)
+  return train
+
+
+def schedule_keys(train: ml_collections.ConfigDict) -> None:
+  """The run's length, batch and learning-rate schedule."""
   train.steps = 1000  # optimizer steps of the whole run (resumes included)
   train.batch_size = 32  # global, across all devices and hosts
   train.grad_accum = 1  # micro-batches per step
@@ -80,10 +91,15 @@ def train_defaults() -> ml_collections.ConfigDict:
   train.warmup_steps = 100  # linear warmup (schedule_free_adamw: its own warmup)
   train.end_lr_fraction = 0.1  # final lr / peak lr for 'cosine', 'linear' and 'wsd'
   # wsd: the cooldown's share of train.steps (not starting before train.warmup_steps end); with train.max_minutes
-  # and a train.steps the budget will not reach, the cooldown starts when this share of the budget is left,
-  # is re-planned at every step from the recent step time, and the run's last step uses lr * end_lr_fraction.
+  # and a train.steps the budget will not reach, the cooldown starts when this share of the budget is left (from
+  # the rate the warmup reached, if it is not over), is re-planned at every step from the recent step time, and
+  # the run's last step uses lr * end_lr_fraction.
   train.decay_fraction = 0.2
   train.decay_shape = '1-sqrt'  # wsd's cooldown: 'linear' | '1-sqrt' (Hägele et al. 2024)
+
+
+def optimizer_keys(train: ml_collections.ConfigDict) -> None:
+  """The optimizer, its clipping, and the loss's extra terms."""
   # 'adamw' | 'adam' | 'muon' | 'schedule_free_adamw' | 'lion' | 'adafactor', all Optax's (train/optim.py)
   train.optimizer = 'adamw'
   train.b1 = 0.9  # first-moment decay (Adam, Muon's AdamW, Lion); schedule_free_adamw: its interpolation
@@ -103,6 +119,10 @@ def train_defaults() -> ml_collections.ConfigDict:
   # families with a vocabulary softmax (GPT, Transformer, BERT pretraining, RNN LM, seq2seq); logged
   # as train/z_loss and eval/z_loss, while eval/loss stays the plain cross-entropy. 0 = off.
   train.z_loss = 0.0
+
+
+def evaluation_keys(train: ml_collections.ConfigDict) -> None:
+  """Evaluations during training and the final one."""
   train.eval_every = 200  # steps between evaluations on the validation split
   train.eval_steps = 20  # eval batches per evaluation; 0 = the whole eval split
   train.eval_batch_size = 0  # 0 = train.batch_size
@@ -115,17 +135,26 @@ def train_defaults() -> ml_collections.ConfigDict:
   # loss): an exact-match rate over 1,000 has a standard error of at most 1.6 points.
   train.final_eval_examples = 50_000  # examples per split the final evaluation scores, evenly spaced; 0 = all
   train.final_decode_examples = 1_000  # test pairs translation decodes at the end (BLEU), evenly spaced; 0 = all
+
+
+def checkpoint_keys(train: ml_collections.ConfigDict) -> None:
+  """Checkpoints, the best of them, and resuming."""
   train.checkpoint_every = 200  # steps between checkpoints (every evaluated step is saved too)
   train.keep_checkpoints = 3  # the latest K, plus the best by `best_metric`
   train.best_metric = 'eval/loss'  # the metric that picks the best checkpoint (and early stopping)
   train.best_mode = 'min'  # 'min' | 'max': which way best_metric is better
   train.final_eval_from = 'best'  # 'best' (by best_metric) | 'last': the checkpoint the final evaluation scores
+
+
+def stopping_keys(train: ml_collections.ConfigDict) -> None:
+  """What ends a run before train.steps, and the rest of the loop's settings."""
   train.early_stopping_patience = 0  # stop after this many evaluations without a better best_metric; 0 = off
   # Wall-clock budget in minutes (0 = none) on the run's clock, which starts at train_and_evaluate's entry and
   # counts all of it: data preparation, setup, restoring, compiling, steps, evaluations and saves, each resume
-  # adding its own. The run saves, evaluates and ends once the budget less a reserve is spent; the reserve is
-  # the evaluation and save at the stop and the final evaluation's losses, at the last evaluation's timed rate
-  # (the family's decoding, samples and pictures are not counted). wsd's cooldown ends within it.
+  # adding its own. The loop stops once the budget less a reserve is spent, so that the run's result comes
+  # within it: the reserve is the closing work as timed in the run (the stop's evaluation and its save to the
+  # end of its writing, the best checkpoint's restore, the final evaluation's losses and the family's decoding;
+  # not its pictures). wsd's cooldown ends within it.
   train.max_minutes = 0.0
   # A clock to a target: 'eval/loss<=3.28' (an eval metric, <= or >=): the first evaluation meeting it
   # records its step, tokens and seconds (target/... in metrics.jsonl and the result); '' = none.
@@ -136,7 +165,6 @@ def train_defaults() -> ml_collections.ConfigDict:
   # Resuming a workdir with other data.source / eval_source / test_source is refused unless True;
   # then config.json's data_history records each with the step it started at.
   train.allow_data_change = False
-  return train
 
 
 def decode_defaults() -> ml_collections.ConfigDict:

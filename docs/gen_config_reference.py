@@ -50,6 +50,10 @@ def config_keys(path: pathlib.Path = BASE) -> list[dict]:
   for node in ast.walk(functions['base_config']):  # c.data = data_defaults(): data_defaults fills 'data'
     if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.targets[0], ast.Attribute):
       sections.setdefault(ast.unparse(node.value.func), node.targets[0].attr)
+  for function, section in list(sections.items()):  # schedule_keys(train) in train_defaults fills 'train' too
+    for node in ast.walk(functions[function]) if function in functions and section else ():
+      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions:
+        sections.setdefault(node.func.id, section)
   keys = []
   for function, section in sections.items():
     if function not in functions:
@@ -92,3 +96,8 @@ if __name__ == '<run_path>':  # run by mkdocs-gen-files
   with mkdocs_gen_files.open('reference/config.md', 'w') as f:
     f.write(page(config_keys()))
   mkdocs_gen_files.set_edit_path('reference/config.md', '../configs/base.py')
+
+if __name__ == '__main__':  # the copy kept in the repository: python docs/gen_config_reference.py > docs/reference/config.md
+  import sys
+
+  sys.stdout.write(page(config_keys()))

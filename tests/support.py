@@ -262,3 +262,24 @@ def abstract_parameter_count(config, build) -> int:
   from models.tracing import tracer_errors_without_origin
   with tracer_errors_without_origin():  # the build traces in time linear in its depth (models/tracing.py)
     return count_parameters(nnx.eval_shape(lambda: build(config)))
+
+
+def scripted_clock(**clock_args):
+  """A run's clock (train/budget.py `RunClock`, `clock_args` its keywords) on seconds the test adds to
+  its `now`, with no compilation; `evaluate(seconds)` is an evaluation during training of that long,
+  timed as train/loop.py `evaluate_step` times one."""
+  from train import budget, loop
+
+  class ScriptedClock(budget.RunClock):
+    now = 0.0
+
+    def seconds(self):
+      return self.now
+
+    def compile_seconds(self):
+      return 0.0
+
+    def evaluate(self, seconds: float) -> None:
+      _, self.progress.eval_seconds = self.measure(lambda: setattr(self, 'now', self.now + seconds))
+
+  return ScriptedClock(loop.Progress(), 0.0, **clock_args)

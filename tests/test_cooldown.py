@@ -1,10 +1,11 @@
-"""wsd's wall-clock cooldown (train/loop.py `Cooldown`): re-planned as the step time changes, it ends at
+"""wsd's wall-clock cooldown (train/budget.py `Cooldown`): re-planned as the step time changes, it ends at
 lr * end_lr_fraction on the run's last step within `train.max_minutes`, the closing evaluations
-reserved; a cooldown before the warmup's end is refused; a resume mid-cooldown on the real clock
-still ends cooled down within the budget.
+reserved; one due before the warmup's end goes on from the warmup's rate (one that train.steps alone
+places there is refused at validation); a resume mid-cooldown on the real clock still ends cooled
+down within the budget.
 
-The simulated runs drive the trainer's own pieces (Cooldown.check, loop.clock_stop, the Saver's
-clock and reserve) in the trainer's order, on a fake clock: each step, evaluation and save adds the
+The simulated runs drive the loop's own pieces (Cooldown.check, budget.clock_stop, the RunClock and
+its reserve) in the loop's order, on a fake clock: each step, evaluation and save adds the
 seconds the test gives it. The learning rate each update used is Optax's schedule of the plan in
 force when it ran (optim.learning_rate_schedule), as the compiled step reads it from the optimizer state."""
 import json
@@ -18,7 +19,7 @@ from configs import gpt
 from errors import ConfigError
 from numerics import assert_close
 from train import checkpoint as ckpt
-from train import loop, optim
+from train import budget, loop, optim
 from train.trainer import train_and_evaluate
 from train.validation import validate_config
 
@@ -33,38 +34,23 @@ def train_config(**values):
   return config
 
 
-class FakeClock(loop.Saver):
-  """The Saver's clock with seconds the simulation adds and no compilation."""
-
-  def __init__(self, final_eval_batches=0.0):
-    super().__init__(None, None, loop.Progress(), 0, 0.0, final_eval_batches=final_eval_batches)
-    self.now = 0.0
-
-  def seconds(self):
-    return self.now
-
-  def compile_seconds(self):
-    return 0.0
-
-
-def simulate(train, step_seconds, eval_seconds=0.0, final_eval_batches=0.0, setup_seconds=0.0):
+def simulate(train, step_seconds, eval_seconds=0.0, final_eval_scale=0.0, setup_seconds=0.0):
   """Run the trainer's clock logic with step k taking step_seconds(k) seconds and each evaluation
   `eval_seconds`; returns ({step: the learning rate its update used}, the stop's reason, the clock
   after the stop's evaluation, the clock after the final evaluation, the log)."""
-  clock, log = FakeClock(final_eval_batches), []
+  clock, log = support.scripted_clock(budget=60 * train.max_minutes, final_eval_scale=final_eval_scale), []
   clock.now = setup_seconds
-  cooldown = loop.Cooldown(train, clock, 0, log.append)
+  cooldown = budget.Cooldown(train, clock, 0, log.append)
   used, step, stopped = {}, 0, None
   while step < train.steps and stopped is None:
     used[step + 1] = float(optim.learning_rate_schedule(train, cooldown.plan)(step))  # the update of step + 1
     step += 1
     clock.now += step_seconds(step)
     cooldown.check(step)
-    stopped = loop.clock_stop(train, step, clock, cooldown)
+    stopped = budget.clock_stop(train, step, clock, cooldown)
     if step % train.eval_every == 0 or stopped:
-      clock.now += eval_seconds
-      clock.record_evaluation(eval_seconds)
-  return used, stopped, clock.now, clock.now + eval_seconds * final_eval_batches, log
+      clock.evaluate(eval_seconds)
+  return used, stopped, clock.now, clock.now + eval_seconds * final_eval_scale, log
 
 
 def assert_cooled_down(used, stopped, train):
@@ -97,7 +83,7 @@ def test_the_cooldown_ends_at_the_end_lr_within_the_budget_when_the_step_time_ch
 def test_the_budget_reserves_the_closing_evaluations_and_plans_the_ones_to_come():
   # 1 s steps, a 4 s evaluation every 10 steps, and a final evaluation 5 times as long: 4 + 20 s reserved.
   train = train_config(max_minutes=2.0, decay_fraction=0.4, eval_every=10)
-  used, stopped, seconds, finished, _ = simulate(train, lambda step: 1.0, eval_seconds=4.0, final_eval_batches=5.0)
+  used, stopped, seconds, finished, _ = simulate(train, lambda step: 1.0, eval_seconds=4.0, final_eval_scale=5.0)
   assert_cooled_down(used, stopped, train)
   # By hand: ending at step E costs E steps, the evaluations at the multiples of 10 before it, then the stop's
   # evaluation and the final one (24 s); the last E that fits in 120 s is 70 (118 s; 71 would take 123 s).
@@ -132,16 +118,49 @@ def test_a_cooldown_before_the_warmup_ends_is_refused_at_validation():
   validate_config(config)
 
 
-def test_a_clock_cooldown_before_the_warmup_ends_is_refused_in_one_line():
+def test_a_clock_cooldown_due_during_the_warmup_goes_on_from_the_warmup_rate():
   # 30 s of budget at 1 s a step, the cooldown over the last half: due at step 15, before 20 warmup steps end.
+  # It used to stop the run with a ConfigError there, unsaved.
   train = train_config(max_minutes=0.5, decay_fraction=0.5, warmup_steps=20)
-  with pytest.raises(ConfigError) as error:
-    simulate(train, lambda step: 1.0)
-  message = str(error.value)
-  assert '\n' not in message and 'step 15' in message and 'train.warmup_steps=20' in message
+  used, stopped, seconds, _, log = simulate(train, lambda step: 1.0)
+  assert stopped and 'the wall-clock cooldown ended' in stopped and seconds == 30 and max(used) == 30
+  # By hand: the update of step 15 (count 14) used 14/20 of the peak; the linear cooldown from there to
+  # 1/10 of it is (1 - 0.7) / 0.9 = 1/3 done, and the 15 updates of counts 15 .. 29 take it to the end:
+  # optim.wsd_schedule's plan of round(15 / (2/3)) = 22 steps from count 29 - 22 = 7.
+  assert_close([used[s] for s in range(1, 16)], [PEAK * (s - 1) / 20 for s in range(1, 16)], terms=1, scale=PEAK)
+  for s in range(16, 31):
+    assert_close(used[s], PEAK * (1 - 0.9 * (s - 1 - 7) / 22), terms=1, err_msg=str(s))
+  assert all(b < a for a, b in zip([used[s] for s in range(15, 31)], [used[s] for s in range(16, 31)]))
+  assert_close(used[30], PEAK * END_FRACTION, terms=1)
+  assert log[0].startswith('Cooldown from step 15 to step 30 ') and 'during the warmup' in log[0], log
   # A budget spent during set-up stops the run at its first step instead (the budget's own stop).
   _, stopped, _, _, _ = simulate(train, lambda step: 1.0, setup_seconds=31.0)
   assert stopped == 'train.max_minutes=0.5 reached'
+
+
+def test_a_cooldown_due_while_the_warmup_rate_is_below_the_end_rate_waits_for_it():
+  # The issue's run: warmup far past the budget. At step 15 the warmup has reached 14/200 of the peak, below
+  # the end rate (1/10): the warmup goes on to it (count 20), then the rate stays at the end rate to the
+  # budget's end (step 30), which the 1-sqrt cooldown from progress 1 reaches.
+  train = train_config(max_minutes=0.5, decay_fraction=0.5, warmup_steps=200, decay_shape='1-sqrt')
+  used, stopped, seconds, _, _ = simulate(train, lambda step: 1.0)
+  assert stopped and 'the wall-clock cooldown ended' in stopped and seconds == 30 and max(used) == 30
+  assert_close([used[s] for s in range(1, 22)], [PEAK * (s - 1) / 200 for s in range(1, 22)], terms=1, scale=PEAK)
+  for s in range(22, 31):
+    assert_close(used[s], PEAK * END_FRACTION, terms=1, err_msg=str(s))
+
+
+def test_cooldown_progress_inverts_the_schedule_from_the_rate_the_warmup_reached():
+  train = train_config(warmup_steps=100, end_lr_fraction=0.2)
+  for shape in ('linear', '1-sqrt'):
+    train.decay_shape = shape
+    for count in (20, 50, 99, 100, 150):
+      done = budget.cooldown_progress(train, (1000, 10), count)
+      # optim.wsd_schedule's cooldown at that progress has the rate the warmup (or the peak) gave `count`.
+      at = float(optim.wsd_schedule(PEAK, 1, 1, 1.0, 0.2, shape)(1.0 + done))  # a cooldown of one (fractional) step
+      assert_close(at, PEAK * min(count / 100, 1.0), terms=2, scale=PEAK, err_msg=f'{shape} {count}')
+    assert budget.cooldown_progress(train, (1000, 10), 19) is None  # 19/100 of the peak: below the end rate
+  assert budget.cooldown_progress(train, (40, 10), 45) == 0.5  # inside a cooldown: its own progress
 
 
 # ============================================================================ a resume on the real clock
@@ -172,14 +191,14 @@ def test_a_resume_mid_cooldown_on_the_real_clock_ends_cooled_down_within_the_bud
   workdir = str(tmp_path / 'run')
   # The cooldown starts once 80% of the 24 s is left (or at the first step, after a slow set-up: one warmup
   # step, so never before it ends); a preemption a few checks into it.
-  cooling, check = [], loop.Cooldown.check
+  cooling, check = [], budget.Cooldown.check
 
   def counted_check(self, step):
     changed = check(self, step)
     cooling.extend([step] if self.by_clock else [])
     return changed
 
-  monkeypatch.setattr(loop.Cooldown, 'check', counted_check)
+  monkeypatch.setattr(budget.Cooldown, 'check', counted_check)
   monkeypatch.setattr(loop.PreemptionWatcher, 'should_stop', lambda self, step: len(cooling) >= 4)
   first = train_and_evaluate(config, workdir)
   assert first.get('preempted') and first['step'] == cooling[-1], first

@@ -20,7 +20,7 @@ import support
 from numerics import assert_close
 from train import checkpoint as ckpt
 from train import compilation
-from train import loop
+from train import budget
 from train.trainer import evaluate_run, train_and_evaluate
 
 TOKENS_PER_STEP = 8 * 32  # the tiny GPT's batch: 8 windows of 32 predicted tokens
@@ -68,8 +68,8 @@ def resumed_from(workdir, step, copy):
 def clock(monkeypatch):
   """The run's clock: one second per training step (progress.tokens counts them, across resumes), none
   for compiling, evaluating and saving."""
-  monkeypatch.setattr(loop.Saver, 'seconds', lambda self: self.progress.tokens / TOKENS_PER_STEP)
-  monkeypatch.setattr(loop.Saver, 'compile_seconds', lambda self: 0.0)
+  monkeypatch.setattr(budget.RunClock, 'seconds', lambda self: self.progress.tokens / TOKENS_PER_STEP)
+  monkeypatch.setattr(budget.RunClock, 'compile_seconds', lambda self: 0.0)
 
 
 def test_a_wall_clock_wsd_cooldown_ends_the_run_cooled_down_and_resumes_mid_cooldown(corpus, tmp_path, clock, capsys):

@@ -177,6 +177,8 @@ def test_checkpoints_keep_the_latest_and_the_best(tmp_path):
     ({'data.seq_len': 1000}, 'exceeds config.model.max_len'),
     ({'train.eval_batch_size': -8}, 'train.eval_batch_size=-8'),
     ({'train.warmup_steps': -1}, 'train.warmup_steps=-1'),
+    ({'train.schedule': 'wsd', 'train.steps': 100, 'train.warmup_steps': 90, 'train.max_minutes': 5.0},
+     r"^config.train.warmup_steps=90 outlasts wsd's stable phase: .* starts at step 80; lower"),
     ({'decode.max_new_tokens': -5}, r'decode.max_new_tokens=-5 must be at least 1'),
     ({'decode.temperature': -1.0}, r'decode.temperature=-1.0 must be >= 0'),
     ({'decode.top_p': 1.5}, r'decode.top_p=1.5 must be in \(0, 1\]'),

@@ -1,11 +1,10 @@
-"""What the training loop keeps besides the model: progress, step logs, preemption and saving, the
-clock to `train.target` and wsd's cooldown under a wall-clock budget."""
+"""The training loop (stage 4 of train/trainer.py: `train_loop`) and what it keeps besides the model:
+progress, step logs, saving, preemption, evaluations during training and the clock to `train.target`.
+The wall-clock budget and wsd's cooldown planned against it are train/budget.py's."""
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import math
 import re
 import signal
 import threading
@@ -16,10 +15,11 @@ import jax
 import numpy as np
 
 from errors import ConfigError, UserError
+from train import budget, compilation, evaluation, optim, sharding, steps
 from train import checkpoint as ckpt
-from train import compilation, evaluation, optim
+from train import state as state_lib
+from train.budget import RunClock
 from train.metrics import MetricWriter, reduce_metrics
-from train.multihost import agreed
 from train.state import TrainState
 
 
@@ -36,11 +36,16 @@ class Progress:
   seconds: float = 0.0  # wall time spent in train_and_evaluate so far, for `train.max_minutes`
   compile_seconds: float = 0.0  # the part of `seconds` spent tracing and compiling (train/compilation.py)
   tokens: int = 0  # token positions of the training batches so far (padding included, as train/tokens_per_s)
-  # wsd's cooldown when the wall clock started it (`Cooldown`): optim.wsd_schedule's (start, steps), re-planned
-  # at every check, so that the update of its last step uses the end learning rate
+  # wsd's cooldown when the wall clock started it (budget.Cooldown): optim.wsd_schedule's (start, steps),
+  # re-planned at every check, so that the update of its last step uses the end learning rate
   cooldown_start: int | None = None
   cooldown_steps: int | None = None
   eval_seconds: float | None = None  # the last evaluation during training's wall time, compilation excluded
+  # The rest of the closing work budget.RunClock.reserve keeps, timed (None: not yet): a save to the end of
+  # its writing, the best checkpoint's restore, the family's decoding after training
+  save_seconds: float | None = None
+  restore_seconds: float | None = None
+  decode_seconds: float | None = None
   target: dict[str, float] | None = None  # where `train.target` was first met: step, tokens, seconds, ...
 
   def record(self, step: int, metrics: dict[str, float], metric: str, mode: str) -> None:
@@ -56,61 +61,39 @@ class Progress:
 
 
 class Saver:
-  """Saves a step's checkpoint (state, input position, progress) at most once per step, and keeps the
-  run's clock: its seconds, their compilation, this process's seconds outside the steps (evaluations
-  and saves) and the reserve `train.max_minutes` keeps for the evaluations that end the run.
+  """Saves a step's checkpoint (state, input position, the clock's progress) at most once per step,
+  its seconds counted on the run's clock (`clock`) as outside the steps.
 
   `items(state)` gives the checkpoint's model and optimizer items (trainer `Setup.checkpoint_items`:
-  schedule-free's averaged parameters as the model); `started` and `compile_started` are the
-  time.time() and compilation.compile_seconds() when this process's run began; `final_eval_batches`
-  the final evaluation's loss batches per batch of an evaluation during training (`final_eval_batches`)."""
+  schedule-free's averaged parameters as the model); `before_save` runs first (the metric writer's
+  sync: a checkpoint never outruns its logged rows). With `time_completion` (a budget), the next save
+  is waited for: its time to the end of its writing is the reserve's save (`Progress.save_seconds`)."""
 
-  def __init__(self, checkpointer: ckpt.Checkpointer, data_iter, progress: Progress, saved_step: int,
-               started: float, compile_started: float = 0.0, items: Callable | None = None,
-               final_eval_batches: float = 0.0, before_save: Callable[[], None] = lambda: None):
-    self.checkpointer, self.data_iter, self.progress = checkpointer, data_iter, progress
-    self.before_save = before_save  # the metric writer's sync: a checkpoint never outruns its logged rows
+  def __init__(self, checkpointer: ckpt.Checkpointer, data_iter, clock: RunClock, saved_step: int,
+               items: Callable | None = None, before_save: Callable[[], None] = lambda: None,
+               time_completion: bool = False):
+    self.checkpointer, self.data_iter, self.clock, self.before_save = checkpointer, data_iter, clock, before_save
     self.saved_step = saved_step  # the newest checkpoint's step, so that a stop never saves it twice
-    self._seconds_before, self._started = progress.seconds, started
-    self._compile_before, self._compile_started = progress.compile_seconds, compile_started
     self.items = items or (lambda state: ({'params': state.params, 'extra': state.extra}, state.opt_state))
-    self.final_eval_batches = final_eval_batches
-    self.outside_steps = 0.0  # this process's seconds in evaluations and saves, compilation excluded
-    self.save_seconds = 0.0  # the last save's seconds in the loop (an asynchronous save: its start)
-
-  def record_evaluation(self, seconds: float) -> None:
-    """An evaluation during training took `seconds` (compilation excluded)."""
-    self.progress.eval_seconds = max(seconds, 0.0)
-    self.outside_steps += self.progress.eval_seconds
-
-  def reserve(self) -> float:
-    """The seconds `train.max_minutes` keeps for the evaluation and the save at the stop and the final
-    evaluation's losses, at the last evaluation's rate (until one is timed, the save's alone; the
-    family's decoding, samples and pictures are not counted)."""
-    seconds = self.progress.eval_seconds or 0.0
-    return seconds * (1 + self.final_eval_batches) + self.save_seconds
-
-  def seconds(self) -> float:
-    """Wall time of the run so far, over every resume."""
-    return self._seconds_before + time.time() - self._started
-
-  def compile_seconds(self) -> float:
-    """The part of `seconds()` spent tracing and compiling, over every resume."""
-    return self._compile_before + compilation.compile_seconds() - self._compile_started
+    self.time_completion = time_completion
 
   def __call__(self, step: int, state: TrainState, metrics: dict[str, float] | None = None) -> None:
     if self.saved_step == step:
       return
     self.saved_step = step
-    self.progress.seconds, self.progress.compile_seconds = self.seconds(), self.compile_seconds()
+    _, self.clock.last_save_seconds = self.clock.measure(lambda: self._save(step, state, metrics))
+    if self.time_completion:
+      self.clock.progress.save_seconds, self.time_completion = self.clock.last_save_seconds, False
+
+  def _save(self, step: int, state: TrainState, metrics: dict[str, float] | None) -> None:
+    progress = self.clock.progress
+    progress.seconds, progress.compile_seconds = self.clock.seconds(), self.clock.compile_seconds()
     model, optimizer = self.items(state)
     self.before_save()
     self.checkpointer.save(step, model, optimizer,
-                           {'input': self.data_iter.get_state(), 'progress': dataclasses.asdict(self.progress)},
-                           metrics)
-    saving = self.seconds() - self.progress.seconds - (self.compile_seconds() - self.progress.compile_seconds)
-    self.save_seconds = max(saving, 0.0)
-    self.outside_steps += self.save_seconds
+                           {'input': self.data_iter.get_state(), 'progress': dataclasses.asdict(progress)}, metrics)
+    if self.time_completion:
+      self.checkpointer.wait()
 
   @contextlib.contextmanager
   def on_failure(self, step: int, state: TrainState):
@@ -126,8 +109,11 @@ class Saver:
 class StepLogger:
   """Checks and logs completed steps one step late, so that reading the loss never stalls the device."""
 
-  def __init__(self, train_config, schedule, writer: MetricWriter, checkpoint_dir):
+  def __init__(self, train_config, schedule, writer: MetricWriter, checkpoint_dir,
+               seconds_left: Callable[[], float | None] = lambda: None):
+    """`seconds_left`: the budget's seconds left (None: no budget), for the progress line's eta."""
     self.train, self.schedule, self.writer, self.checkpoint_dir = train_config, schedule, writer, checkpoint_dir
+    self.seconds_left = seconds_left
     self.pending = None  # (step, scalars, metrics, positions) of the step in flight
     self.last_time = time.time()
     self.positions, self.real_tokens = 0, 0.0  # summed over the steps since the last log line
@@ -159,7 +145,7 @@ class StepLogger:
                   'train/real_tokens_per_s': self.real_tokens / elapsed})
       self.last_time, self.positions, self.real_tokens = now, 0, 0.0
       self.writer.write(step, out)
-      self.writer.progress(step, out)
+      self.writer.progress(step, out, self.seconds_left())
 
 
 class PreemptionWatcher:
@@ -200,49 +186,160 @@ class PreemptionWatcher:
     return bool(self.requested)
 
 
-def budget_spent(train_config, step: int, seconds: float) -> bool:
-  """Whether `seconds` of the run exceed `train.max_minutes` (0: no budget). Several processes
-  agree on process 0's clock, every `train.log_every` steps."""
-  if not train_config.max_minutes or (jax.process_count() > 1 and step % train_config.log_every):
-    return False
-  return agreed(seconds > 60 * train_config.max_minutes)
+# ============================================================================ the loop
+def train_loop(setup, state: TrainState, saver: Saver, data_iter, writer: MetricWriter, start_step: int
+               ) -> tuple[TrainState, dict[str, Any]]:
+  """Steps from `start_step` to `train.steps` (or an earlier stop) of `setup` (trainer.Setup), on the
+  run's clock `saver.clock`; returns (the last state, {'step', 'train/compiles', 'stopped'?,
+  'preempted'?, 'target/...'?})."""
+  train, clock = setup.config.train, saver.clock
+  train_step = steps.jit_train_step(setup.task, setup.spec, setup.tx, train.grad_accum)
+  state, cooldown, logger = schedule_and_logger(setup, state, clock, writer, saver.checkpointer.directory, start_step)
+  compiled_before = compilation.compiled('train_step')
+  compiles = lambda: compilation.compiled('train_step') - compiled_before
+  step, stopped, timed = start_step, None, False
+  try:
+    with sharding.use_mesh(setup.mesh), PreemptionWatcher(writer.log) as watcher:
+      while step < train.steps and stopped is None:
+        if watcher.should_stop(step):
+          logger.flush()
+          return state, save_and_leave(setup, state, step, saver, writer, watcher.requested, compiles())
+        local_batch = next(data_iter)
+        state, (scalars, metrics) = train_step(state, sharding.global_batch(local_batch, setup.mesh))
+        step += 1
+        # From this host's numpy slice: on the global arrays, count_tokens' real-token count would be
+        # eager device ops every step.
+        positions = setup.task.count_tokens(local_batch)[0] * jax.process_count()
+        clock.progress.tokens += positions
+        logger.add(step, scalars, metrics, positions)
+        if cooldown is not None and cooldown.check(step):
+          state = with_plan(setup, state, cooldown.plan)
+        stopped = budget.clock_stop(train, step, clock, cooldown)
+        evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
+        if evaluated:
+          logger.flush()  # the step has finished: the clock below is its own
+          last_eval, early_stop = evaluate_step(setup, state, step, saver, writer, time_final=not timed)
+          stopped, timed = stopped or early_stop, True
+        # Every evaluated step is saved with its metrics, so the best checkpoint is always on disk.
+        if evaluated or stopped or step % train.checkpoint_every == 0:
+          logger.flush()
+          saver(step, state, last_eval if evaluated else None)
+        if train.max_minutes and step == start_step + 1 and not stopped:
+          logger.flush()
+          time_closing_work(setup, state, step, saver, writer)
+      logger.flush()
+    saver.checkpointer.wait()
+  finally:
+    # Every distinct batch shape builds the train step once: few shapes are the data pipeline's job.
+    writer.log(f'The train step was compiled {compiles()} time(s). ' + (compilation.cache_summary() or ''))
+  if stopped:
+    writer.log(f'Stopped at step {step} of {train.steps}: {stopped}.')
+  if setup.target is not None and clock.progress.target is None:
+    writer.log(f'Target {setup.target} not met by step {step}.')
+  return state, {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {}),
+                 **target_results(setup.target, clock.progress)}
 
 
-def clock_stop(train_config, step: int, clock: Saver, cooldown: Cooldown | None) -> str | None:
-  """Why the wall clock ends the run after `step`, or None: wsd's wall-clock cooldown is over, or
-  (outside one) the `train.max_minutes` budget less its reserve for the closing evaluations is spent."""
-  if cooldown is not None and cooldown.by_clock:
-    return f'the wall-clock cooldown ended (train.max_minutes={train_config.max_minutes})' \
-        if cooldown.finished(step) else None
-  if budget_spent(train_config, step, clock.seconds() + clock.reserve()):
-    return f'train.max_minutes={train_config.max_minutes} reached'
-  return None
+def with_plan(setup, state: TrainState, plan: tuple[int, int]) -> TrainState:
+  """`state` whose optimizer state holds wsd's cooldown `plan` (optim.with_cooldown)."""
+  opt_state = optim.with_cooldown(state.opt_state, plan, setup.spec.shardings.opt_state)
+  return dataclasses.replace(state, opt_state=opt_state)
 
 
-def final_eval_batches(setup) -> float:
-  """The final evaluation's loss batches (train.final_eval_examples of each split it scores) per batch
-  of an evaluation during training: its share of `Saver.reserve` (decoding is not counted)."""
-  batch_size = setup.task.eval_batch_size
-  batches = sum(-(-scored // batch_size) for what, (scored, _) in evaluation.final_counts(setup).items()
-                if what != 'decoded test')
-  return batches / max(evaluation.batches_during_training(setup), 1)
+def schedule_and_logger(setup, state: TrainState, clock: RunClock, writer: MetricWriter, checkpoint_dir,
+                        start_step: int) -> tuple[TrainState, budget.Cooldown | None, StepLogger]:
+  """(the state with wsd's cooldown plan in its optimizer state, that plan's Cooldown or None without
+  wsd, the step logger). The plan is a resume's, or the one train.steps gives now."""
+  train = setup.config.train
+  cooldown = budget.Cooldown(train, clock, start_step, writer.log) if train.schedule == 'wsd' else None
+  if cooldown is not None:
+    state = with_plan(setup, state, cooldown.plan)
+    if cooldown.by_clock:
+      writer.log(f'Resumed in the wall-clock cooldown (planned to end at step {sum(cooldown.plan) + 1}); it is '
+                 're-planned for the time left.')
+  # The logged learning rate: one compiled program, not an eager dispatch (and compilation) per op of the schedule.
+  learning_rate = jax.jit(setup.schedule) if cooldown is None else cooldown.learning_rate
+  return state, cooldown, StepLogger(train, learning_rate, writer, checkpoint_dir, clock.seconds_left)
+
+
+def save_and_leave(setup, state: TrainState, step: int, saver: Saver, writer: MetricWriter, requested: str | bool,
+                   compiles: int) -> dict[str, Any]:
+  """A preemption (SIGTERM, Ctrl-C) at `step`: save, wait for the save, say how to resume; the results."""
+  saver(step, state)
+  saver.checkpointer.wait()
+  writer.log(f'{requested or "Preemption"}: saved step {step} to {saver.checkpointer.directory}; rerun the '
+             f'same command to resume.')
+  return {'step': step, 'preempted': True, 'train/compiles': compiles,
+          **target_results(setup.target, saver.clock.progress)}
+
+
+def evaluate_step(setup, state: TrainState, step: int, saver: Saver, writer: MetricWriter, time_final: bool = False
+                  ) -> tuple[dict[str, float], str | None]:
+  """The evaluation during training at `step`: (its metrics, why training should stop now or None:
+  early stopping, or train.target met with train.stop_at_target). Records the target's clock (the
+  run's seconds when the step had finished, read before evaluating, also written in the evaluation's
+  metrics row as `time/seconds`) and its own time, which the budget reserves for the closing
+  evaluations (budget.RunClock.reserve). `time_final`: log how long the final evaluation should take
+  at this evaluation's rate (the run's first evaluation)."""
+  clock = saver.clock
+  seconds, compile_seconds = clock.seconds(), clock.compile_seconds()
+  times = {'time/seconds': round(seconds, 3), 'time/seconds_excluding_compile': round(seconds - compile_seconds, 3)}
+  with saver.on_failure(step, state):
+    (metrics, early_stop), clock.progress.eval_seconds = clock.measure(
+        lambda: evaluate_during_training(setup, setup.evaluated(state), step, clock.progress, writer, times))
+  if time_final:
+    writer.log(evaluation.describe_cost(setup, clock.progress.eval_seconds))
+  if record_target(setup.target, step, metrics, clock.progress, seconds, compile_seconds, writer) \
+      and setup.config.train.stop_at_target:
+    early_stop = f'train.target {setup.target} met'
+  return metrics, early_stop
 
 
 def evaluate_during_training(setup, state: TrainState, step: int, progress: Progress, writer: MetricWriter,
-                             clock: dict[str, float]) -> tuple[dict[str, float], str | None]:
+                             times: dict[str, float]) -> tuple[dict[str, float], str | None]:
   """Score `train.eval_steps` validation batches at `step`, log them and track the best; returns
-  (the metrics, why training should stop early or None). `clock`: written in the same metrics row
+  (the metrics, why training should stop early or None). `times`: written in the same metrics row
   (`time/seconds`, `time/seconds_excluding_compile`: the run's clock when the step had finished), so
   that a learning curve can be drawn against seconds as well as steps."""
   train = setup.config.train
   metrics = evaluation.evaluate_loss(setup, state, evaluation.batches_during_training(setup))
   progress.record(step, metrics, train.best_metric, train.best_mode)
-  writer.write(step, {**metrics, **clock})
+  writer.write(step, {**metrics, **times})
   writer.log(f'step {step}: ' + ' '.join(f'{k}={v:.4f}' for k, v in metrics.items()))
   if train.early_stopping_patience and progress.evals_since_best >= train.early_stopping_patience:
     return metrics, (f'early stopping: {train.best_metric} has not improved on {progress.best_value:.4f} '
                      f'(step {progress.best_step}) in {progress.evals_since_best} evaluations')
   return metrics, None
+
+
+def time_closing_work(setup, state: TrainState, step: int, saver: Saver, writer: MetricWriter) -> None:
+  """Under a budget, at this process's first `step`: time the work that closes the run, so that the
+  budget keeps it from the start (budget.RunClock.reserve): this step's save to the end of its
+  writing (the process's first, `Saver.time_completion`), the restore of its model when the final
+  evaluation scores the best checkpoint, a unit of the family's decoding (`Task.decode_unit`), and,
+  until an evaluation is timed, an evaluation during training's batches (not logged)."""
+  clock, progress = saver.clock, saver.clock.progress
+  saver(step, state)  # nothing when the loop saved this step: that save was the timed one
+  if clock.restores:
+    _, progress.restore_seconds = clock.measure(lambda: jax.block_until_ready(
+        saver.checkpointer.restore(step, ckpt.restore_target(setup.spec))['model']))
+  evaluated = setup.evaluated(state)
+  units = setup.task.final_decoding()
+  if units:
+    model = state_lib.model_of(setup.spec, evaluated)
+    model.eval()
+    progress.decode_seconds = warm_seconds(clock, lambda: setup.task.decode_unit(model)) * units
+  if progress.eval_seconds is None:
+    batches = evaluation.batches_during_training(setup)
+    progress.eval_seconds = warm_seconds(clock, lambda: evaluation.evaluate_loss(setup, evaluated, batches))
+  writer.log(clock.describe_reserve(step))
+
+
+def warm_seconds(clock: RunClock, work: Callable[[], Any]) -> float:
+  """The seconds of `work`'s second run: the first compiles and warms its programs up, which the end
+  of the run, running them again, does not repeat (both count outside the steps)."""
+  clock.measure(work)
+  return clock.measure(work)[1]
 
 
 # ============================================================================ a clock to a target
@@ -310,158 +407,3 @@ def target_results(target: Target | None, progress: Progress) -> dict[str, Any]:
   return {'target': str(target), 'target/met': True,
           **{f'target/{k}': v for k, v in progress.target.items() if k != 'value'}}
 
-
-# ============================================================================ wsd's cooldown
-class Cooldown:
-  """Where wsd's cooldown starts and how long it lasts: the last `train.decay_fraction` of
-  `train.steps`, unless a wall-clock budget (`train.max_minutes`) will end the run first.
-
-  The budget runs on the run's clock (`Saver.seconds`: from train_and_evaluate's entry, resumes
-  included) and ends with the reserve for the evaluations that close the run (`Saver.reserve`).
-  Once `decay_fraction` of it is left and the steps that still fit end before `train.steps`, the
-  cooldown starts, and from then on it is re-planned at every check from the recent step time
-  (compilation, evaluations and saves left out: `_measure`) and the evaluations and saves to come
-  (`_steps_that_fit`): the learning rate goes on from where it is (`replan`) to lr * end_lr_fraction,
-  which the update of the last step that fits uses; the run stops there (`finished`). A step slower
-  than planned can carry that last step past the budget, by at most itself. The same re-planning
-  takes over a cooldown of `train.steps` the budget will not let end. The plan is kept in the
-  checkpointed `progress`, so a resume continues it (re-planned for the time its start-up took);
-  the trainer writes it into the optimizer state (optim.with_cooldown), values the compiled step
-  reads. A cooldown that would start before `train.warmup_steps` end is refused. Several processes
-  take process 0's plan, checked every `train.log_every` steps."""
-
-  def __init__(self, train_config, clock: Saver, start_step: int, log=print):
-    self.train, self.clock, self.progress, self.log = train_config, clock, clock.progress, log
-    self._loop_start = (start_step, self._steps_clock())  # this process's first step and the clock then
-    self._last: tuple[int, float] | None = None  # the step and the clock at the last check
-    self._recent = collections.deque(maxlen=RECENT_CHECKS)  # seconds per step between the last checks
-    self._plans = [(start_step, self.plan)]  # (the first count a plan applied to, the plan): for `learning_rate`
-    # The logged learning rate of any plan: one compiled program (the plan as values), not one per plan.
-    self._schedule = jax.jit(
-        lambda count, start, length: optim.learning_rate_schedule(train_config, (start, length))(count))
-
-  @property
-  def by_clock(self) -> bool:
-    return self.progress.cooldown_start is not None
-
-  @property
-  def plan(self) -> tuple[int, int]:
-    """(first cooldown count, cooldown steps), optim.wsd_schedule's."""
-    if self.by_clock:
-      return self.progress.cooldown_start, self.progress.cooldown_steps
-    return optim.step_cooldown(self.train)
-
-  def learning_rate(self, count: int) -> float:
-    """The learning rate the update at optimizer count `count` used (that of step count + 1)."""
-    plan = self._plans[0][1]
-    for first, later in self._plans[1:]:
-      plan = later if first <= count else plan
-    return float(self._schedule(count, *plan))
-
-  def check(self, step: int) -> bool:
-    """After `step`: re-plan; whether the plan changed (the trainer then writes it into the optimizer state)."""
-    t = self.train
-    if not t.max_minutes or (jax.process_count() > 1 and step % t.log_every):
-      return False
-    step_seconds = self._measure(step)
-    decision = self._decide(step, step_seconds)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # only multi-process runs need it
-      decision = multihost_utils.broadcast_one_to_all(decision)
-    kind, start, length = (int(v) for v in decision)
-    if kind == _REFUSE:
-      raise ConfigError(
-          f'train.max_minutes={t.max_minutes}: {t.decay_fraction:.0%} of the budget (train.decay_fraction) is left at '
-          f'step {step}, before train.warmup_steps={t.warmup_steps} end, and a cooldown from there would jump the '
-          'learning rate to its peak; raise train.max_minutes or lower train.warmup_steps or train.decay_fraction.')
-    if kind == _KEEP:
-      return False
-    started = not self.by_clock
-    self.progress.cooldown_start, self.progress.cooldown_steps = start, length
-    self._plans = self._plans[-3:] + [(step, (start, length))]  # the logger reads the last step's count late
-    if started:
-      self.log(self.describe(step, step_seconds))
-    return True
-
-  def finished(self, step: int) -> bool:
-    """Whether the wall-clock cooldown is over: the update of `step` used the end learning rate."""
-    start, length = self.plan
-    return self.by_clock and step >= start + length + 1
-
-  def describe(self, step: int, step_seconds: float) -> str:
-    start, length = self.plan
-    return (f'Cooldown from step {step} to step {start + length + 1} (train.decay_shape={self.train.decay_shape}, '
-            f're-planned at every check): train.decay_fraction={self.train.decay_fraction} of the '
-            f'train.max_minutes={self.train.max_minutes} budget is left, and train.steps={self.train.steps} will not '
-            f'be reached; {step_seconds:.3g} s per step, {self.clock.reserve():.3g} s kept for the evaluations at '
-            'the end.')
-
-  def _steps_clock(self) -> float:
-    """The run's clock less compilation and this process's evaluations and saves: what steps took."""
-    return self.clock.seconds() - self.clock.compile_seconds() - self.clock.outside_steps
-
-  def _measure(self, step: int) -> float:
-    """The recent seconds per step after `step`: the last interval's, or the mean of the last
-    `RECENT_CHECKS` if higher (a slower step counts at once, a faster one over a few: the plan errs
-    towards ending in time)."""
-    now = self._steps_clock()
-    if self._last is not None and step > self._last[0]:
-      self._recent.append(max(now - self._last[1], 0.0) / (step - self._last[0]))
-    self._last = (step, now)
-    if self._recent:
-      return max(self._recent[-1], sum(self._recent) / len(self._recent))
-    # The first check after a start: the first step's dispatch was not waited for, so this only stands in.
-    first_step, first_clock = self._loop_start
-    return max(now - first_clock, 0.0) / max(step - first_step, 1)
-
-  def _decide(self, step: int, step_seconds: float) -> np.ndarray:
-    """[_KEEP | _PLAN | _REFUSE, start, length] after `step` at `step_seconds` per step."""
-    t, keep = self.train, np.asarray([_KEEP, 0, 0])
-    budget = 60 * t.max_minutes
-    left = budget - self.clock.seconds() - self.clock.reserve()
-    waiting = not self.by_clock and (left <= 0 or left > t.decay_fraction * budget)  # or the budget's stop ends it
-    if waiting or step >= t.steps or self.finished(step):
-      return keep
-    end = min(step + max(self._steps_that_fit(step, left, step_seconds), 1), t.steps)
-    start, length = self.plan
-    if end == start + length + 1 or (not self.by_clock and end >= t.steps):
-      return keep  # the plan ends there already; or train.steps comes first
-    if not self.by_clock and step < t.warmup_steps:
-      return np.asarray([_REFUSE, 0, 0])
-    return np.asarray([_PLAN, *replan(self.plan, step, end)])
-
-  def _steps_that_fit(self, step: int, left: float, step_seconds: float) -> int:
-    """How many steps after `step` fit in `left` seconds, with the evaluations (and their saves) and the
-    checkpoints due among them before the last, whose evaluation the reserve holds."""
-    t = self.train
-    eval_seconds, save_seconds = self.progress.eval_seconds or 0.0, self.clock.save_seconds
-    both = math.lcm(t.eval_every, t.checkpoint_every)
-
-    def cost(n: int) -> float:
-      due = lambda every: (step + n - 1) // every - step // every  # multiples of `every` in steps step+1 .. step+n-1
-      saves = due(t.eval_every) + due(t.checkpoint_every) - due(both)  # every evaluated step is saved too
-      return n * step_seconds + due(t.eval_every) * eval_seconds + saves * save_seconds
-
-    per_step = step_seconds + eval_seconds / t.eval_every + save_seconds / min(t.eval_every, t.checkpoint_every)
-    steps = int(left / per_step) if per_step > 0 else t.steps
-    steps = min(steps, t.steps)
-    while steps > 0 and cost(steps) > left:
-      steps -= 1
-    while steps < t.steps and cost(steps + 1) <= left:
-      steps += 1
-    return steps
-
-
-_KEEP, _PLAN, _REFUSE = 0, 1, 2  # Cooldown._decide's verdicts
-RECENT_CHECKS = 4  # the intervals between checks whose step time `Cooldown` plans with
-
-
-def replan(plan: tuple[int, int], step: int, end: int) -> tuple[int, int]:
-  """optim.wsd_schedule's cooldown (start, length) that goes on after `step` from the progress the
-  last update (count step - 1) had under `plan` and reaches the end learning rate at the update of
-  step `end` (count end - 1). Its progress never goes back."""
-  start, length = plan
-  done = min(max((step - 1 - start) / length, 0.0), 1.0)
-  updates = end - step  # counts step .. end - 1
-  length = min(max(round(updates / max(1.0 - done, 1e-9)), updates), 2 ** 30)
-  return end - 1 - length, length

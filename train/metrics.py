@@ -128,19 +128,23 @@ class MetricWriter:
       import wandb
       self._wandb.log({tag: wandb.Image(image)}, step=step)
 
-  def progress(self, step: int, scalars: dict[str, float]) -> None:
-    """Called every `log_every` steps with the latest train scalars."""
+  def progress(self, step: int, scalars: dict[str, float], seconds_left: float | None = None) -> None:
+    """Called every `log_every` steps with the latest train scalars. `seconds_left`: the wall-clock
+    budget's (train.max_minutes; None: none), whose end the eta is when it comes before the steps'."""
     if not self.enabled:
       return
-    shown = {k.split('/')[-1]: v for k, v in scalars.items() if k in ('train/loss', 'train/tokens_per_s')}
-    if self._bar is not None:
+    shown = {k.split('/')[-1]: f'{v:.4g}' for k, v in scalars.items() if k in ('train/loss', 'train/tokens_per_s')}
+    if self._bar is not None:  # the bar's own estimate counts steps: the budget's end is shown beside it
       self._bar.n = step
-      self._bar.set_postfix({k: f'{v:.4g}' for k, v in shown.items()}, refresh=True)
+      self._bar.set_postfix({**shown, **({} if seconds_left is None else {'budget_left': f'{seconds_left:.0f}s'})},
+                            refresh=True)
       return
     elapsed = time.time() - self._start_time
     done = max(step - self._start_step, 1)
     eta = elapsed / done * (self._total - step)
-    items = ' '.join(f'{k}={v:.4g}' for k, v in shown.items())
+    if seconds_left is not None:
+      eta = min(eta, seconds_left)
+    items = ' '.join(f'{k}={v}' for k, v in shown.items())
     print(f'step {step}/{self._total} {items} eta={eta:.0f}s', flush=True)
 
   def log(self, message: str) -> None:

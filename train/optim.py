@@ -38,7 +38,7 @@ Schedules (`train.schedule`), peak `train.lr` after `train.warmup_steps` of line
 Schedule-free AdamW replaces the schedule: only 'constant' (its warmup) is accepted with it.
 
 wsd's cooldown can start at a step only known while training (`train.max_minutes`: when
-decay_fraction of the budget is left, train/loop.py `Cooldown`, which re-plans it as the step
+decay_fraction of the budget is left, train/budget.py `Cooldown`, which re-plans it as the step
 time changes). Its start and length are therefore hyperparameters in the optimizer state
 (`optax.inject_hyperparams`), read by the compiled step as values: moving the cooldown does not
 recompile, and a checkpoint holds it. Only wsd wraps its optimizer so; every other schedule keeps

@@ -39,6 +39,7 @@ from flax import nnx
 
 from data import batching
 from errors import ConfigError, UserError
+from train import sampling
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 # Model-config fields that change how a model computes, not what it holds: a resumed or reloaded
@@ -177,6 +178,19 @@ class Task:
     """Extra evaluation after the loop (BLEU, samples, accuracy, pictures) of `self.prepared`'s
     data, named as in the module docstring; pictures as {'images': {name: path}}. Default: none."""
     return {}
+
+  def final_decoding(self) -> int:
+    """How many units of decoding (`decode_unit`) `evaluate` runs: the budget times one at the run's
+    first step and keeps that many (train/budget.py). Default: a language model (`generate`)
+    continues the decode.prompts once; other families decode nothing."""
+    return int(self.generate is not None and bool(sampling.prompt_list(self.config.decode)))
+
+  def decode_unit(self, model: nnx.Module) -> None:
+    """One unit of the decoding `evaluate` runs on `model`, its outputs dropped. Default: the
+    continuations of the decode.prompts."""
+    sampling.continue_prompts(self.generate, model, self.tokenizer, sampling.prompt_list(self.config.decode),
+                              self.config.decode, seed=self.config.seed,
+                              max_len=getattr(self.model_config, 'max_len', None))
 
   def predict(self, model: nnx.Module, lines: list[str], workdir: str) -> list[Any]:
     """`--mode=predict`: one JSON-serialisable output per input line."""

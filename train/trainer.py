@@ -9,7 +9,8 @@ Stages, in order (each has a banner in `train_and_evaluate`):
                  save config.json and model.json (only now, so a failed resume leaves the run's
                  files as they were)
   4. loop        one jit-compiled step (train/steps.py), periodic eval, checkpoints, metrics
-                 (train/loop.py); SIGTERM or Ctrl-C saves and returns; `train.max_minutes`,
+                 (train/loop.py); SIGTERM or Ctrl-C saves and returns; `train.max_minutes` (its
+                 clock and reserve for stage 5, and wsd's cooldown against it: train/budget.py),
                  `train.early_stopping_patience`, `train.stop_at_target` and the end of a wall-clock
                  wsd cooldown save and go on to stage 5; a NaN/inf loss stops with the last good
                  checkpoint kept
@@ -35,7 +36,7 @@ import storage
 from errors import UserError
 from train import checkpoint as ckpt
 from train import rundir
-from train import compilation, evaluation, loop, memory, optim, resume, sharding, steps
+from train import budget, compilation, evaluation, loop, memory, optim, resume, sharding, steps
 from train import state as state_lib
 from train.metrics import MetricWriter
 from train.optim import make_optimizer
@@ -161,108 +162,6 @@ def save_run_files(setup: Setup, workdir: str, history: list[dict]) -> None:
     rundir.save_model_config(setup.task.prepared.model_config, setup.spec.rng_impl, workdir)
 
 
-# ============================================================================ stage 4: the loop
-def train_loop(setup: Setup, state: TrainState, save: loop.Saver, data_iter, writer: MetricWriter, start_step: int
-               ) -> tuple[TrainState, dict[str, Any]]:
-  """Steps from `start_step` to `train.steps` (or an earlier stop); returns (the last state,
-  {'step', 'train/compiles', 'stopped'?, 'preempted'?, 'target/...'?})."""
-  train, checkpointer, progress = setup.config.train, save.checkpointer, save.progress
-  train_step = steps.jit_train_step(setup.task, setup.spec, setup.tx, train.grad_accum)
-  state, cooldown, logger = schedule_and_logger(setup, state, save, writer, start_step)
-  compiled_before = compilation.compiled('train_step')
-  compiles = lambda: compilation.compiled('train_step') - compiled_before
-  step, stopped, timed = start_step, None, False
-  try:
-    with sharding.use_mesh(setup.mesh), loop.PreemptionWatcher(writer.log) as watcher:
-      while step < train.steps and stopped is None:
-        if watcher.should_stop(step):
-          logger.flush()
-          return state, save_and_leave(setup, state, step, save, writer, watcher.requested, compiles())
-        local_batch = next(data_iter)
-        batch = sharding.global_batch(local_batch, setup.mesh)
-        state, (scalars, metrics) = train_step(state, batch)
-        step += 1
-        # From this host's numpy slice: on the global arrays, count_tokens' real-token count would be
-        # eager device ops every step.
-        positions = setup.task.count_tokens(local_batch)[0] * jax.process_count()
-        progress.tokens += positions
-        logger.add(step, scalars, metrics, positions)
-        if cooldown is not None and cooldown.check(step):
-          state = dataclasses.replace(state, opt_state=optim.with_cooldown(state.opt_state, cooldown.plan,
-                                                                           setup.spec.shardings.opt_state))
-        stopped = loop.clock_stop(train, step, save, cooldown)
-        evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
-        if evaluated:
-          logger.flush()  # the step has finished: the clock below is its own
-          last_eval, early_stop = evaluate_step(setup, state, step, save, writer, time_final=not timed)
-          stopped, timed = stopped or early_stop, True
-        # Every evaluated step is saved with its metrics, so the best checkpoint is always on disk.
-        if evaluated or stopped or step % train.checkpoint_every == 0:
-          logger.flush()
-          save(step, state, last_eval if evaluated else None)
-      logger.flush()
-    checkpointer.wait()
-  finally:
-    # Every distinct batch shape builds the train step once: few shapes are the data pipeline's job.
-    writer.log(f'The train step was compiled {compiles()} time(s). ' + (compilation.cache_summary() or ''))
-  if stopped:
-    writer.log(f'Stopped at step {step} of {train.steps}: {stopped}.')
-  if setup.target is not None and progress.target is None:
-    writer.log(f'Target {setup.target} not met by step {step}.')
-  return state, {'step': step, 'train/compiles': compiles(), **({'stopped': stopped} if stopped else {}),
-                 **loop.target_results(setup.target, progress)}
-
-
-def schedule_and_logger(setup: Setup, state: TrainState, save: loop.Saver, writer: MetricWriter, start_step: int
-                        ) -> tuple[TrainState, loop.Cooldown | None, loop.StepLogger]:
-  """(the state with wsd's cooldown plan in its optimizer state, that plan's Cooldown or None without
-  wsd, the step logger). The plan is a resume's, or the one train.steps gives now."""
-  train = setup.config.train
-  cooldown = loop.Cooldown(train, save, start_step, writer.log) if train.schedule == 'wsd' else None
-  if cooldown is not None:
-    state = dataclasses.replace(state, opt_state=optim.with_cooldown(state.opt_state, cooldown.plan,
-                                                                     setup.spec.shardings.opt_state))
-    if cooldown.by_clock:
-      writer.log(f'Resumed in the wall-clock cooldown (planned to end at step {sum(cooldown.plan) + 1}); it is '
-                 're-planned for the time left.')
-  # The logged learning rate: one compiled program, not an eager dispatch (and compilation) per op of the schedule.
-  learning_rate = jax.jit(setup.schedule) if cooldown is None else cooldown.learning_rate
-  return state, cooldown, loop.StepLogger(train, learning_rate, writer, save.checkpointer.directory)
-
-
-def save_and_leave(setup: Setup, state: TrainState, step: int, save: loop.Saver, writer: MetricWriter,
-                   requested: str | bool, compiles: int) -> dict[str, Any]:
-  """A preemption (SIGTERM, Ctrl-C) at `step`: save, wait for the save, say how to resume; the results."""
-  save(step, state)
-  save.checkpointer.wait()
-  writer.log(f'{requested or "Preemption"}: saved step {step} to {save.checkpointer.directory}; rerun the '
-             f'same command to resume.')
-  return {'step': step, 'preempted': True, 'train/compiles': compiles,
-          **loop.target_results(setup.target, save.progress)}
-
-
-def evaluate_step(setup: Setup, state: TrainState, step: int, save: loop.Saver, writer: MetricWriter,
-                  time_final: bool = False) -> tuple[dict[str, float], str | None]:
-  """The evaluation during training at `step`: (its metrics, why training should stop now or None:
-  early stopping, or train.target met with train.stop_at_target). Records the target's clock (the
-  run's seconds when the step had finished, read before evaluating, also written in the evaluation's
-  metrics row as `time/seconds`) and its own time, which the budget reserves for the closing
-  evaluations (loop.Saver.reserve). `time_final`: log how long the final
-  evaluation should take at this evaluation's rate (the run's first evaluation)."""
-  seconds, compile_seconds = save.seconds(), save.compile_seconds()
-  clock = {'time/seconds': round(seconds, 3), 'time/seconds_excluding_compile': round(seconds - compile_seconds, 3)}
-  with save.on_failure(step, state):
-    metrics, early_stop = loop.evaluate_during_training(setup, setup.evaluated(state), step, save.progress, writer,
-                                                        clock)
-  save.record_evaluation(save.seconds() - seconds - (save.compile_seconds() - compile_seconds))
-  if time_final:
-    writer.log(evaluation.describe_cost(setup, save.progress.eval_seconds))
-  if loop.record_target(setup.target, step, metrics, save.progress, seconds, compile_seconds, writer) \
-      and setup.config.train.stop_at_target:
-    early_stop = f'train.target {setup.target} met'
-  return metrics, early_stop
-
-
 # ============================================================================ stage 5: final evaluation
 def evaluated_state(setup: Setup, state: TrainState, checkpointer: ckpt.Checkpointer, current_step: int, log=print
                     ) -> tuple[TrainState, int]:
@@ -311,9 +210,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       writer.log(evaluation.describe(setup))
       writer.log(evaluation.describe_final(setup))
       # -------------------------------------------------------------- 4. loop
-      save = loop.Saver(checkpointer, data_iter, progress, start_step, started, compile_started, setup.checkpoint_items,
-                        loop.final_eval_batches(setup), before_save=writer.sync)
-      state, results = train_loop(setup, state, save, data_iter, writer, start_step)
+      train = config.train
+      clock = budget.RunClock(progress, started, compile_started, 60 * train.max_minutes,
+                              budget.final_eval_scale(setup), restores=train.final_eval_from == 'best')
+      saver = loop.Saver(checkpointer, data_iter, clock, start_step, setup.checkpoint_items, writer.sync,
+                         time_completion=bool(train.max_minutes))
+      state, results = loop.train_loop(setup, state, saver, data_iter, writer, start_step)
       if not results.get('preempted'):
         state, results['final_eval_step'] = evaluated_state(setup, state, checkpointer, results['step'], writer.log)
     finally:

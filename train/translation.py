@@ -102,6 +102,21 @@ class TranslationTask(task_lib.Task):
     return [self.tokenizer.decode(row) for row in ids]
 
   # ------------------------------------------------------------------ evaluation
+  def final_decoding(self):
+    """The eval batches of decoded test pairs: each is translated with greedy and beam search."""
+    return -(-len(self._decoded()) // self.eval_batch_size)
+
+  def decode_unit(self, model):
+    """The first eval batch of decoded test pairs, translated with greedy and beam search."""
+    test = self.prepared.datasets.test
+    source = np.stack([test[i]['source'] for i in self._decoded()[:self.eval_batch_size]])
+    for beam in (1, int(self.config.decode.beam_size)):
+      self.translate_ids(model, source, beam)
+
+  def _decoded(self):
+    """The test pairs `evaluate` decodes (train.final_decode_examples of them, evenly spaced)."""
+    return evaluation.final_indices(len(self.prepared.datasets.test), evaluation.final_decode_examples(self.config))
+
   def evaluate(self, model, workdir):
     """The decoded test pairs (`train.final_decode_examples` of them) EVAL_CHUNK at a time (nothing held
     but one chunk): greedy and beam translations, sacreBLEU from the chunks' summed statistics (equal
@@ -109,7 +124,7 @@ class TranslationTask(task_lib.Task):
     `train.final_eval_examples` test pairs; every translation to translations.json."""
     from sacrebleu.metrics import BLEU
     test, test_pairs = self.prepared.datasets.test, self.prepared.family_data
-    decoded = evaluation.final_indices(len(test), evaluation.final_decode_examples(self.config))
+    decoded = self._decoded()
     beam_size = int(self.config.decode.beam_size)
     scores = {name: [np.zeros(4, np.int64), np.zeros(4, np.int64), 0, 0, 0] for name in ('greedy', 'beam')}
     shown, images = [], {}
