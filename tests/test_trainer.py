@@ -205,7 +205,8 @@ def test_unknown_key_and_wrong_type_are_rejected(corpus, tmp_path):
   result = support.launch(['--config=configs/gpt.py:nope', f'--workdir={tmp_path}/preset'])
   assert result.returncode == 1 and result.stderr.strip().splitlines() == [
       "error: bad flag or config override: Unknown gpt preset 'nope'; choose one of "
-      "['bench', 'default', 'gpt2', 'gpt2-medium', 'llama', 'llama-3.2-1b', 'llama-bench', 'smollm-135m', 'tiny']."
+      "['bench', 'default', 'gpt2', 'gpt2-medium', 'llama', 'llama-3.2-1b', 'llama-bench', 'mixtral-8x7b', "
+      "'moe', 'olmoe-1b-7b', 'qwen3-30b-a3b', 'smollm-135m', 'tiny']."
   ], result.stderr
   assert not os.path.exists(tmp_path / 'preset')
 
