@@ -6,8 +6,9 @@
   lm_eval.simple_evaluate(model='attention_lineage', model_args={'workdir': 'runs/gpt-default-...'},
                           tasks=['python_choice'], task_manager=harness.task_manager())
 
-Any run of the GPT family (GPT-2 and Llama-style decoders, trained here or imported) is a model;
-other families are refused.
+or `python launch.py --mode=lm_eval --workdir=RUN --tasks=A,B` (evals/runner.py). Any run of the
+GPT family (GPT-2 and Llama-style decoders, trained here or imported) is a model; other families
+are refused.
 
 The harness's three requests, as its Hugging Face backend (`lm_eval.models.huggingface.HFLM`)
 computes them, so that the same weights score the same (tests/test_lm_eval.py):

@@ -1,5 +1,6 @@
 """The lm-eval harness's model of a run (evals/): parity with the harness's own Hugging Face backend
-(`lm_eval --model hf`) on the repository's tasks (evals/tasks/), and the compiled shapes it uses.
+(`lm_eval --model hf`) on the repository's tasks (evals/tasks/), the compiled shapes it uses, and
+`--mode=lm_eval` with its one-line errors.
 
 The parity: a random GPT-2 and a random Llama-style decoder (grouped-query attention, a tokenizer
 whose post-processor adds BOS) are imported as runs and exported again with `export_hf`; the
@@ -9,10 +10,13 @@ request agrees: log-likelihoods within 1e-4 with the same is_greedy, rolling log
 1e-4, generations equal. The models read 32 positions, so requests longer than that are cut on the
 left (multiple choice), scored in several windows (perplexity) and generated from their last tokens.
 """
+import json
 import os
 
 import numpy as np
 import pytest
+
+import support
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -213,3 +217,64 @@ def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(sc
     targets = np.asarray(window[1:])[positions]
     assert abs(logprob - logprobs[positions, targets].sum()) <= TOLERANCE
     assert greedy == bool(np.all(logprobs[positions].argmax(-1) == targets))
+
+
+# ---------------------------------------------------------------------------------------- --mode=lm_eval
+def test_launch_writes_the_harness_results_into_the_run(scoring):
+  from evals import harness
+  run, exported, _, _ = scoring('gpt2')
+  theirs = lm_eval.simple_evaluate(model='hf', model_args=hf_arguments(exported),
+                                   tasks=TASKS[:2], task_manager=harness.task_manager(), batch_size=1, limit=3)
+  result = support.launch(['--mode=lm_eval', f'--workdir={run.workdir}', '--tasks=python_choice,python_perplexity',
+                           '--limit=3', '--batch_size=2'])
+  assert result.returncode == 0, result.stderr[-3000:]
+  line = support.last_json(result.stdout)
+  assert (line['mode'], line['workdir'], line['step']) == ('lm_eval', run.workdir, 0)
+  assert os.path.dirname(line['results_file']) == os.path.join(run.workdir, 'lm_eval')
+  with open(line['results_file']) as f:
+    written = json.load(f)
+  assert written['results'] == line['results'] and written['config']['limit'] == 3
+  assert written['results']['python_choice']['sample_len'] == 3
+  assert written['results']['python_choice']['acc,none'] == theirs['results']['python_choice']['acc,none']
+  np.testing.assert_allclose(written['results']['python_perplexity']['bits_per_byte,none'],
+                             theirs['results']['python_perplexity']['bits_per_byte,none'], rtol=1e-6)
+
+
+def test_bad_input_is_one_line_before_anything_is_written(scoring, tmp_path):
+  """Each mistake stops with one line before the checkpoint loads or anything is written: through
+  launch.py (its stderr), or in the function launch.py calls (its UserError)."""
+  from errors import UserError
+  from evals import runner
+  from train.rundir import save_config
+  run = scoring('gpt2')[0]
+  missing = tmp_path / 'tasks'
+  missing.mkdir()
+  (missing / 'gone.yaml').write_text('task: gone_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n'
+                                     f'    test: {tmp_path}/nowhere.jsonl\ntest_split: test\noutput_type: '
+                                     'loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n')
+  other = str(tmp_path / 'rnn')
+  os.makedirs(other)
+  save_config(support.smallest_config('rnn_lm'), other)
+  before = sorted(os.listdir(run.workdir))
+  launched = {
+      (f'--workdir={other}', '--tasks=python_choice'):
+          f"error: {other} is a 'rnn_lm' run; lm-eval scores decoder language models, runs of the families "
+          "('gpt',): pass the --workdir of one of those.",
+      (f'--workdir={run.workdir}',): "error: --mode=lm_eval needs --tasks=A,B: task names (evals/tasks/, "
+                                     "--include_path, lm-eval's own) or task YAML files.",
+  }
+  for args, message in launched.items():
+    result = support.launch(['--mode=lm_eval', *args])
+    assert (result.returncode, result.stderr.strip().splitlines()) == (1, [message]), result.stderr[-2000:]
+  called = [
+      (dict(tasks=['python_choice', 'no_such_task']), "--tasks: unknown task 'no_such_task': neither one of lm-eval"),
+      (dict(tasks=['gone_task'], include_path=str(missing)), "--tasks: the data of task 'gone_task' cannot be read"),
+      (dict(tasks=['python_choice'], include_path=str(tmp_path / 'nothing')), f'--include_path={tmp_path}/nothing is '
+                                                                             'not a directory'),
+      (dict(tasks=['python_choice'], batch_size=0), 'batch_size=0: give a whole number of requests per batch'),
+  ]
+  for arguments, message in called:
+    with pytest.raises(UserError) as raised:
+      runner.evaluate_run(run.workdir, **arguments)
+    assert str(raised.value).startswith(message) and '\n' not in str(raised.value), arguments
+  assert sorted(os.listdir(run.workdir)) == before and os.listdir(other) == ['config.json']
