@@ -2,6 +2,9 @@
 (`lm_eval --model hf`) on the repository's tasks (evals/tasks/), the compiled shapes it uses, and
 `--mode=lm_eval` with its one-line errors.
 
+The tests comparing numbers are marked `numerics` (.ci/run reruns them with AVX2 only and with XLA's
+default compiler); the one-line errors are not.
+
 The parity: a random GPT-2 and a random Llama-style decoder (grouped-query attention, a tokenizer
 whose post-processor adds BOS) are imported as runs and exported again with `export_hf`; the
 harness scores the run through evals.harness.RunLM (batched: padded rows and lengths) and the
@@ -22,8 +25,6 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 pytest.importorskip('accelerate')  # the harness's hf backend imports it
 lm_eval = pytest.importorskip('lm_eval')
-
-pytestmark = pytest.mark.numerics  # parity: .ci/run reruns it with AVX2 only
 
 TASKS = ['python_choice', 'python_perplexity', 'python_line_completion']
 MAX_LEN = 32
@@ -117,6 +118,7 @@ def scored(request, scoring):
   return scoring(request.param)
 
 
+@pytest.mark.numerics
 def test_loglikelihoods_match_the_hf_backend_request_by_request(scored):
   run, _, ours, theirs = scored
   mine, reference = samples_by_request(ours, 'python_choice'), samples_by_request(theirs, 'python_choice')
@@ -130,6 +132,7 @@ def test_loglikelihoods_match_the_hf_backend_request_by_request(scored):
   assert max(lengths) > MAX_LEN + 1
 
 
+@pytest.mark.numerics
 def test_rolling_loglikelihoods_match_the_hf_backend(scored):
   run, _, ours, theirs = scored
   mine, reference = samples_by_request(ours, 'python_perplexity'), samples_by_request(theirs, 'python_perplexity')
@@ -138,6 +141,7 @@ def test_rolling_loglikelihoods_match_the_hf_backend(scored):
   assert max(len(run.tokenizer.encode(t, special_tokens=True)) for t in texts) > 2 * MAX_LEN  # >= 3 windows
 
 
+@pytest.mark.numerics
 def test_generations_equal_the_hf_backend(scored):
   run, _, ours, theirs = scored
   mine = samples_by_request(ours, 'python_line_completion')
@@ -153,6 +157,7 @@ def direct_requests(kind: str, arguments: list[tuple]) -> list:
   return [Instance(request_type=kind, doc={}, arguments=args, idx=0) for args in arguments]
 
 
+@pytest.mark.numerics
 def test_stop_strings_cut_generations_as_in_the_hf_backend(scored):
   """A stop string taken from the middle of a generation cuts it there in both backends (a batch of
   two prompts of different lengths, left-padded here)."""
@@ -174,6 +179,7 @@ def test_stop_strings_cut_generations_as_in_the_hf_backend(scored):
   assert mine[0] == generated[:generated.index(stop)]
 
 
+@pytest.mark.numerics
 def test_the_greedy_continuation_is_greedy_in_both_backends(scored):
   """is_greedy of the tokens transformers' greedy search continues a context with: True here and in
   the hf backend; with its last token changed: False in both."""
@@ -195,6 +201,7 @@ def test_the_greedy_continuation_is_greedy_in_both_backends(scored):
   np.testing.assert_allclose([m for m, _ in mine], [r for r, _ in reference], rtol=0, atol=TOLERANCE)
 
 
+@pytest.mark.numerics
 def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(scored):
   """40 requests of 40 lengths (up to past the window) in batches of 4: one program per length
   bucket (16, 32 positions) and one for a partial batch at most; each score is that of the request
@@ -220,6 +227,7 @@ def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(sc
 
 
 # ---------------------------------------------------------------------------------------- --mode=lm_eval
+@pytest.mark.numerics
 def test_launch_writes_the_harness_results_into_the_run(scoring):
   from evals import harness
   run, exported, _, _ = scoring('gpt2')
