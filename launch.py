@@ -7,13 +7,14 @@
   echo 'def main():' | python launch.py --mode=predict --workdir=runs/try --input=-
   python launch.py --mode=import_hf --hf_dir=/path/gpt2 --workdir=runs/gpt2   # family from its config.json
   python launch.py --mode=export_hf --workdir=runs/try --hf_dir=hf/try   # GPT/BERT run -> transformers directory
+  python launch.py --mode=lm_eval --workdir=runs/try --tasks=python_choice   # lm-eval tasks (evals/)
   python launch.py --config=configs/gpt.py:bench --mode=bench             # speed: tokens/s, MFU, decoding
   python launch.py --config=configs/gpt.py:gpt2 --mode=compile --compile_target=h100  # compile only: kernels, memory
   python launch.py --sweep=configs/sweeps/gpt_tiny_random.py --workdir=runs/rs --sweep_workers=2  # an Optuna study
 
 `--config=FILE[:preset]` names the config: by default configs/default.py, for `import_hf` the
 family of the HF directory's config.json. `train` resumes when `--workdir` holds a checkpoint.
-`eval` and `predict` rebuild the run from its own config.json and model.json, with the
+`eval`, `predict` and `lm_eval` rebuild the run from its own config.json and model.json, with the
 `--config.*` overrides given applied on top (checked against that file: configs/run.py). Each
 mode but `train` ends with one JSON line on stdout. A user mistake (`errors.UserError`, a bad flag
 or override) ends with one line on stderr and exit status 1.
@@ -44,12 +45,18 @@ from errors import UserError
 # `--config=FILE[:preset]` and its `--config.<key>=<value>` overrides are defined by parse_flags: the
 # override flags follow from the config, which is loaded only once the other flags say which one.
 flags.DEFINE_string('workdir', None, 'Run directory (default: runs/<config>-<preset>-<timestamp>).')
-flags.DEFINE_enum('mode', 'train', ['train', 'prepare', 'eval', 'predict', 'import_hf', 'export_hf', 'bench', 'compile'],
-                  'What to do.')
+flags.DEFINE_enum('mode', 'train', ['train', 'prepare', 'eval', 'predict', 'import_hf', 'export_hf', 'lm_eval', 'bench',
+                                    'compile'], 'What to do.')
 flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - for stdin.')
 flags.DEFINE_string('output', None, 'predict: also write the outputs here, one JSON value per line.')
 flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory; export_hf: the new directory to '
                     'write (config.json, model.safetensors, tokenizer files).')
+# lm_eval's flags are the harness's own (its `lm_eval` command's).
+flags.DEFINE_list('tasks', None, 'lm_eval: the harness tasks to score, comma-separated: names (evals/tasks/, '
+                  '--include_path, lm-eval\'s own) or task YAML files.')
+flags.DEFINE_string('include_path', None, 'lm_eval: a directory of task YAML files, beside evals/tasks/.')
+flags.DEFINE_float('limit', None, 'lm_eval: at most this many examples of each task (below 1: this fraction).')
+flags.DEFINE_integer('batch_size', 1, 'lm_eval: requests per compiled batch.')
 flags.DEFINE_integer('bench_steps', 10, 'bench: timed train steps (after 2 warm-up steps).')
 flags.DEFINE_bool('bench_decode', True, 'bench: also time cached decoding (generative families).')
 flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of 3 more steps to this directory.')
@@ -150,6 +157,17 @@ def export_hf_mode(workdir: str) -> None:
               **load_run(workdir).export_hf(FLAGS.hf_dir)})
 
 
+def lm_eval_mode(workdir: str) -> None:
+  """The harness's results JSON in <workdir>/lm_eval/ (evals/runner.py)."""
+  if not FLAGS.tasks:
+    raise UserError('--mode=lm_eval needs --tasks=A,B: task names (evals/tasks/, --include_path, lm-eval\'s own) '
+                    'or task YAML files.')
+  from evals import runner
+  print_line({'mode': 'lm_eval', 'workdir': workdir,
+              **runner.evaluate_run(workdir, FLAGS.tasks, include_path=FLAGS.include_path, limit=FLAGS.limit,
+                                    batch_size=FLAGS.batch_size, config_overrides=explicit_overrides())})
+
+
 def bench_mode(workdir: str) -> None:
   """Writes nothing: the workdir is unused."""
   del workdir
@@ -169,7 +187,8 @@ def compile_mode(workdir: str) -> None:
 
 
 MODES = {'train': train_mode, 'prepare': prepare_mode, 'eval': eval_mode, 'predict': predict_mode,
-         'import_hf': import_hf_mode, 'export_hf': export_hf_mode, 'bench': bench_mode, 'compile': compile_mode}
+         'import_hf': import_hf_mode, 'export_hf': export_hf_mode, 'lm_eval': lm_eval_mode, 'bench': bench_mode,
+         'compile': compile_mode}
 NEW_WORKDIR_MODES = ('train', 'prepare', 'bench', 'compile')  # the others read a run, so --workdir must name one
 
 
@@ -374,10 +393,10 @@ def config_spec(given: str | None, has_overrides: bool) -> str | None:
   """The FILE[:preset] to load: --config when given, else the one the other flags imply.
 
   import_hf: the family (and full-size preset) of --hf_dir's config.json model_type
-  (`hf_import_configs`). eval/predict with `--config.*` overrides: configs/run.py:<workdir>, so
-  that the overrides are checked against (and applied to) the run's own config.json instead of
-  configs/default.py. None when nothing asks for a config and nothing uses one: eval, predict and
-  export_hf rebuild the run from its own files, a sweep gives each trial its own. Otherwise
+  (`hf_import_configs`). eval/predict/lm_eval with `--config.*` overrides: configs/run.py:<workdir>,
+  so that the overrides are checked against (and applied to) the run's own config.json instead of
+  configs/default.py. None when nothing asks for a config and nothing uses one: eval, predict,
+  lm_eval and export_hf rebuild the run from its own files, a sweep gives each trial its own. Otherwise
   configs/default.py.
   """
   if given is not None:
@@ -386,9 +405,9 @@ def config_spec(given: str | None, has_overrides: bool) -> str | None:
     imported = hf_import_configs().get(hf_model_type(FLAGS.hf_dir))
     if imported:
       return imported
-  if not has_overrides and (FLAGS.sweep or FLAGS.mode in ('eval', 'predict', 'export_hf')):
+  if not has_overrides and (FLAGS.sweep or FLAGS.mode in ('eval', 'predict', 'export_hf', 'lm_eval')):
     return None
-  if FLAGS.mode in ('eval', 'predict') and FLAGS.workdir:
+  if FLAGS.mode in ('eval', 'predict', 'lm_eval') and FLAGS.workdir:
     return f'configs/run.py:{FLAGS.workdir}'
   return 'configs/default.py'
 

@@ -6,6 +6,10 @@ settings and gives every tokenizer the same small interface:
   encode(text) -> list[int]     decode(ids) -> str     vocab_size     special ids (pad_id, ...)
   save(directory)               load_tokenizer(directory)
 
+`encode` gives the text's own ids; `encode(text, special_tokens=True)` adds what the tokenizer's
+post-processor adds around them (BERT's [CLS]/[SEP], the BOS of an imported Llama tokenizer), as
+Hugging Face's tokenizers do by default (the lm-eval harness's models read text that way).
+
 The file written is `<directory>/tokenizer.json` (plus `tokenizer_meta.json` naming the kind).
 """
 from __future__ import annotations
@@ -110,7 +114,8 @@ class CharTokenizer(Tokenizer):
   def id_to_token(self, index):
     return self.vocab[index]
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, special_tokens: bool = False) -> list[int]:
+    del special_tokens  # no post-processor: characters only (so is its Hugging Face form, interop.common)
     unk = self._ids[UNK]
     return [self._ids.get(c, unk) for c in text]
 
@@ -145,8 +150,8 @@ class HFTokenizer(Tokenizer):
   def id_to_token(self, index):
     return self.tokenizer.id_to_token(index)
 
-  def encode(self, text: str) -> list[int]:
-    return self.tokenizer.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, special_tokens: bool = False) -> list[int]:
+    return self.tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
   def encode_batch(self, texts):
     # The fast variant skips the character offsets (unused here): the same ids, twice the rate.

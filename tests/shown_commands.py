@@ -202,6 +202,9 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
         ByTest('tests/test_llama.py::test_import_then_export_is_the_identity_and_loads_in_transformers'),
     'python launch.py --mode=export_hf --workdir=runs/qwen3-moe --hf_dir=hf/qwen3-moe':
         ByTest('tests/test_interop_moe.py::test_import_then_export_is_the_identity_and_loads_in_transformers'),
+    'python launch.py --mode=lm_eval --workdir=runs/gpt-default-... '
+    '--tasks=python_choice,python_perplexity,python_line_completion':
+        ByTest('tests/test_lm_eval.py::test_launch_writes_the_harness_results_into_the_run'),
     'export STORAGE_EMULATOR_HOST=http://localhost:9023':
         ByTest('tests/test_cloud_workdir.py::test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads'),
     'export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false':

@@ -19,6 +19,7 @@ ALLOWED = {  # package -> the repo's top-level modules and packages it may impor
     'interop': {'interop', 'models', 'data'},
     'train': {'train', 'models', 'data', 'interop', 'configs'},
     'sweeps': {'sweeps', 'train', 'models', 'data', 'interop', 'configs'},
+    'evals': {'evals', 'train', 'models', 'data'},
 }
 
 

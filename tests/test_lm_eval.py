@@ -1,0 +1,288 @@
+"""The lm-eval harness's model of a run (evals/): parity with the harness's own Hugging Face backend
+(`lm_eval --model hf`) on the repository's tasks (evals/tasks/), the compiled shapes it uses, and
+`--mode=lm_eval` with its one-line errors.
+
+The tests comparing numbers are marked `numerics` (.ci/run reruns them with AVX2 only and with XLA's
+default compiler); the one-line errors are not.
+
+The parity: a random GPT-2 and a random Llama-style decoder (grouped-query attention, a tokenizer
+whose post-processor adds BOS) are imported as runs and exported again with `export_hf`; the
+harness scores the run through evals.harness.RunLM (batched: padded rows and lengths) and the
+exported directory through its `hf` backend (one request at a time, float32 on the CPU). Every
+request agrees: log-likelihoods within 1e-4 with the same is_greedy, rolling log-likelihoods within
+1e-4, generations equal. The models read 32 positions, so requests longer than that are cut on the
+left (multiple choice), scored in several windows (perplexity) and generated from their last tokens.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import support
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+pytest.importorskip('accelerate')  # the harness's hf backend imports it
+lm_eval = pytest.importorskip('lm_eval')
+
+TASKS = ['python_choice', 'python_perplexity', 'python_line_completion']
+MAX_LEN = 32
+TOLERANCE = 1e-4  # the issue's bound on each request's log-likelihood
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+  """The local tasks need no network: the Hub is off for the harness and `datasets`."""
+  monkeypatch.setenv('HF_DATASETS_OFFLINE', '1')
+  monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+
+
+def task_texts() -> list[str]:
+  from evals import harness
+  return [open(os.path.join(harness.TASKS_DIR, f'{name}.jsonl')).read() for name in TASKS]
+
+
+def random_decoder(kind: str, directory: str) -> None:
+  """A random transformers model of `kind` ('gpt2' or 'llama') over MAX_LEN positions, with a small
+  BPE tokenizer of the tasks' text, saved in `directory`; the Llama tokenizer adds BOS to each text."""
+  from tokenizers import processors
+
+  from data.tokenizers import train_bpe
+  bpe = train_bpe(task_texts() * 5, vocab_size=300)
+  if kind == 'llama':
+    bpe.tokenizer.post_processor = processors.TemplateProcessing(single='<bos> $A',
+                                                                 special_tokens=[('<bos>', bpe.bos_id)])
+    config = transformers.LlamaConfig(
+        vocab_size=bpe.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=MAX_LEN, tie_word_embeddings=False, bos_token_id=bpe.bos_id,
+        eos_token_id=bpe.eos_id, pad_token_id=bpe.pad_id)
+    model_class = transformers.LlamaForCausalLM
+  else:
+    config = transformers.GPT2Config(vocab_size=bpe.vocab_size, n_positions=MAX_LEN, n_embd=32, n_layer=2, n_head=4,
+                                     bos_token_id=bpe.bos_id, eos_token_id=bpe.eos_id)
+    model_class = transformers.GPT2LMHeadModel
+  os.makedirs(directory)
+  bpe.tokenizer.save(os.path.join(directory, 'tokenizer.json'))
+  torch.manual_seed(0)
+  model = model_class(config)
+  with torch.no_grad():
+    # Far from the init, so that every tensor counts; the norms keep theirs (1, 0): random GPT-2
+    # LayerNorm biases push every prompt to the same next token.
+    for name, parameter in model.named_parameters():
+      if 'ln' not in name and 'norm' not in name:
+        parameter.normal_(0.0, 0.2)
+  model.eval().save_pretrained(directory)
+
+
+def samples_by_request(results: dict, task: str) -> list:
+  """The harness's response to each request of `task`, in request order: (log-likelihood, is_greedy),
+  a rolling log-likelihood, or a generation."""
+  return [response[0] for sample in results['samples'][task] for response in sample['resps']]
+
+
+@pytest.fixture(scope='module')
+def scoring(tmp_path_factory):
+  """kind ('gpt2' or 'llama') -> (its run, the exported HF directory, the harness's results for our
+  model, for its hf backend), each built once."""
+  from configs import gpt
+  from evals import harness
+  from train.rundir import load_run
+  from train.trainer import import_hf_run
+  built = {}
+
+  def score(kind):
+    if kind not in built:
+      directory = tmp_path_factory.mktemp(kind)
+      random_decoder(kind, str(directory / 'source'))
+      workdir, exported = str(directory / 'run'), str(directory / 'hf')
+      import_hf_run(gpt.get_config(gpt.HF_MODEL_TYPES[kind]), str(directory / 'source'), workdir)
+      run = load_run(workdir)
+      run.export_hf(exported)
+      ours = lm_eval.simple_evaluate(model=harness.RunLM(run=run, batch_size=4), tasks=TASKS,
+                                     task_manager=harness.task_manager(), log_samples=True)
+      theirs = lm_eval.simple_evaluate(model='hf', model_args=hf_arguments(exported), tasks=TASKS,
+                                       task_manager=harness.task_manager(), batch_size=1, log_samples=True)
+      built[kind] = run, exported, ours, theirs
+    return built[kind]
+  return score
+
+
+def hf_arguments(exported: str) -> dict:
+  """`lm_eval --model hf --model_args pretrained=...,device=cpu,dtype=float32`."""
+  return {'pretrained': exported, 'device': 'cpu', 'dtype': 'float32'}
+
+
+@pytest.fixture(params=['gpt2', 'llama'])
+def scored(request, scoring):
+  return scoring(request.param)
+
+
+@pytest.mark.numerics
+def test_loglikelihoods_match_the_hf_backend_request_by_request(scored):
+  run, _, ours, theirs = scored
+  mine, reference = samples_by_request(ours, 'python_choice'), samples_by_request(theirs, 'python_choice')
+  assert len(mine) == len(reference) == 25
+  np.testing.assert_allclose([m[0] for m in mine], [r[0] for r in reference], rtol=0, atol=TOLERANCE)
+  assert [m[1] for m in mine] == [r[1] for r in reference]
+  assert ours['results']['python_choice']['acc,none'] == theirs['results']['python_choice']['acc,none']
+  # Some contexts are longer than the window: they were cut on the left alike.
+  lengths = [len(run.tokenizer.encode(s['arguments'][0][0] + s['arguments'][0][1], special_tokens=True))
+             for s in ours['samples']['python_choice']]
+  assert max(lengths) > MAX_LEN + 1
+
+
+@pytest.mark.numerics
+def test_rolling_loglikelihoods_match_the_hf_backend(scored):
+  run, _, ours, theirs = scored
+  mine, reference = samples_by_request(ours, 'python_perplexity'), samples_by_request(theirs, 'python_perplexity')
+  np.testing.assert_allclose(mine, reference, rtol=0, atol=TOLERANCE)
+  texts = [s['arguments'][0][0] for s in ours['samples']['python_perplexity']]
+  assert max(len(run.tokenizer.encode(t, special_tokens=True)) for t in texts) > 2 * MAX_LEN  # >= 3 windows
+
+
+@pytest.mark.numerics
+def test_generations_equal_the_hf_backend(scored):
+  run, _, ours, theirs = scored
+  mine = samples_by_request(ours, 'python_line_completion')
+  assert mine == samples_by_request(theirs, 'python_line_completion')
+  assert len(set(mine)) > 1  # the prompts were not all continued alike
+  # Some prompt keeps only its last max_len - max_gen_toks tokens, alike.
+  prompts = [s['arguments'][0][0] for s in ours['samples']['python_line_completion']]
+  assert max(len(run.tokenizer.encode(p, special_tokens=True)) for p in prompts) > MAX_LEN - 16
+
+
+def direct_requests(kind: str, arguments: list[tuple]) -> list:
+  from lm_eval.api.instance import Instance
+  return [Instance(request_type=kind, doc={}, arguments=args, idx=0) for args in arguments]
+
+
+@pytest.mark.numerics
+def test_stop_strings_cut_generations_as_in_the_hf_backend(scored):
+  """A stop string taken from the middle of a generation cuts it there in both backends (a batch of
+  two prompts of different lengths, left-padded here)."""
+  from lm_eval.models.huggingface import HFLM
+
+  from evals import harness
+  run, exported, _, _ = scored
+  ours = harness.RunLM(run=run, batch_size=2)
+  theirs = HFLM(pretrained=exported, device='cpu', dtype='float32', batch_size=1)
+  prompt = 'def fibonacci(n):\n    a, b = 0, 1\n'
+  free = {'until': [], 'max_gen_toks': 10, 'do_sample': False}
+  [generated] = ours.generate_until(direct_requests('generate_until', [(prompt, free)]))
+  assert theirs.generate_until(direct_requests('generate_until', [(prompt, free)])) == [generated]
+  stop = generated[len(generated) // 2:len(generated) // 2 + 2]
+  cut = {**free, 'until': [stop]}
+  requests = direct_requests('generate_until', [(prompt, cut), ('x = 1\n', cut)])
+  mine = ours.generate_until(requests)
+  assert mine == theirs.generate_until(requests)
+  assert mine[0] == generated[:generated.index(stop)]
+
+
+@pytest.mark.numerics
+def test_the_greedy_continuation_is_greedy_in_both_backends(scored):
+  """is_greedy of the tokens transformers' greedy search continues a context with: True here and in
+  the hf backend; with its last token changed: False in both."""
+  from lm_eval.models.huggingface import HFLM
+
+  from evals import harness
+  run, exported, _, _ = scored
+  ours = harness.RunLM(run=run, batch_size=2)
+  theirs = HFLM(pretrained=exported, device='cpu', dtype='float32', batch_size=1)
+  context = ours.tok_encode('def add(a, b):\n')
+  mask = torch.ones((1, len(context)), dtype=torch.long)
+  with torch.no_grad():
+    continued = theirs.model.generate(torch.tensor([context]), attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                                      do_sample=False)[0, len(context):].tolist()
+  changed = continued[:-1] + [(continued[-1] + 1) % run.tokenizer.vocab_size]
+  requests = [(None, context, continued), (None, context, changed)]
+  mine, reference = ours._loglikelihood_tokens(requests), theirs._loglikelihood_tokens(requests)
+  assert [greedy for _, greedy in mine] == [greedy for _, greedy in reference] == [True, False]
+  np.testing.assert_allclose([m for m, _ in mine], [r for r, _ in reference], rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.numerics
+def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(scored):
+  """40 requests of 40 lengths (up to past the window) in batches of 4: one program per length
+  bucket (16, 32 positions) and one for a partial batch at most; each score is that of the request
+  alone, unpadded, in transformers."""
+  from evals import harness
+  from train import compilation
+  run, exported, _, _ = scored
+  lm = harness.RunLM(run=run, batch_size=4)
+  rng = np.random.default_rng(0)
+  requests = [(None, list(rng.integers(4, 300, size=n)), list(rng.integers(4, 300, size=2))) for n in range(1, 41)]
+  before = compilation.compiled('token_scores')
+  scores = lm._loglikelihood_tokens(requests)
+  assert compilation.compiled('token_scores') - before <= 3
+  reference = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+  for (_, context, continuation), (logprob, greedy) in zip(requests, scores):
+    window = (context + continuation)[-(MAX_LEN + 1):]
+    with torch.no_grad():
+      logprobs = torch.log_softmax(reference(torch.tensor([window[:-1]])).logits[0], -1).numpy()
+    positions = np.arange(len(window) - 1 - len(continuation), len(window) - 1)
+    targets = np.asarray(window[1:])[positions]
+    assert abs(logprob - logprobs[positions, targets].sum()) <= TOLERANCE
+    assert greedy == bool(np.all(logprobs[positions].argmax(-1) == targets))
+
+
+# ---------------------------------------------------------------------------------------- --mode=lm_eval
+@pytest.mark.numerics
+def test_launch_writes_the_harness_results_into_the_run(scoring):
+  from evals import harness
+  run, exported, _, _ = scoring('gpt2')
+  theirs = lm_eval.simple_evaluate(model='hf', model_args=hf_arguments(exported),
+                                   tasks=TASKS[:2], task_manager=harness.task_manager(), batch_size=1, limit=3)
+  result = support.launch(['--mode=lm_eval', f'--workdir={run.workdir}', '--tasks=python_choice,python_perplexity',
+                           '--limit=3', '--batch_size=2'])
+  assert result.returncode == 0, result.stderr[-3000:]
+  line = support.last_json(result.stdout)
+  assert (line['mode'], line['workdir'], line['step']) == ('lm_eval', run.workdir, 0)
+  assert os.path.dirname(line['results_file']) == os.path.join(run.workdir, 'lm_eval')
+  with open(line['results_file']) as f:
+    written = json.load(f)
+  assert written['results'] == line['results'] and written['config']['limit'] == 3
+  assert written['results']['python_choice']['sample_len'] == 3
+  assert written['results']['python_choice']['acc,none'] == theirs['results']['python_choice']['acc,none']
+  np.testing.assert_allclose(written['results']['python_perplexity']['bits_per_byte,none'],
+                             theirs['results']['python_perplexity']['bits_per_byte,none'], rtol=1e-6)
+
+
+def test_bad_input_is_one_line_before_anything_is_written(scoring, tmp_path):
+  """Each mistake stops with one line before the checkpoint loads or anything is written: through
+  launch.py (its stderr), or in the function launch.py calls (its UserError)."""
+  from errors import UserError
+  from evals import runner
+  from train.rundir import save_config
+  run = scoring('gpt2')[0]
+  missing = tmp_path / 'tasks'
+  missing.mkdir()
+  (missing / 'gone.yaml').write_text('task: gone_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n'
+                                     f'    test: {tmp_path}/nowhere.jsonl\ntest_split: test\noutput_type: '
+                                     'loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n')
+  other = str(tmp_path / 'rnn')
+  os.makedirs(other)
+  save_config(support.smallest_config('rnn_lm'), other)
+  before = sorted(os.listdir(run.workdir))
+  launched = {
+      (f'--workdir={other}', '--tasks=python_choice'):
+          f"error: {other} is a 'rnn_lm' run; lm-eval scores decoder language models, runs of the families "
+          "('gpt',): pass the --workdir of one of those.",
+      (f'--workdir={run.workdir}',): "error: --mode=lm_eval needs --tasks=A,B: task names (evals/tasks/, "
+                                     "--include_path, lm-eval's own) or task YAML files.",
+  }
+  for args, message in launched.items():
+    result = support.launch(['--mode=lm_eval', *args])
+    assert (result.returncode, result.stderr.strip().splitlines()) == (1, [message]), result.stderr[-2000:]
+  called = [
+      (dict(tasks=['python_choice', 'no_such_task']), "--tasks: unknown task 'no_such_task': neither one of lm-eval"),
+      (dict(tasks=['gone_task'], include_path=str(missing)), "--tasks: the data of task 'gone_task' cannot be read"),
+      (dict(tasks=['python_choice'], include_path=str(tmp_path / 'nothing')), f'--include_path={tmp_path}/nothing is '
+                                                                             'not a directory'),
+      (dict(tasks=['python_choice'], batch_size=0), 'batch_size=0: give a whole number of requests per batch'),
+  ]
+  for arguments, message in called:
+    with pytest.raises(UserError) as raised:
+      runner.evaluate_run(run.workdir, **arguments)
+    assert str(raised.value).startswith(message) and '\n' not in str(raised.value), arguments
+  assert sorted(os.listdir(run.workdir)) == before and os.listdir(other) == ['config.json']
