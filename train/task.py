@@ -79,6 +79,9 @@ class Task:
   # Language models: the compiled prompt continuation, (model, tokens [B, P], valid [B, P], rng, *,
   # max_new_tokens, temperature, top_k, top_p, eos_id, pad_id) -> (new tokens [B, N], lengths [B]).
   generate = None
+  # Modules a LoRA fine-tuning trains in full beside its adapters (train/lora.py): those `init_from`
+  # does not copy from the base run, e.g. a new classifier.
+  lora_heads: tuple[str, ...] = ()
 
   def __init__(self, config, prepared: Prepared):
     self.config = config
