@@ -50,6 +50,9 @@ flags.DEFINE_string('input', '-', 'predict: file with one input per line, or - f
 flags.DEFINE_string('output', None, 'predict: also write the outputs here, one JSON value per line.')
 flags.DEFINE_string('hf_dir', None, 'import_hf: a Hugging Face model directory; export_hf: the new directory to '
                     'write (config.json, model.safetensors, tokenizer files).')
+flags.DEFINE_bool('hf_adapter', False, 'export_hf of a LoRA run: write its adapters as a PEFT adapter directory '
+                  '(adapter_config.json, adapter_model.safetensors) for its base run\'s export, instead of the '
+                  'model with the adapters merged.')
 flags.DEFINE_integer('bench_steps', 10, 'bench: timed train steps (after 2 warm-up steps).')
 flags.DEFINE_bool('bench_decode', True, 'bench: also time cached decoding (generative families).')
 flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of 3 more steps to this directory.')
@@ -144,10 +147,13 @@ def import_hf_mode(workdir: str) -> None:
 def export_hf_mode(workdir: str) -> None:
   if not FLAGS.hf_dir:
     raise app.UsageError('--mode=export_hf needs --hf_dir=DIR (a new directory to write).')
+  from train import lora
   from train.rundir import check_hf_export, load_run, read_config
-  check_hf_export(read_config(workdir).family, FLAGS.hf_dir)  # before the checkpoint loads
+  saved = read_config(workdir)
+  # Before the checkpoint loads:
+  check_hf_export(saved.family, FLAGS.hf_dir, FLAGS.hf_adapter, lora.enabled(saved.train))
   print_line({'mode': 'export_hf', 'workdir': workdir, 'hf_dir': FLAGS.hf_dir,
-              **load_run(workdir).export_hf(FLAGS.hf_dir)})
+              **load_run(workdir).export_hf(FLAGS.hf_dir, FLAGS.hf_adapter)})
 
 
 def bench_mode(workdir: str) -> None:

@@ -77,29 +77,31 @@ def layer_norm_names(hf: str, ours: ParamPath) -> list[TensorName]:
   return [TensorName(f'{hf}.weight', (ours + ('scale',),)), TensorName(f'{hf}.bias', (ours + ('bias',),))]
 
 
-def _leaf_paths(tree: dict, prefix: ParamPath = ()) -> Iterator[ParamPath]:
+def leaf_paths(tree: dict, prefix: ParamPath = ()) -> Iterator[ParamPath]:
+  """The path of every leaf of the nested dict `tree`."""
   for key, value in tree.items():
     if isinstance(value, dict):
-      yield from _leaf_paths(value, prefix + (key,))
+      yield from leaf_paths(value, prefix + (key,))
     else:
       yield prefix + (key,)
 
 
-def _get(tree: dict, path: ParamPath):
+def value_at(tree: dict, path: ParamPath):
+  """The entry of the nested dict `tree` at `path`."""
   for key in path:
     tree = tree[key]
   return tree
 
 
 def _set(tree: dict, path: ParamPath, value) -> None:
-  _get(tree, path[:-1])[path[-1]] = value
+  value_at(tree, path[:-1])[path[-1]] = value
 
 
 def _check_covers(params: dict, names: list[TensorName]) -> None:
   """The table names every parameter exactly once (a model change must update the table)."""
   named = [path for name in names for path in name.ours]
-  missing = set(_leaf_paths(params)) - set(named)
-  unknown = set(named) - set(_leaf_paths(params))
+  missing = set(leaf_paths(params)) - set(named)
+  unknown = set(named) - set(leaf_paths(params))
   if missing or unknown or len(named) != len(set(named)):
     raise ValueError(f'The HF tensor table does not match the model: parameters without an HF name '
                      f'{sorted(map(str, missing))[:3]}, names of no parameter {sorted(map(str, unknown))[:3]}.')
@@ -116,7 +118,7 @@ def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list
     if name.hf not in tensors:
       raise HFImportError(f'The weights in {hf_dir} lack the tensor {name.hf!r} that its config.json implies; '
                           f'the weights and config.json are not of one model.')
-    targets = [_get(params, path) for path in name.ours]
+    targets = [value_at(params, path) for path in name.ours]
     shape = targets[0].shape[:-1] + (sum(t.shape[-1] for t in targets),)
     expected = shape[::-1] if name.transpose else shape
     expected = expected if name.rows is None else (name.rows,) + expected[1:]
@@ -166,7 +168,7 @@ def to_hf_tensors(params: dict, names: list[TensorName]) -> dict[str, np.ndarray
   _check_covers(params, names)
   tensors = {}
   for name in names:
-    parts = [np.asarray(_get(params, path)) for path in name.ours]
+    parts = [np.asarray(value_at(params, path)) for path in name.ours]
     value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
     value = value if name.rows is None else value[:name.rows]
     # safetensors writes an array's buffer as is: a transposed view must be made contiguous first.
@@ -308,10 +310,10 @@ def write_json(directory: str, name: str, value: dict) -> None:
     f.write('\n')
 
 
-def write_safetensors(directory: str, tensors: dict[str, np.ndarray]) -> None:
+def write_safetensors(directory: str, tensors: dict[str, np.ndarray], name: str = 'model.safetensors') -> None:
   from safetensors.numpy import save_file
   # transformers 4.x refuses a checkpoint whose metadata does not name its format.
-  save_file(tensors, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+  save_file(tensors, os.path.join(directory, name), metadata={'format': 'pt'})
 
 
 def char_to_hf(tokenizer: CharTokenizer) -> tokenizers.Tokenizer:

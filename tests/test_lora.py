@@ -1,9 +1,10 @@
-"""LoRA fine-tuning (train/lora.py, models/lora.py): an adapted projection is its base plus
-(alpha / r) x A B by hand; a LoRA run of a tiny GPT trains its adapters alone (the base weights
+"""LoRA fine-tuning (train/lora.py, models/lora.py, interop/peft.py): an adapted projection is its base
+plus (alpha / r) x A B by hand; a LoRA run of a tiny GPT trains its adapters alone (the base weights
 bit-equal to its base run's, no optimizer state and no checkpoint bytes for them), resumes bit for
-bit and is scored alike by --mode=eval; a BERT classifier trains its adapters and new head, and its
-merged export computes its logits in transformers; each bad LoRA input is one ConfigError before
-anything is left on disk."""
+bit and is scored alike by --mode=eval; its PEFT adapter, loaded by `peft` onto the base run's Hugging
+Face export, and its merged export compute its logits (GPT-2, and a scanned Llama-style GPT with
+adapters on every projection); a BERT classifier trains its adapters and new head, and its merged
+export computes its logits; each bad LoRA input is one ConfigError before anything is left on disk."""
 import json
 import os
 
@@ -23,8 +24,9 @@ from train import checkpoint as ckpt
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
+peft = pytest.importorskip('peft')
 
-pytestmark = pytest.mark.numerics  # parity with transformers: .ci/run reruns them with AVX2 only
+pytestmark = pytest.mark.numerics  # parity with transformers + peft: .ci/run reruns them with AVX2 only
 
 # The tiny GPT's training, as tests/test_interop.py's: a byte-level BPE of 300 ids over 32-token windows.
 BASE = {'data.tokenizer': 'bpe', 'data.vocab_size': 300, 'train.steps': 2, 'train.eval_every': 2,
@@ -57,11 +59,24 @@ def randomize_adapters(model, seed=1, scale=0.3):
                                                  for x, k in zip(leaves, keys)]))
 
 
+def peft_logits(base_dir, adapter_dir, tokens):
+  model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+  model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.numpy()
+
+
 def within_1e4(name, theirs, ours) -> bool:
   """Whether float32 logits agree within 1e-4; the difference is printed (pytest -s)."""
   difference = float(np.abs(np.asarray(theirs, np.float64) - np.asarray(ours, np.float64)).max())
   print(f'\n{name}: max |ours - transformers| = {difference:.2e}')
   return difference <= 1e-4
+
+
+def hf_logits(directory, tokens):
+  model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.numpy()
 
 
 # ------------------------------------------------------------------------------------ the layer
@@ -227,6 +242,57 @@ def test_a_bert_classifier_trains_adapters_and_its_new_head_over_the_frozen_enco
   assert within_1e4('BERT classifier LoRA run, merged export', theirs, ours)
 
 
+# ------------------------------------------------------------------------------------ Hugging Face and PEFT
+def test_a_gpt2_lora_run_exports_a_peft_adapter_and_a_merged_model_with_its_logits(base_run, lora_run, tmp_path):
+  from train.rundir import load_run
+  base_dir, adapter_dir, merged_dir = (str(tmp_path / name) for name in ('base', 'adapter', 'merged'))
+  load_run(base_run).export_hf(base_dir)
+  run = load_run(lora_run)
+  randomize_adapters(run.model)
+  summary = run.export_hf(adapter_dir, adapter=True)
+  assert sorted(os.listdir(adapter_dir)) == ['adapter_config.json', 'adapter_model.safetensors']
+  with open(os.path.join(adapter_dir, 'adapter_config.json')) as f:
+    config = json.load(f)
+  # q and v share GPT-2's c_attn: one adapter of rank 2 x 4 there (alpha 2 x 8), rank 4 on mlp.c_proj.
+  assert config['target_modules'] == [f'transformer.h.{i}.{m}' for i in (0, 1) for m in ('attn.c_attn', 'mlp.c_proj')]
+  assert set(config['rank_pattern'].values()) == {8} and set(config['alpha_pattern'].values()) == {16.0}
+  assert summary['modules'] == 4
+  run.export_hf(merged_dir)
+  tokens = np.random.default_rng(0).integers(0, 300, (2, 24))
+  ours = support.real_logits(run.model(jnp.asarray(tokens))[0], 300)
+  base_logits = hf_logits(base_dir, tokens)
+  assert np.abs(base_logits - ours).max() > 1e-2  # the adapters matter
+  assert within_1e4('GPT-2 LoRA run, PEFT adapter on the base export', peft_logits(base_dir, adapter_dir, tokens), ours)
+  assert within_1e4('GPT-2 LoRA run, merged export', hf_logits(merged_dir, tokens), ours)
+
+
+def test_a_scanned_llama_with_adapters_on_every_projection_loads_in_peft(tmp_path):
+  from data.tokenizers import train_bpe
+  from interop.hf_llama import export_llama
+  from interop.peft import export_gpt_adapter
+  from models.gpt import GPT, GPT2Config
+  bpe = train_bpe(['def foo(x):\n    return x + 1\n' * 20, 'hello world, hello there'], vocab_size=300)
+  config = GPT2Config(vocab_size=bpe.vocab_size, max_len=48, num_layers=2, num_heads=4, num_kv_heads=2, width=32,
+                      mlp_hidden=40, dropout=0.0, positions='rope', norm='rmsnorm', mlp='swiglu', use_bias=False,
+                      tie_embeddings=False, scan_layers=True)
+  model = GPT(config, rngs=nnx.Rngs(0))
+  base_dir, adapter_dir = str(tmp_path / 'base'), str(tmp_path / 'adapter')
+  export_llama(model, bpe, base_dir)
+  tokens = np.random.default_rng(0).integers(0, bpe.vocab_size, (2, 20))
+  before = support.real_logits(model(jnp.asarray(tokens))[0], bpe.vocab_size)
+  assert lora.add_adapters(model, tuple(lora.ALIASES), rank=2, alpha=3.0, dropout=0.0, rngs=nnx.Rngs(1)) == [
+      f'blocks/{name}' for name in ('mlp/down', 'mlp/gate', 'mlp/up', 'self_attention/key', 'self_attention/out',
+                                    'self_attention/query', 'self_attention/value')]
+  assert model.blocks.mlp.gate.lora.lora_a.shape == (2, 32, 2)  # one adapter per layer, stacked
+  np.testing.assert_array_equal(support.real_logits(model(jnp.asarray(tokens))[0], bpe.vocab_size), before)
+  randomize_adapters(model)
+  export_gpt_adapter(model, adapter_dir, rank=2, alpha=3.0, dropout=0.0)
+  ours = support.real_logits(model(jnp.asarray(tokens))[0], bpe.vocab_size)
+  assert np.abs(hf_logits(base_dir, tokens) - ours).max() > 1e-2
+  assert within_1e4('scanned Llama-style GPT, PEFT adapter on the base export',
+                    peft_logits(base_dir, adapter_dir, tokens), ours)
+
+
 # ------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize('overrides, message', [
     ({'train.lora_rank': -1}, 'lora_rank=-1: LoRA needs a rank > 0'),
@@ -267,9 +333,12 @@ def test_a_target_matching_no_projection_or_a_lora_base_stops_before_anything_is
     assert not os.path.exists(workdir)
 
 
-def test_launch_refuses_lora_without_a_base_run_in_one_line(tmp_path):
+def test_launch_refuses_lora_without_a_base_run_and_an_adapter_export_of_a_full_run(base_run, tmp_path):
   result = support.launch(['--config=configs/gpt.py:tiny', '--config.train.lora_rank=8',
                            f'--workdir={tmp_path / "run"}'])
   assert result.returncode == 1 and not os.path.exists(tmp_path / 'run')
   assert result.stderr.strip().splitlines() == [
       'error: config.train.lora_rank: LoRA fine-tunes a trained run; name it with --config.init_from=<its workdir>.']
+  result = support.launch(['--mode=export_hf', f'--workdir={base_run}', f'--hf_dir={tmp_path / "hf"}', '--hf_adapter'])
+  assert result.returncode == 1 and not os.path.exists(tmp_path / 'hf')
+  assert 'this run has none; export it without --hf_adapter' in result.stderr.strip().splitlines()[-1]

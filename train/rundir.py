@@ -316,10 +316,13 @@ class Run:
       print(f'note: {note}', file=sys.stderr, flush=True)
     return self.task.predict(self.model, lines, self.workdir)
 
-  def export_hf(self, out_dir: str) -> dict[str, Any]:
+  def export_hf(self, out_dir: str, adapter: bool = False) -> dict[str, Any]:
     """Write the run as a Hugging Face directory `out_dir` (new or empty); the exporter's summary.
-    A LoRA run writes its model with the adapters merged into the base weights."""
-    check_hf_export(self.config.family, out_dir)
+    A LoRA run writes its model with the adapters merged into the base weights, or with `adapter`
+    the adapters alone as a PEFT adapter directory for the base run's export."""
+    check_hf_export(self.config.family, out_dir, adapter, lora.enabled(self.config.train))
+    if adapter:
+      return self.task.export_hf_adapter(self.model, out_dir, self.config.train)
     model = self.model
     if lora.enabled(self.config.train):
       model = nnx.clone(model)
@@ -327,11 +330,17 @@ class Run:
     return self.task.export_hf(model, out_dir)
 
 
-def check_hf_export(family: str, out_dir: str) -> None:
-  """A UserError unless a run of `family` can be written into `out_dir`; cheap, so that
-  `--mode=export_hf` calls it before loading the checkpoint."""
+def check_hf_export(family: str, out_dir: str, adapter: bool = False, is_lora: bool = False) -> None:
+  """A UserError unless a run of `family` (a LoRA run: `is_lora`) can be written into `out_dir`, as
+  a PEFT adapter with `adapter`; cheap, so that `--mode=export_hf` calls it before loading the checkpoint."""
   if task_class(family).export_hf is Task.export_hf:
     raise no_hf_counterpart(family)
+  if adapter and not is_lora:
+    raise RunDirError('--hf_adapter writes the adapters of a LoRA run (train.lora_rank > 0), and this run has none; '
+                      'export it without --hf_adapter.')
+  if adapter and task_class(family).export_hf_adapter is Task.export_hf_adapter:
+    raise RunDirError(f'--hf_adapter: a {family!r} run has no PEFT adapter export; export the merged model (without '
+                      f'--hf_adapter).')
   check_target(out_dir)
 
 

@@ -202,6 +202,12 @@ class Task:
     (checked by `interop.common.check_target` first); returns the exporter's summary."""
     raise no_hf_counterpart(self.config.family)
 
+  def export_hf_adapter(self, model: nnx.Module, out_dir: str, train_config) -> dict[str, Any]:
+    """`--mode=export_hf --hf_adapter`: a LoRA run's adapters (`model`'s, configured by `train_config`)
+    as a PEFT adapter directory `out_dir` for its base run's Hugging Face export; the exporter's summary."""
+    raise UserError(f'--hf_adapter: a {self.config.family!r} run has no PEFT adapter export; export the merged '
+                    f'model (without --hf_adapter).')
+
   def init_from(self, model: nnx.Module, source: nnx.Module) -> None:
     """`config.init_from`: copy parameters from another run's model `source` into `model`, in place."""
     raise ConfigError(f'config.init_from is not supported by family {self.config.family!r}.')

@@ -178,6 +178,12 @@ class Task(task_lib.Task):
     from interop import gpt_exporter
     return gpt_exporter(model.config)(model, self.tokenizer, out_dir)
 
+  def export_hf_adapter(self, model, out_dir, train_config):
+    """The LoRA adapters as a PEFT adapter of the base run's GPT2LMHeadModel or LlamaForCausalLM."""
+    from interop.peft import export_gpt_adapter
+    return export_gpt_adapter(model, out_dir, rank=train_config.lora_rank, alpha=train_config.lora_alpha,
+                              dropout=train_config.lora_dropout)
+
   @classmethod
   def import_hf(cls, config, hf_dir, rngs):
     """A GPT2LMHeadModel or LlamaForCausalLM directory, by its config.json's model_type."""
