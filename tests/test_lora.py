@@ -304,6 +304,7 @@ def test_a_scanned_llama_with_adapters_on_every_projection_loads_in_peft(tmp_pat
     ({'train.lora_rank': 4, 'train.lora_dropout': 1.0}, 'lora_dropout=1.0 must be in [0, 1)'),
     ({'train.lora_rank': 4, 'train.lora_dropout': -0.1}, 'lora_dropout=-0.1 must be in [0, 1)'),
     ({'train.lora_rank': 4, 'train.lora_targets': ' , '}, 'names no projection'),
+    ({'train.lora_rank': 4, 'train.lora_targets': 'q,blocks/(1'}, "'blocks/(1' is not a regular expression"),
     ({'train.lora_rank': 4, 'train.optimizer': 'muon'}, 'use --config.train.optimizer=adamw'),
 ])
 def test_bad_lora_settings_are_config_errors(overrides, message):

@@ -11,6 +11,8 @@ which `load_run`, `--mode=eval`, `--mode=predict`, a resume and `--mode=export_h
 """
 from __future__ import annotations
 
+import re
+
 from flax import nnx
 
 from configs.base import train_defaults
@@ -83,6 +85,12 @@ def check_config(config, supports_init_from: bool) -> None:
   if not targets(t):
     raise ConfigError(f'config.train.lora_targets={t.lora_targets!r} names no projection; e.g. q,v '
                       f'(any of {", ".join(lora_model.ALIASES)}, or regular expressions of their paths).')
+  for target in targets(t):
+    try:
+      re.compile(lora_model.ALIASES.get(target, target))
+    except re.error as e:
+      raise ConfigError(f'config.train.lora_targets: {target!r} is not a regular expression ({e}); name '
+                        f'projections by {", ".join(lora_model.ALIASES)} or by a pattern of their paths.') from e
   if t.optimizer == 'muon':
     raise ConfigError('config.train.optimizer=muon takes hidden weight matrices, and a LoRA run trains only its '
                       'adapters; use --config.train.optimizer=adamw (or adam, lion, adafactor).')
