@@ -334,6 +334,21 @@ def test_a_target_matching_no_projection_or_a_lora_base_stops_before_anything_is
     assert not os.path.exists(workdir)
 
 
+def test_resuming_with_another_base_run_is_refused_and_leaves_the_run_as_it_was(corpus, base_run, lora_run, tmp_path):
+  from train.rundir import RunDirError
+  from train.trainer import train_and_evaluate
+  copy = support.copy_run_back_to(lora_run, 2, str(tmp_path / 'copy'))
+  with open(os.path.join(copy, 'model.json')) as f:
+    before = f.read()
+  with pytest.raises(RunDirError) as error:
+    train_and_evaluate(lora_config(corpus, base_run, init_from=str(tmp_path / 'elsewhere')), copy)
+  assert f'(config.init_from={base_run}) but the config asks for config.init_from={tmp_path}/elsewhere' in str(
+      error.value)
+  with open(os.path.join(copy, 'model.json')) as f:
+    assert f.read() == before
+  assert sorted(os.listdir(os.path.join(copy, 'checkpoints'))) == ['2']
+
+
 def test_launch_refuses_lora_without_a_base_run_and_an_adapter_export_of_a_full_run(base_run, tmp_path):
   result = support.launch(['--config=configs/gpt.py:tiny', '--config.train.lora_rank=8',
                            f'--workdir={tmp_path / "run"}'])

@@ -109,16 +109,21 @@ def model_record(workdir: str) -> dict | None:
 
 
 def lora_base(config, workdir: str) -> dict:
-  """{'workdir', 'step'}: the base run of the LoRA run `config` trains in `workdir`, as its model.json
-  recorded it, or for a new run `config.init_from` (absolute) at the checkpoint `load_run` reloads.
-  A ConfigError when the base is a LoRA run itself or not the one the workdir's run was trained on."""
-  source = config.init_from if storage.is_remote(config.init_from) else os.path.abspath(config.init_from)
+  """{'workdir', 'step'}: the base run of the LoRA run `config` trains (or evaluates) in `workdir`, as
+  its model.json recorded it, or for a new run `config.init_from` (made absolute) at the checkpoint
+  `load_run` reloads. A ConfigError when that is a LoRA run itself; a RunDirError when the config
+  names another base than the one the workdir's run started from."""
   recorded = (model_record(workdir) or {}).get(BASE_KEY)
-  if recorded is not None and recorded['workdir'] != source:
-    raise RunDirError(f'{workdir} fine-tunes {recorded["workdir"]} (its {MODEL_FILE}) but the config asks for '
-                      f'config.init_from={config.init_from}; resume with the run\'s own base or use a fresh --workdir.')
+  if recorded is not None:
+    started = read_config(workdir).get('init_from')
+    if config.init_from != started:
+      raise RunDirError(f'{workdir} fine-tunes {recorded["workdir"]} (config.init_from={started}) but the config '
+                        f'asks for config.init_from={config.init_from}; resume with the run\'s own base or use a '
+                        f'fresh --workdir.')
+    return recorded
+  source = config.init_from if storage.is_remote(config.init_from) else os.path.abspath(config.init_from)
   lora.check_base(read_config(source), config.init_from)
-  return recorded or {'workdir': source, 'step': reloaded_step(source)}
+  return {'workdir': source, 'step': reloaded_step(source)}
 
 
 def reloaded_step(workdir: str) -> int:
