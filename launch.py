@@ -57,6 +57,9 @@ flags.DEFINE_list('tasks', None, 'lm_eval: the harness tasks to score, comma-sep
 flags.DEFINE_string('include_path', None, 'lm_eval: a directory of task YAML files, beside evals/tasks/.')
 flags.DEFINE_float('limit', None, 'lm_eval: at most this many examples of each task (below 1: this fraction).')
 flags.DEFINE_integer('batch_size', 1, 'lm_eval: requests per compiled batch.')
+flags.DEFINE_bool('hf_adapter', False, 'export_hf of a LoRA run: write its adapters as a PEFT adapter directory '
+                  '(adapter_config.json, adapter_model.safetensors) for its base run\'s export, instead of the '
+                  'model with the adapters merged.')
 flags.DEFINE_integer('bench_steps', 10, 'bench: timed train steps (after 2 warm-up steps).')
 flags.DEFINE_bool('bench_decode', True, 'bench: also time cached decoding (generative families).')
 flags.DEFINE_string('bench_profile', None, 'bench: write a jax.profiler trace of 3 more steps to this directory.')
@@ -151,10 +154,13 @@ def import_hf_mode(workdir: str) -> None:
 def export_hf_mode(workdir: str) -> None:
   if not FLAGS.hf_dir:
     raise app.UsageError('--mode=export_hf needs --hf_dir=DIR (a new directory to write).')
+  from train import lora
   from train.rundir import check_hf_export, load_run, read_config
-  check_hf_export(read_config(workdir).family, FLAGS.hf_dir)  # before the checkpoint loads
+  saved = read_config(workdir)
+  # Before the checkpoint loads:
+  check_hf_export(saved.family, FLAGS.hf_dir, FLAGS.hf_adapter, lora.enabled(saved.train))
   print_line({'mode': 'export_hf', 'workdir': workdir, 'hf_dir': FLAGS.hf_dir,
-              **load_run(workdir).export_hf(FLAGS.hf_dir)})
+              **load_run(workdir).export_hf(FLAGS.hf_dir, FLAGS.hf_adapter)})
 
 
 def lm_eval_mode(workdir: str) -> None:

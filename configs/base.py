@@ -71,13 +71,14 @@ def data_defaults() -> ml_collections.ConfigDict:
 
 def train_defaults() -> ml_collections.ConfigDict:
   """config.train's shared fields, in parts: the run's length and schedule, the optimizer and loss,
-  evaluations, checkpoints, and what stops a run early."""
+  evaluations, checkpoints, what stops a run early, and LoRA."""
   train = ml_collections.ConfigDict()
   schedule_keys(train)
   optimizer_keys(train)
   evaluation_keys(train)
   checkpoint_keys(train)
   stopping_keys(train)
+  lora_keys(train)
   return train
 
 
@@ -165,6 +166,19 @@ def stopping_keys(train: ml_collections.ConfigDict) -> None:
   # Resuming a workdir with other data.source / eval_source / test_source is refused unless True;
   # then config.json's data_history records each with the step it started at.
   train.allow_data_change = False
+
+
+def lora_keys(train: ml_collections.ConfigDict) -> None:
+  """Parameter-efficient fine-tuning: LoRA adapters over a frozen base run."""
+  # LoRA (train/lora.py, models/lora.py): rank > 0 trains low-rank adapters on the projections lora_targets
+  # names over the frozen weights of the run config.init_from names (needed); checkpoints hold the adapters
+  # only. 0 = full fine-tuning (or training from scratch).
+  train.lora_rank = 0
+  train.lora_alpha = 16.0  # the adapters' outputs are scaled by lora_alpha / lora_rank
+  train.lora_dropout = 0.0  # share of the adapters' inputs dropped in training
+  # Comma-separated: q, k, v, o (attention), up, gate, down (MLP), or regular expressions searched in the
+  # projections' paths (e.g. 'blocks/(10|11)/self_attention/query'); q,v as in the LoRA paper.
+  train.lora_targets = 'q,v'
 
 
 def decode_defaults() -> ml_collections.ConfigDict:

@@ -108,14 +108,14 @@ def plan_corpus(source: str, carve_valid: bool, seed: int, default_split: str, s
   return token_cache.plan(source, ranges, identity, shard_bytes), carve, origins
 
 
-def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1):
+def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1, tokenizer=None):
   """(tokenizer, {'train', 'valid', 'test'} -> token_cache.Stream, {split: cache name}).
 
   The split rule of data/sources.py: data.source carved into train and valid unless
   data.eval_source is named; test is the valid stream itself unless data.test_source names one.
   Each source is tokenized once into its cache (data.cache_dir), this process building its share
-  of the shards; the tokenizer is token_cache.shared_tokenizer's, trained when new on the first
-  training text. Prints one line per split.
+  of the shards; the tokenizer is `tokenizer` when given (fine-tuning keeps its base run's), else
+  token_cache.shared_tokenizer's, trained when new on the first training text. Prints one line per split.
   """
   eval_source, test_source = data_config.get('eval_source', ''), data_config.get('test_source', '')
   size = token_cache.shard_bytes(data_config)
@@ -126,7 +126,7 @@ def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, pro
   corpus, carve, _ = corpora['train']
   tokenizer = token_cache.shared_tokenizer(
       data_config, workdir, {'family': 'lm', 'corpus': corpus.identity, 'carve': dataclasses.asdict(carve)},
-      lambda: (text for text, _ in token_cache.records(corpus, Tokens(), carve, carve.whole or 'train')))
+      lambda: (text for text, _ in token_cache.records(corpus, Tokens(), carve, carve.whole or 'train')), tokenizer)
   streams, origins, caches = {}, {}, {}
   for role, (corpus, carve, described) in corpora.items():
     identity = {'corpus': corpus.identity, 'carve': dataclasses.asdict(carve), 'shard_bytes': size,
@@ -147,11 +147,13 @@ def lm_streams(data_config, workdir: str, seed: int, process_index: int = 0, pro
   return tokenizer, streams, caches
 
 
-def lm_datasets(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1):
+def lm_datasets(data_config, workdir: str, seed: int, process_index: int = 0, process_count: int = 1,
+                tokenizer=None):
   """(tokenizer, train, valid, test MapDatasets of {'tokens': int32 [seq_len + 1]} disjoint windows, the
-  {split: cache name}); test is the valid dataset itself unless data.test_source names other documents."""
+  {split: cache name}); test is the valid dataset itself unless data.test_source names other documents.
+  `tokenizer`: the one to use (`lm_streams`)."""
   import grain  # here: a process that builds caches only does not load it
-  tokenizer, streams, caches = lm_streams(data_config, workdir, seed, process_index, process_count)
+  tokenizer, streams, caches = lm_streams(data_config, workdir, seed, process_index, process_count, tokenizer)
   window = data_config.seq_len + 1
   datasets = {}
   for role in sources.ROLES:

@@ -83,22 +83,24 @@ def layer_norm_names(hf: str, ours: ParamPath) -> list[TensorName]:
   return [TensorName(f'{hf}.weight', (ours + ('scale',),)), TensorName(f'{hf}.bias', (ours + ('bias',),))]
 
 
-def _leaf_paths(tree: dict, prefix: ParamPath = ()) -> Iterator[ParamPath]:
+def leaf_paths(tree: dict, prefix: ParamPath = ()) -> Iterator[ParamPath]:
+  """The path of every leaf of the nested dict `tree`."""
   for key, value in tree.items():
     if isinstance(value, dict):
-      yield from _leaf_paths(value, prefix + (key,))
+      yield from leaf_paths(value, prefix + (key,))
     else:
       yield prefix + (key,)
 
 
-def _get(tree: dict, path: ParamPath):
+def value_at(tree: dict, path: ParamPath):
+  """The entry of the nested dict `tree` at `path`."""
   for key in path:
     tree = tree[key]
   return tree
 
 
 def _set(tree: dict, path: ParamPath, value) -> None:
-  _get(tree, path[:-1])[path[-1]] = value
+  value_at(tree, path[:-1])[path[-1]] = value
 
 
 def _check_covers(params: dict, names: list[TensorName]) -> None:
@@ -108,10 +110,10 @@ def _check_covers(params: dict, names: list[TensorName]) -> None:
   for name in names:
     for path in name.ours:
       slices[path].append(name.expert)
-  missing = set(_leaf_paths(params)) - set(slices)
-  unknown = set(slices) - set(_leaf_paths(params))
+  missing = set(leaf_paths(params)) - set(slices)
+  unknown = set(slices) - set(leaf_paths(params))
   uneven = [path for path, experts in slices.items() if path not in unknown and experts != [None]
-            and sorted(e if e is not None else -1 for e in experts) != list(range(np.shape(_get(params, path))[0]))]
+            and sorted(e if e is not None else -1 for e in experts) != list(range(np.shape(value_at(params, path))[0]))]
   if missing or unknown or uneven:
     raise ValueError(f'The HF tensor table does not match the model: parameters without an HF name '
                      f'{sorted(map(str, missing))[:3]}, names of no parameter {sorted(map(str, unknown))[:3]}, '
@@ -130,7 +132,7 @@ def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list
     if name.hf not in tensors:
       raise HFImportError(f'The weights in {hf_dir} lack the tensor {name.hf!r} that its config.json implies; '
                           f'the weights and config.json are not of one model.')
-    targets = [_get(params, path) for path in name.ours]
+    targets = [value_at(params, path) for path in name.ours]
     shapes = [t.shape if name.expert is None else t.shape[1:] for t in targets]
     shape = shapes[0][:-1] + (sum(s[-1] for s in shapes),)
     expected = shape[::-1] if name.transpose else shape
@@ -148,7 +150,7 @@ def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list
       else:
         expert_slices.setdefault(path, {})[name.expert] = part
   for path, parts in expert_slices.items():
-    _set(params, path, jnp.asarray(np.stack([parts[n] for n in range(len(parts))]), _get(params, path).dtype))
+    _set(params, path, jnp.asarray(np.stack([parts[n] for n in range(len(parts))]), value_at(params, path).dtype))
   nnx.replace_by_pure_dict(state, params)
   nnx.update(module, state)
   return {name.hf for name in names}
@@ -169,7 +171,7 @@ def _pad_rows(value: np.ndarray, rows: int) -> np.ndarray:
 def numpy_params(model: nnx.Module) -> dict:
   """The model's parameters as a pure dict of host NumPy arrays, gathered from however they are
   sharded over this process's devices."""
-  return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  return jax.devicevalue_at(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def unscanned_params(model: nnx.Module) -> dict:
@@ -186,7 +188,7 @@ def to_hf_tensors(params: dict, names: list[TensorName]) -> dict[str, np.ndarray
   _check_covers(params, names)
   tensors = {}
   for name in names:
-    parts = [np.asarray(_get(params, path) if name.expert is None else _get(params, path)[name.expert])
+    parts = [np.asarray(value_at(params, path) if name.expert is None else value_at(params, path)[name.expert])
              for path in name.ours]
     value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
     value = value if name.rows is None else value[:name.rows]
@@ -329,10 +331,10 @@ def write_json(directory: str, name: str, value: dict) -> None:
     f.write('\n')
 
 
-def write_safetensors(directory: str, tensors: dict[str, np.ndarray]) -> None:
+def write_safetensors(directory: str, tensors: dict[str, np.ndarray], name: str = 'model.safetensors') -> None:
   from safetensors.numpy import save_file
   # transformers 4.x refuses a checkpoint whose metadata does not name its format.
-  save_file(tensors, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+  save_file(tensors, os.path.join(directory, name), metadata={'format': 'pt'})
 
 
 def char_to_hf(tokenizer: CharTokenizer) -> tokenizers.Tokenizer:

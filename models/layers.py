@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import MultiHeadAttention
+from models.lora import adapter_of
 from models.partitioning import TOKENS, constrain
 
 ACTIVATIONS = {
@@ -189,7 +190,9 @@ class GatedFeedForward(nnx.Module):
     gate_up = stacked_projection(x.astype(dtype), kernels.astype(dtype))  # [B, L, 2, F]
     if self.gate.bias is not None:
       gate_up = gate_up + jnp.stack([self.gate.bias[...], self.up.bias[...]]).astype(dtype)
-    hidden = self.activation(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    # LoRA adapters on gate or up (models/lora.py) add their low-rank updates to the stacked product.
+    gate = gate_up[..., 0, :] + adapter_of(self.gate, x)
+    hidden = self.activation(gate) * (gate_up[..., 1, :] + adapter_of(self.up, x))
     return self.down(self.dropout(hidden, deterministic=deterministic))
 
   def output_projections(self) -> list[nnx.Linear]:

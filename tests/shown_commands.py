@@ -145,6 +145,9 @@ def all_shown() -> list[Shown]:
 
 
 RUN = Ci('shown commands')  # .ci/shown_commands.py, in this order
+# A LoRA run's exports (merged, its base run's, the PEFT adapter): Run.export_hf as --mode=export_hf calls it.
+LORA_EXPORT = ByTest('tests/test_lora.py::'
+                     'test_a_gpt2_lora_run_exports_a_peft_adapter_and_a_merged_model_with_its_logits')
 
 SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     # ----------------------------------------------------------------------- the two commands, the docs
@@ -178,6 +181,17 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'pip install -r requirements-docs.txt && mkdocs serve': RUN,  # until it serves the site, then stopped
     'mkdocs serve': RUN,
     # ------------------------------------------------------- the reader's own files and runs: a test's own
+    'python launch.py --config=configs/gpt.py:default --config.init_from=runs/gpt-default-... '
+    '--config.train.lora_rank=8 --config.train.optimizer=adamw --config.data.source=\'text:/path/to/texts/*.txt\' '
+    '--workdir=runs/gpt-lora':
+        ByTest('tests/test_lora.py::test_the_base_weights_stay_bit_equal_while_the_adapters_train'),
+    'python launch.py --mode=export_hf --workdir=runs/gpt-lora --hf_dir=hf/gpt-lora': LORA_EXPORT,
+    'python launch.py --mode=export_hf --workdir=runs/gpt-default-... --hf_dir=hf/gpt-base': LORA_EXPORT,
+    'python launch.py --mode=export_hf --workdir=runs/gpt-lora --hf_dir=hf/gpt-lora-adapter --hf_adapter': LORA_EXPORT,
+    'pip install peft==0.21.2': Ci('install requirements-dev.txt'),  # requirements-dev.txt's pin
+    'python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-pretrain '
+    '--config.train.lora_rank=8 --config.data.seq_len=128 --workdir=runs/bert-bbc-lora':
+        ByTest('tests/test_lora.py::test_a_bert_classifier_trains_adapters_and_its_new_head_over_the_frozen_encoder'),
     'python scripts/make_gettext_corpus.py --out_dir=DIR': ByTest('tests/test_make_gettext_corpus.py'),
     "python launch.py --config=configs/gpt.py --config.data.source='text:/data/owt/*.txt' --mode=prepare":
         ByTest('tests/test_cache_settings.py::test_a_launch_of_the_tests_builds_its_caches_in_the_temporary_folder'),

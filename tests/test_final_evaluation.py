@@ -127,7 +127,8 @@ def scored_by_hand(setup, state, indices) -> dict[str, float]:
   total = None
   with sharding.use_mesh(setup.mesh):
     for batch in batching.padded_batches(picked, setup.task.eval_batch_size):
-      metrics = jax.device_get(setup.eval_step(state.params, state.extra, sharding.global_batch(batch, setup.mesh)))
+      metrics = jax.device_get(setup.eval_step(state.params, state.frozen, state.extra,
+                                               sharding.global_batch(batch, setup.mesh)))
       metrics = {k: (np.float64(s), np.float64(c)) for k, (s, c) in metrics.items()}  # summed in float64
       total = {k: [total[k][0] + s, total[k][1] + c] if total else [s, c] for k, (s, c) in metrics.items()}
   return setup.task.summarize({f'eval/{k}': v for k, v in reduce_metrics(total).items()})

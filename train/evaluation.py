@@ -154,7 +154,8 @@ def evaluate_loss(setup, state: TrainState, num_batches: int | None = None, limi
   batches = eval_batches(setup, limit)
   total = None
   for i in range(len(batches) if num_batches is None else min(num_batches, len(batches))):
-    metrics = setup.eval_step(state.params, state.extra, sharding.global_batch(batches[i], setup.mesh))
+    metrics = setup.eval_step(state.params, state.frozen, state.extra,
+                              sharding.global_batch(batches[i], setup.mesh))
     total = _add_metrics(total, metrics)
   return setup.task.summarize({f'eval/{k}': v for k, v in reduce_metrics(total).items()})
 

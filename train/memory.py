@@ -108,9 +108,10 @@ def estimate(config, model_config, abstract_state, state_sharding, mesh,
   """`model_config`: the resolved model config (the task's); `abstract_state`: the trainer's
   TrainState (abstract or concrete) and its shardings; `available`: the memory per device of the
   devices it is for (None: this process's, `available_bytes()`)."""
-  params = sharded_bytes(abstract_state.params, state_sharding.params)
+  trained = sharded_bytes(abstract_state.params, state_sharding.params)  # the frozen ones have no gradient
+  params = trained + sharded_bytes(abstract_state.frozen, state_sharding.frozen)
   return MemoryEstimate(params=params, optimizer=sharded_bytes(abstract_state.opt_state, state_sharding.opt_state),
-                        gradients=params, activations=activation_bytes(config, model_config, mesh),
+                        gradients=trained, activations=activation_bytes(config, model_config, mesh),
                         available=available_bytes() if available is None else available)
 
 

@@ -86,11 +86,12 @@ def rng_impl(config, workdir: str) -> str:
 
 
 def restore_latest(spec: StateSpec, state: TrainState | None, checkpointer: ckpt.Checkpointer, data_iter, log=print,
-                   averages: bool = False) -> tuple[TrainState, int, Progress]:
+                   averages: bool = False, frozen=None) -> tuple[TrainState, int, Progress]:
   """(the newest intact checkpoint's state, its step, the loop's progress), with the input
   iterator moved to its position; (`state`, a fresh one, 0, fresh progress) when the workdir has none.
   `averages`: the optimizer saves the parameters it trains in its item (schedule-free;
-  train/checkpoint.py), which the state continues from.
+  train/checkpoint.py), which the state continues from. `frozen`: the state's frozen parameters,
+  which no checkpoint holds (a LoRA run's base weights; None: none).
 
   Newer checkpoints that do not restore are moved aside with a message (see
   `Checkpointer.restore_newest_intact`)."""
@@ -101,7 +102,7 @@ def restore_latest(spec: StateSpec, state: TrainState | None, checkpointer: ckpt
     return state, 0, Progress()
   params, opt_state = ckpt.trained_state(restored, averages)
   state = TrainState(params=params, extra=restored['model']['extra'], opt_state=opt_state,
-                     step=state_lib.step_array(spec, step))
+                     step=state_lib.step_array(spec, step), frozen=spec.abstract.frozen if frozen is None else frozen)
   data = restored['data']
   if 'input' not in data:  # checkpoints written before Progress held the iterator state alone
     data = {'input': data, 'progress': {}} if data else {}

@@ -4,7 +4,9 @@ A workdir holds, beside its checkpoints (train/checkpoint.py) and tokenizer file
   config.json  the config the user asked for, plus `data_history` (the data each span of steps read)
   model.json   the model config that was built: {'schema': MODEL_SCHEMA, 'class': the family's
                dataclass name, 'fields': its values, resolved from the data, 'rng_impl': the PRNG
-               of its random streams (the shape of the dropout keys the checkpoints hold)}
+               of its random streams (the shape of the dropout keys the checkpoints hold)}, and for
+               a LoRA run (train/lora.py) 'base': {'workdir', 'step'}, the run and checkpoint whose
+               frozen weights its adapters apply to (its checkpoints hold the adapters alone)
 so a run reloads without its config file or data:
 
     from train.rundir import load_run
@@ -30,8 +32,9 @@ import storage
 from data import tokenizers
 from errors import UserError
 from interop.common import check_target
+from models import lora as lora_model
 from models.attention import resolve_compute_dtype
-from train import sharding, state
+from train import lora, sharding, state
 from train.checkpoint import Checkpointer, CheckpointError, restore_target
 from train.task import RUNTIME_FIELDS, Prepared, Task, no_hf_counterpart, task_class
 from train.validation import flatten, reference_config, validate_config
@@ -43,6 +46,7 @@ DATA_HISTORY = 'data_history'  # config.json: [{'step': the step it started at, 
 # model.json's layout. Files without a 'schema' key are read by their keys: none (0: the model's
 # values lived in config.json), {'class', 'fields'} (1), {'class', 'fields', 'rng_impl'} (2).
 MODEL_SCHEMA = 2
+BASE_KEY = 'base'  # model.json of a LoRA run: {'workdir': its base run, 'step': that run's checkpoint}
 
 
 class RunDirError(UserError):
@@ -86,11 +90,11 @@ def data_since(workdir: str) -> int:
 
 
 # ============================================================================ model.json
-def save_model_config(model_config, rng_impl: str, workdir: str) -> None:
-  """`model.json` in the current layout (see the module docstring)."""
+def save_model_config(model_config, rng_impl: str, workdir: str, base: dict | None = None) -> None:
+  """`model.json` in the current layout (see the module docstring); `base`: a LoRA run's base run."""
   storage.write_atomically(os.path.join(workdir, MODEL_FILE), json.dumps(
       {'schema': MODEL_SCHEMA, 'class': type(model_config).__name__, 'fields': dataclasses.asdict(model_config),
-       'rng_impl': rng_impl}, indent=2))
+       'rng_impl': rng_impl, **({BASE_KEY: base} if base else {})}, indent=2))
 
 
 def model_record(workdir: str) -> dict | None:
@@ -102,6 +106,37 @@ def model_record(workdir: str) -> dict | None:
   if (storage.path(workdir) / CONFIG_FILE).exists():
     return migrate(None, workdir)
   return None
+
+
+def lora_base(config, workdir: str) -> dict:
+  """{'workdir', 'step'}: the base run of the LoRA run `config` trains (or evaluates) in `workdir`, as
+  its model.json recorded it, or for a new run `config.init_from` (made absolute) at the checkpoint
+  `load_run` reloads. A ConfigError when that is a LoRA run itself; a RunDirError when the config
+  names another base than the one the workdir's run started from."""
+  recorded = (model_record(workdir) or {}).get(BASE_KEY)
+  if recorded is not None:
+    started = read_config(workdir).get('init_from')
+    if config.init_from != started:
+      raise RunDirError(f'{workdir} fine-tunes {recorded["workdir"]} (config.init_from={started}) but the config '
+                        f'asks for config.init_from={config.init_from}; resume with the run\'s own base or use a '
+                        f'fresh --workdir.')
+    return recorded
+  source = config.init_from if storage.is_remote(config.init_from) else os.path.abspath(config.init_from)
+  lora.check_base(read_config(source), config.init_from)
+  return {'workdir': source, 'step': reloaded_step(source)}
+
+
+def reloaded_step(workdir: str) -> int:
+  """The checkpoint `load_run(workdir)` reloads: the best by `train.best_metric` with
+  `train.final_eval_from='best'` (the default), else the newest."""
+  config = run_config(workdir)[0]
+  checkpointer = Checkpointer(workdir, config.train, read_only=True, data_since=data_since(workdir))
+  best = checkpointer.best_step() if config.train.final_eval_from == 'best' else None
+  step = best[0] if best else checkpointer.latest_step()
+  checkpointer.close()
+  if step is None:
+    raise CheckpointError(f'No checkpoint in {checkpointer.directory}; train that run first.')
+  return step
 
 
 def read_rng_impl(workdir: str) -> str | None:
@@ -286,17 +321,31 @@ class Run:
       print(f'note: {note}', file=sys.stderr, flush=True)
     return self.task.predict(self.model, lines, self.workdir)
 
-  def export_hf(self, out_dir: str) -> dict[str, Any]:
-    """Write the run as a Hugging Face directory `out_dir` (new or empty); the exporter's summary."""
-    check_hf_export(self.config.family, out_dir)
-    return self.task.export_hf(self.model, out_dir)
+  def export_hf(self, out_dir: str, adapter: bool = False) -> dict[str, Any]:
+    """Write the run as a Hugging Face directory `out_dir` (new or empty); the exporter's summary.
+    A LoRA run writes its model with the adapters merged into the base weights, or with `adapter`
+    the adapters alone as a PEFT adapter directory for the base run's export."""
+    check_hf_export(self.config.family, out_dir, adapter, lora.enabled(self.config.train))
+    if adapter:
+      return self.task.export_hf_adapter(self.model, out_dir, self.config.train)
+    model = self.model
+    if lora.enabled(self.config.train):
+      model = nnx.clone(model)
+      lora_model.merge_adapters(model)
+    return self.task.export_hf(model, out_dir)
 
 
-def check_hf_export(family: str, out_dir: str) -> None:
-  """A UserError unless a run of `family` can be written into `out_dir`; cheap, so that
-  `--mode=export_hf` calls it before loading the checkpoint."""
+def check_hf_export(family: str, out_dir: str, adapter: bool = False, is_lora: bool = False) -> None:
+  """A UserError unless a run of `family` (a LoRA run: `is_lora`) can be written into `out_dir`, as
+  a PEFT adapter with `adapter`; cheap, so that `--mode=export_hf` calls it before loading the checkpoint."""
   if task_class(family).export_hf is Task.export_hf:
     raise no_hf_counterpart(family)
+  if adapter and not is_lora:
+    raise RunDirError('--hf_adapter writes the adapters of a LoRA run (train.lora_rank > 0), and this run has none; '
+                      'export it without --hf_adapter.')
+  if adapter and task_class(family).export_hf_adapter is Task.export_hf_adapter:
+    raise RunDirError(f'--hf_adapter: a {family!r} run has no PEFT adapter export; export the merged model (without '
+                      f'--hf_adapter).')
   check_target(out_dir)
 
 
@@ -325,7 +374,8 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
     raise CheckpointError(f'No checkpoint in {checkpointer.directory}; train first (python launch.py '
                           f'--config=... --workdir={workdir}).')
   mesh = sharding.make_mesh({'data': -1, 'fsdp': 1, 'tensor': 1})
-  spec = state.state_spec(task.build_model, mesh, read_rng_impl(workdir))
+  spec = state.state_spec(lora.model_builder(task, config.train), mesh, read_rng_impl(workdir),
+                          trainable=lora.trainable(task, config.train))
   if step is None and config.train.final_eval_from == 'best':
     step, _ = checkpointer.best_step() or (None, None)
   if step is None:
@@ -334,7 +384,21 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
     restored = checkpointer.restore(step, restore_target(spec))
   restored = restored['model']
   checkpointer.close()
-  model = nnx.merge(spec.graphdef, restored['params'], restored['extra'])
+  frozen = spec.abstract.frozen  # empty, but for a LoRA run
+  if lora.enabled(config.train):
+    frozen = base_weights(spec, task, config, model_record(workdir)[BASE_KEY])
+  model = nnx.merge(spec.graphdef, restored['params'], frozen, restored['extra'])
   model.eval()
   return Run(config=config, model_config=model_config, model=model, tokenizer=task.tokenizer, step=step, task=task,
              workdir=workdir)
+
+
+def base_weights(spec: state.StateSpec, task: Task, config, base: dict) -> nnx.State:
+  """The frozen weights of a LoRA run (`spec`'s `frozen` part): its base run's, at the checkpoint
+  `base` ({'workdir', 'step'}) names, copied into a model initialised from `config.seed` as at the
+  start of its training (train/trainer.py `fresh_state`)."""
+  spec = dataclasses.replace(spec, abstract=dataclasses.replace(spec.abstract, opt_state=None),  # no optimizer
+                             shardings=dataclasses.replace(spec.shardings, opt_state=None))
+  initial = state.init_state(spec, lora.model_builder(task, config.train), None, config.seed)
+  source = load_run(base['workdir'], base['step']).model
+  return state.copied_from(spec, initial, lambda model: task.init_from(model, source)).frozen

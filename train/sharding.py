@@ -62,6 +62,10 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r'mlm/bias$', ('fsdp',)),  # BERT's MLM output bias [V']
     (r'output/kernel$', (None, 'fsdp')),  # untied output layers [E, V]: the vocabulary
     (r'(input|recurrent)_kernel$', (None, 'fsdp')),  # RNN cells (models/rnn.py) [in, gates * hidden]
+    # LoRA adapters (models/lora.py), A [in, r] and B [r, out]: FSDP over the projection's side, the rank
+    # whole (replicated while under MIN_SHARDED_SIZE, as the adapters of most models are).
+    (r'lora/lora_a$', ('fsdp', None)),
+    (r'lora/lora_b$', (None, 'fsdp')),
 )
 # Logical activation axes (models/partitioning.py) -> mesh axes. The batch is split like the input
 # batch; heads, MLP width and vocabulary over 'tensor' (Megatron: column-parallel up/query/key/value,

@@ -31,22 +31,27 @@ RNG_IMPLS = {'threefry': 'threefry2x32', 'rbg': 'rbg', 'unsafe_rbg': 'unsafe_rbg
 @dataclasses.dataclass
 class TrainState:
   """Everything a step reads and writes; a pytree of (sharded) arrays."""
-  params: nnx.State
+  params: nnx.State  # the parameters training changes (`StateSpec.trainable`)
   extra: nnx.State  # non-parameter model variables: dropout RNG streams, carried RNN state
   opt_state: Any  # None where no optimizer is needed (reloading for inference)
   step: jax.Array
+  # Parameters training leaves as they are, with no gradient or optimizer state: a LoRA run's base
+  # weights (train/lora.py), which its checkpoints do not hold; empty for every other run.
+  frozen: nnx.State = dataclasses.field(default_factory=lambda: nnx.State({}))
 
 
-jax.tree_util.register_dataclass(TrainState, data_fields=['params', 'extra', 'opt_state', 'step'], meta_fields=[])
+jax.tree_util.register_dataclass(TrainState, data_fields=['params', 'extra', 'opt_state', 'step', 'frozen'],
+                                 meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
 class StateSpec:
-  graphdef: nnx.GraphDef  # the model's structure; nnx.merge(graphdef, params, extra) rebuilds it
+  graphdef: nnx.GraphDef  # the model's structure; nnx.merge(graphdef, params, frozen, extra) rebuilds it
   abstract: TrainState  # jax.ShapeDtypeStruct leaves
   shardings: TrainState  # NamedSharding leaves on `mesh`
   mesh: jax.sharding.Mesh
   rng_impl: str
+  trainable: Any = nnx.Param  # the nnx filter of the parameters in `TrainState.params`; the others are frozen
 
 
 def resolve_rng_impl(name: str, platform: str | None = None) -> str:
@@ -72,30 +77,38 @@ def make_rngs(seed: int, rng_impl: str) -> nnx.Rngs:
   return nnx.Rngs(params=jax.random.key(seed, impl=impl), dropout=jax.random.key(seed + 1, impl=impl))
 
 
-def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rng_impl: str):
+def split_model(model: nnx.Module, trainable=nnx.Param) -> tuple[nnx.State, nnx.State, nnx.State]:
+  """(the parameters `trainable` selects, the other parameters, every other variable) of `model`."""
+  _, params, frozen, extra = nnx.split(model, nnx.All(nnx.Param, trainable), nnx.Param, ...)
+  return params, frozen, extra
+
+
+def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rng_impl: str, trainable):
   def init() -> TrainState:
     model = _build_traced(build_model, make_rngs(seed, rng_impl))
-    _, params, extra = nnx.split(model, nnx.Param, ...)
+    params, frozen, extra = split_model(model, trainable)
     return TrainState(params=params, extra=extra, opt_state=None if tx is None else tx.init(params),
-                      step=jnp.zeros((), jnp.int32))
+                      step=jnp.zeros((), jnp.int32), frozen=frozen)
   return init
 
 
-def state_spec(build_model, mesh, rng_impl: str, tx: optax.GradientTransformation | None = None) -> StateSpec:
-  """Shapes and shardings of the state of `build_model(rngs)` (optimizer state too when `tx` is given)."""
+def state_spec(build_model, mesh, rng_impl: str, tx: optax.GradientTransformation | None = None,
+               trainable=nnx.Param) -> StateSpec:
+  """Shapes and shardings of the state of `build_model(rngs)` (optimizer state too when `tx` is
+  given) that trains the parameters the nnx filter `trainable` selects."""
   abstract_model = nnx.eval_shape(lambda: _build_traced(build_model, make_rngs(0, rng_impl)))
   # The state's shapes from that one trace of the model (tracing a model's construction costs more
   # than its tiny programs take to run): what `_init_fn` returns, abstractly.
-  _, params, extra = nnx.split(abstract_model, nnx.Param, ...)
+  params, frozen, extra = split_model(abstract_model, trainable)
   abstract = TrainState(params=params, extra=extra, opt_state=None if tx is None else jax.eval_shape(tx.init, params),
-                        step=jax.ShapeDtypeStruct((), jnp.int32))
+                        step=jax.ShapeDtypeStruct((), jnp.int32), frozen=frozen)
   shardings = sharding.state_shardings(abstract, mesh, sharding.kv_head_counts(abstract_model))
-  return StateSpec(nnx.graphdef(abstract_model), abstract, shardings, mesh, rng_impl)
+  return StateSpec(nnx.graphdef(abstract_model), abstract, shardings, mesh, rng_impl, trainable)
 
 
 def jit_initialiser(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int):
   """() -> TrainState: the jitted initialiser that `init_state` calls, each array born with its sharding."""
-  return jax.jit(_init_fn(build_model, tx, seed, spec.rng_impl), out_shardings=spec.shardings)
+  return jax.jit(_init_fn(build_model, tx, seed, spec.rng_impl, spec.trainable), out_shardings=spec.shardings)
 
 
 def init_state(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int) -> TrainState:
@@ -115,4 +128,14 @@ def with_shardings(abstract, shardings):
 
 
 def model_of(spec: StateSpec, state: TrainState) -> nnx.Module:
-  return nnx.merge(spec.graphdef, state.params, state.extra)
+  return nnx.merge(spec.graphdef, state.params, state.frozen, state.extra)
+
+
+def copied_from(spec: StateSpec, state: TrainState, copy) -> TrainState:
+  """`state` after `copy(model)` changed its model in place (a fine-tuning run's `Task.init_from`),
+  split again by `spec.trainable` and placed by `spec`'s shardings; the optimizer state is `state`'s."""
+  model = model_of(spec, state)
+  copy(model)
+  params, frozen, extra = jax.device_put(split_model(model, spec.trainable),
+                                         (spec.shardings.params, spec.shardings.frozen, spec.shardings.extra))
+  return dataclasses.replace(state, params=params, frozen=frozen, extra=extra)

@@ -1,6 +1,7 @@
 """The compiled steps every family trains and evaluates with: the loss is the family's `Task.loss`."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -17,9 +18,10 @@ from train.task import Task
 def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad_accum: int) -> Callable:
   """(state, batch) -> (state, (scalars, metrics)). Batch leaves are [grad_accum * micro, ...]."""
 
-  def micro_step(params, extra, batch):
+  def micro_step(params, frozen, extra, batch):
     # copy=True: fresh Variables at this trace level, so the loss may update them (RNG counts, carried RNN state).
-    model = nnx.merge(graphdef, params, extra, copy=True)
+    model = nnx.merge(graphdef, params, frozen, extra, copy=True)
+    model.train()  # modules without a `deterministic` argument of their own: LoRA's adapter dropout (models/lora.py)
     with tracer_errors_without_origin():  # each dropout draw bumps an RNG count (models/tracing.py)
       loss, metrics = task.loss(model, batch, deterministic=False)
     return loss, (metrics, nnx.state(model, nnx.Not(nnx.Param)))
@@ -35,25 +37,25 @@ def make_train_step(task: Task, graphdef, tx: optax.GradientTransformation, grad
 
     def accumulate(carry, micro_batch):
       grads_sum, loss_sum, metrics_sum, extra = carry
-      (loss, (metrics, extra)), grads = grad_fn(state.params, extra, micro_batch)
+      (loss, (metrics, extra)), grads = grad_fn(state.params, state.frozen, extra, micro_batch)
       add = lambda a, b: jax.tree.map(jnp.add, a, b)
       return (add(grads_sum, grads), loss_sum + loss, add(metrics_sum, metrics), extra), None
 
     zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
     first = jax.tree.map(lambda x: x[0], micro)
-    metric_shapes = jax.eval_shape(lambda: grad_fn(state.params, state.extra, first)[0][1][0])
+    metric_shapes = jax.eval_shape(lambda: grad_fn(state.params, state.frozen, state.extra, first)[0][1][0])
     init = (zeros(state.params), jnp.zeros((), jnp.float32), zeros(metric_shapes), state.extra)
     (grads, loss, metrics, extra), _ = jax.lax.scan(accumulate, init, micro)
     return (loss / grad_accum, (metrics, extra)), jax.tree.map(lambda g: g / grad_accum, grads)
 
   def train_step(state: TrainState, batch):
     if grad_accum == 1:
-      (loss, (metrics, extra)), grads = grad_fn(state.params, state.extra, batch)
+      (loss, (metrics, extra)), grads = grad_fn(state.params, state.frozen, state.extra, batch)
     else:
       (loss, (metrics, extra)), grads = accumulated(state, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new_state = TrainState(params=params, extra=extra, opt_state=opt_state, step=state.step + 1)
+    new_state = dataclasses.replace(state, params=params, extra=extra, opt_state=opt_state, step=state.step + 1)
     scalars = {'loss': loss, 'grad_norm': optax.tree.norm(grads), 'real_tokens': task.count_tokens(batch)[1]}
     return new_state, (scalars, metrics)
 
@@ -69,8 +71,9 @@ def jit_train_step(task: Task, spec: StateSpec, tx: optax.GradientTransformation
 
 
 def make_eval_step(task: Task, graphdef) -> Callable:
-  def eval_step(params, extra, batch):
-    model = nnx.merge(graphdef, params, extra)
+  """(params, frozen, extra, batch) -> the loss metrics of the model they make (TrainState's parts)."""
+  def eval_step(params, frozen, extra, batch):
+    model = nnx.merge(graphdef, params, frozen, extra)
     _, metrics = task.loss(model, batch, deterministic=True)
     return metrics
   return eval_step

@@ -80,6 +80,9 @@ class Task:
   # Language models: the compiled prompt continuation, (model, tokens [B, P], valid [B, P], rng, *,
   # max_new_tokens, temperature, top_k, top_p, eos_id, pad_id) -> (new tokens [B, N], lengths [B]).
   generate = None
+  # Modules a LoRA fine-tuning trains in full beside its adapters (train/lora.py): those `init_from`
+  # does not copy from the base run, e.g. a new classifier.
+  lora_heads: tuple[str, ...] = ()
 
   def __init__(self, config, prepared: Prepared):
     self.config = config
@@ -212,6 +215,12 @@ class Task:
     """`--mode=export_hf`: write `model` and the tokenizer as a Hugging Face directory `out_dir`
     (checked by `interop.common.check_target` first); returns the exporter's summary."""
     raise no_hf_counterpart(self.config.family)
+
+  def export_hf_adapter(self, model: nnx.Module, out_dir: str, train_config) -> dict[str, Any]:
+    """`--mode=export_hf --hf_adapter`: a LoRA run's adapters (`model`'s, configured by `train_config`)
+    as a PEFT adapter directory `out_dir` for its base run's Hugging Face export; the exporter's summary."""
+    raise UserError(f'--hf_adapter: a {self.config.family!r} run has no PEFT adapter export; export the merged '
+                    f'model (without --hf_adapter).')
 
   def init_from(self, model: nnx.Module, source: nnx.Module) -> None:
     """`config.init_from`: copy parameters from another run's model `source` into `model`, in place."""

@@ -36,7 +36,7 @@ import storage
 from errors import UserError
 from train import checkpoint as ckpt
 from train import rundir
-from train import budget, compilation, evaluation, loop, memory, optim, resume, sharding, steps
+from train import budget, compilation, evaluation, lora, loop, memory, optim, resume, sharding, steps
 from train import state as state_lib
 from train.metrics import MetricWriter
 from train.optim import make_optimizer
@@ -60,11 +60,12 @@ class Setup:
   tx: optax.GradientTransformation
   schedule: Callable
   spec: StateSpec
-  eval_step: Callable  # jit-compiled (params, extra, batch) -> loss metrics
+  eval_step: Callable  # jit-compiled (params, frozen, extra, batch) -> loss metrics
   # Jitted (opt_state, params) -> the parameters every evaluation scores and checkpoints hold as the model
   # (train/optim.py `eval_params`: schedule-free's average); None: the trained parameters themselves.
   eval_params: Callable | None = None
   target: loop.Target | None = None  # train.target
+  base: dict | None = None  # a LoRA run's base run {'workdir', 'step'} (rundir.lora_base)
 
   def evaluated(self, state: TrainState) -> TrainState:
     """`state` with the parameters every evaluation scores and the checkpoint's model holds:
@@ -88,6 +89,7 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   resolves to it, so that a resume never restores into a different model. `rng_impl` likewise.
   """
   compilation.enable_cache(config.compile_cache)
+  base = rundir.lora_base(config, workdir) if lora.enabled(config.train) else None
   mesh = sharding.make_mesh(config.mesh)
   family = task_class(config.family)
   prepared = family.prepare(config, workdir)
@@ -98,12 +100,13 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   task = family(config, prepared)
   rng_impl = rng_impl or resume.rng_impl(config, workdir)
   tx, schedule = make_optimizer(config.train)
-  spec = state_lib.state_spec(task.build_model, mesh, rng_impl, tx)
+  spec = state_lib.state_spec(lora.model_builder(task, config.train), mesh, rng_impl, tx,
+                              trainable=lora.trainable(task, config.train))
   split = optim.describe_split(config.train, spec.abstract.params)  # Muon without a matrix stops here
   averaged = optim.averages(config.train)
   eval_params = jax.jit(optim.eval_params, out_shardings=spec.shardings.params) if averaged else None
   setup = Setup(config, task, mesh, tx, schedule, spec, jax.jit(steps.make_eval_step(task, spec.graphdef)),
-                eval_params, loop.parse_target(config.train.target))
+                eval_params, loop.parse_target(config.train.target), base)
   batches = evaluation.eval_batches(setup)  # an empty eval split stops here, before anything is saved
   if setup.target is not None:  # a target no evaluation logs stops here, before anything compiles
     loop.check_target_metric(setup.target, config.train.target, eval_metric_names(setup, batches[0]))
@@ -117,27 +120,35 @@ def fresh_state(setup: Setup) -> TrainState:
   """A freshly initialised sharded state (parameters from `config.seed`, or copied from
   `config.init_from`'s run when fine-tuning)."""
   config = setup.config
-  state = state_lib.init_state(setup.spec, setup.task.build_model, setup.tx, config.seed)
+  state = state_lib.init_state(setup.spec, lora.model_builder(setup.task, config.train), setup.tx, config.seed)
   if config.init_from:
     state = _init_from(setup, state, config.init_from)
   return state
 
 
+def base_weights(setup: Setup) -> nnx.State:
+  """The state's frozen parameters: a LoRA run's base weights as `fresh_state` copies them; none otherwise."""
+  if setup.base is None:
+    return setup.spec.abstract.frozen  # an empty State
+  return rundir.base_weights(setup.spec, setup.task, setup.config, setup.base)
+
+
 def eval_metric_names(setup: Setup, batch) -> list[str]:
   """The eval/... names every evaluation during training logs, from the eval step's output shapes
   (traced, not compiled) and the family's derived metrics."""
-  shapes = jax.eval_shape(setup.eval_step, setup.spec.abstract.params, setup.spec.abstract.extra, batch)
+  abstract = setup.spec.abstract
+  shapes = jax.eval_shape(setup.eval_step, abstract.params, abstract.frozen, abstract.extra, batch)
   return sorted(setup.task.summarize({f'eval/{name}': 1.0 for name in shapes}))
 
 
 def _init_from(setup: Setup, state: TrainState, source_workdir: str) -> TrainState:
-  """Fine-tuning: the task copies what it wants from another run's model; the optimizer starts fresh."""
-  model = state_lib.model_of(setup.spec, state)
-  setup.task.init_from(model, rundir.load_run(source_workdir).model)
-  _, params, extra = nnx.split(model, nnx.Param, ...)
-  params = jax.device_put(params, setup.spec.shardings.params)
-  opt_state = jax.jit(setup.tx.init, out_shardings=setup.spec.shardings.opt_state)(params)
-  return dataclasses.replace(state, params=params, extra=extra, opt_state=opt_state)
+  """Fine-tuning: the task copies what it wants from another run's model (a LoRA run: from its base
+  run's checkpoint, into its frozen parameters); the optimizer starts fresh."""
+  base = setup.base or {'workdir': source_workdir, 'step': None}
+  source = rundir.load_run(base['workdir'], base['step']).model
+  state = state_lib.copied_from(setup.spec, state, lambda model: setup.task.init_from(model, source))
+  opt_state = jax.jit(setup.tx.init, out_shardings=setup.spec.shardings.opt_state)(state.params)
+  return dataclasses.replace(state, opt_state=opt_state)
 
 
 # ============================================================================ stage 3: resume
@@ -159,7 +170,7 @@ def save_run_files(setup: Setup, workdir: str, history: list[dict]) -> None:
   """config.json (with the data history) and model.json: what reloads the run."""
   if jax.process_index() == 0:
     rundir.save_config(setup.config, workdir, history)
-    rundir.save_model_config(setup.task.prepared.model_config, setup.spec.rng_impl, workdir)
+    rundir.save_model_config(setup.task.prepared.model_config, setup.spec.rng_impl, workdir, setup.base)
 
 
 # ============================================================================ stage 5: final evaluation
@@ -199,7 +210,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       # -------------------------------------------------------------- 3. resume
       data_iter = train_iterator(setup)
       state, start_step, progress = resume.restore_latest(setup.spec, state, checkpointer, data_iter,
-                                                          averages=setup.eval_params is not None)
+                                                          averages=setup.eval_params is not None,
+                                                          frozen=base_weights(setup) if state is None else state.frozen)
       history, progress = resume.record_data(config, workdir, start_step, progress, checkpointer,
                                              setup.task.prepared.datasets.caches)
       save_run_files(setup, workdir, history)
@@ -260,7 +272,7 @@ def restored_setup(workdir: str, config_overrides: dict | None = None) -> tuple[
   # state is evaluated as it is; evaluating needs no optimizer state.
   setup = dataclasses.replace(setup, eval_params=None)
   state = TrainState(params=restored['model']['params'], extra=restored['model']['extra'], opt_state=None,
-                     step=state_lib.step_array(setup.spec, latest))
+                     step=state_lib.step_array(setup.spec, latest), frozen=base_weights(setup))
   state, step = evaluated_state(setup, state, checkpointer, latest)
   checkpointer.close()
   return setup, state, step

@@ -181,11 +181,14 @@ def validate_config(config, num_devices: int | None = None) -> None:
   """Raise ConfigError describing the first problem found; the mesh must span `num_devices`
   (None: all of this run's devices; a compile-only target's otherwise)."""
   # Imported here: launch.py's flag check reads this module and need not load flax and grain.
-  from train.task import check_model_fields, task_module
+  from train import lora
+  from train.task import Task, check_model_fields, task_module
   check_keys_and_types(config, reference_config(config))
-  check_model_fields(config.model.keys(), task_module(config.family).Task.model_config_class)
+  family = task_module(config.family).Task
+  check_model_fields(config.model.keys(), family.model_config_class)
   check_values(config, num_devices)
   check_decode(config)
+  lora.check_config(config, family.init_from is not Task.init_from)
   family_check = getattr(task_module(config.family), 'validate', None)
   if family_check is not None:
     family_check(config)

@@ -28,9 +28,11 @@ import storage
 from data import batching, bert_data
 from data.tokenizers import bert_inputs, load_tokenizer
 from errors import ConfigError
+from models import lora
 from models.bert import BertConfig, BertEncoder, BertForPretraining, build_bert
 from train import evaluation
 from train import task as task_lib
+from train.lora import enabled as lora_enabled
 from train.rundir import run_config
 from train.losses import classification_loss, example_weights, token_cross_entropy, token_losses
 from train import classification
@@ -92,6 +94,7 @@ def validate(config):
 
 class Task(task_lib.Task):
   model_config_class = BertConfig
+  lora_heads = ('classifier',)  # a classifier's output layer is new: a LoRA fine-tuning trains it in full
 
   @property
   def final_test(self) -> str:
@@ -138,7 +141,7 @@ class Task(task_lib.Task):
     this run asks for more (positions past the source's start untrained, see `init_from`)."""
     changed = {k: getattr(source, k) for k in ARCHITECTURE_KEYS
                if k != 'max_len' and getattr(model_config, k) != getattr(source, k)}
-    if source.max_len > model_config.max_len:
+    if source.max_len > model_config.max_len or lora_enabled(config.train):  # LoRA: no new (frozen) positions
       changed['max_len'] = source.max_len
     if changed:
       print(f'init_from {config.init_from}: model sizes taken from that run: {changed}', flush=True)
@@ -209,7 +212,7 @@ class Task(task_lib.Task):
   def init_from(self, model, source):
     both_pretrain = isinstance(model, BertForPretraining) and isinstance(source, BertForPretraining)
     target, origin = (model, source) if both_pretrain else (encoder_of(model), encoder_of(source))
-    wanted = nnx.state(target, nnx.Param)
+    wanted = nnx.state(target, lora.BASE)  # a LoRA run's adapters start as they are (train/lora.py)
     given = nnx.to_pure_dict(nnx.state(origin, nnx.Param))
     ours = nnx.to_pure_dict(wanted)
     # More positions than the source: its rows fill the first positions, the rest keep their init.

@@ -11,7 +11,11 @@ load bias after every (micro-)step by train.moe_bias_rate. It logs, every train.
                                                      multiple of an even share (1 = balanced)
 and after training draws the last two across blocks and steps (moe_expert_load.png, `evaluate`).
 Evaluations run the plain model: eval/loss stays the cross-entropy.
-"""
+
+Fine-tuning starts from another GPT run with `config.init_from=<workdir>` (trained here or imported
+with --mode=import_hf): that run's tokenizer and model are adopted in `prepare` (the `model.*` keys
+but the runtime ones are its), and `init_from` copies every parameter; with `train.lora_rank` the
+copied weights stay frozen under LoRA adapters (train/lora.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +25,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from data.lm import lm_datasets
+from data.tokenizers import load_tokenizer
 from errors import ConfigError
 from models import gpt as gpt_model
+from models import lora
 from models.gpt import GPT, REMAT_POLICIES, GPT2Config
 from models.layers import NORMS
 from models.moe import RouterStatistics, record_router_statistics
@@ -33,6 +40,7 @@ from train import pictures, sampling
 from train import task as task_lib
 from train.losses import example_weights, lm_loss
 from train.metrics import read_logged
+from train.rundir import run_config
 
 
 def validate(config):
@@ -121,11 +129,37 @@ class Task(task_lib.Task):
 
   @classmethod
   def prepare(cls, config, workdir, platform=None):
+    source = cls._source_run(config) if config.init_from else None
     tokenizer, train, evaluation, test, caches = lm_datasets(config.data, workdir, config.seed, jax.process_index(),
-                                                             jax.process_count())
+                                                             jax.process_count(), source and source[1])
     prepared = cls.without_data(config, tokenizer, platform)
+    if source:
+      prepared = dataclasses.replace(prepared, model_config=cls._with_source_model(config, prepared.model_config,
+                                                                                   source[0]))
     return dataclasses.replace(prepared, datasets=task_lib.Datasets(train=train, eval=evaluation, test=test,
                                                                     caches=caches))
+
+  @staticmethod
+  def _source_run(config) -> tuple[GPT2Config, object]:
+    """(model config, tokenizer) of the run `config.init_from` names, which fine-tuning starts from."""
+    source_config, source_model = run_config(config.init_from)
+    if source_config.family != 'gpt':
+      raise ConfigError(f'config.init_from={config.init_from} is a {source_config.family!r} run; GPT starts from a '
+                        f'gpt run.')
+    return source_model, load_tokenizer(config.init_from)
+
+  @staticmethod
+  def _with_source_model(config, model_config: GPT2Config, source: GPT2Config) -> GPT2Config:
+    """The source run's model, with this config's runtime fields (attention, dtype, dropout, remat)."""
+    runtime = {k: getattr(model_config, k) for k in task_lib.RUNTIME_FIELDS if hasattr(model_config, k)}
+    changed = {f.name: getattr(source, f.name) for f in dataclasses.fields(source)
+               if f.name not in runtime and getattr(source, f.name) != getattr(model_config, f.name)}
+    if changed:
+      print(f'init_from {config.init_from}: model taken from that run: {changed}', flush=True)
+    if config.data.seq_len > source.max_len:
+      raise ConfigError(f'config.data.seq_len={config.data.seq_len} exceeds the {source.max_len} positions of '
+                        f'{config.init_from}; lower data.seq_len.')
+    return dataclasses.replace(source, **runtime)
 
   @classmethod
   def resolved_from_tokenizer(cls, config, tokenizer):
@@ -228,11 +262,26 @@ class Task(task_lib.Task):
     return sampling.continue_prompts(self.generate, model, self.tokenizer, lines, self.config.decode,
                                      seed=self.config.seed, max_len=self.model_config.max_len)
 
+  def init_from(self, model, source):
+    """Every parameter of `source`, a GPT of the same model config (`prepare` adopts it), into `model`
+    (its base weights, under a LoRA run's adapters)."""
+    wanted = nnx.state(model, lora.BASE)
+    nnx.replace_by_pure_dict(wanted, nnx.to_pure_dict(nnx.state(source, nnx.Param)))
+    nnx.update(model, wanted)
+    print(f'init_from {self.config.init_from}: copied the whole model '
+          f'({sum(x.size for x in jax.tree.leaves(wanted))} parameters).', flush=True)
+
   def export_hf(self, model, out_dir):
     """A GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM directory, whichever
     architecture the model is."""
     from interop import gpt_exporter
     return gpt_exporter(model.config)(model, self.tokenizer, out_dir)
+
+  def export_hf_adapter(self, model, out_dir, train_config):
+    """The LoRA adapters as a PEFT adapter of the base run's GPT2LMHeadModel or LlamaForCausalLM."""
+    from interop.peft import export_gpt_adapter
+    return export_gpt_adapter(model, out_dir, rank=train_config.lora_rank, alpha=train_config.lora_alpha,
+                              dropout=train_config.lora_dropout)
 
   @classmethod
   def import_hf(cls, config, hf_dir, rngs):
