@@ -171,7 +171,7 @@ def _pad_rows(value: np.ndarray, rows: int) -> np.ndarray:
 def numpy_params(model: nnx.Module) -> dict:
   """The model's parameters as a pure dict of host NumPy arrays, gathered from however they are
   sharded over this process's devices."""
-  return jax.devicevalue_at(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def unscanned_params(model: nnx.Module) -> dict:
