@@ -38,6 +38,13 @@ Presets:
                Llama 3 RoPE scaling)
   Import either from Hugging Face instead of training it: python launch.py --mode=import_hf --hf_dir=DIR
   --workdir=RUN (README 'Llama-style decoders').
+  moe          `default` as a mixture of experts: 8 experts of width 510, top-2, in every block:
+               10,011,648 parameters, 3,744,768 active per token against `default`'s 3,749,888 (its
+               MLP biases; the experts have none)
+  mixtral-8x7b   Mixtral 8x7B: 46,702,792,704 parameters, 12,879,925,248 active per token (--mode=compile)
+  qwen3-30b-a3b  Qwen3-30B-A3B: 30,532,122,624 parameters, 3,353,032,704 active (128 experts, top-8; --mode=compile)
+  olmoe-1b-7b    OLMoE-1B-7B: 6,919,100,416 parameters, 1,281,955,840 active (64 experts, top-8; per-head
+                 QK-norm, 61,440 parameters fewer than OLMoE's; --mode=compile)
 
 Decoder options (issue 33), each usable alone with the GPT-2 or the Llama block, all off by default:
   --config.model.qk_norm=True          RMSNorm of query and key heads (a learned [D] scale each), before RoPE
@@ -96,6 +103,26 @@ PRESETS |= {
                                     max_len=131072, rope_theta=500000.0, rope_scaling='llama3', rope_factor=32.0),
                          data=dict(vocab_size=128256, seq_len=2048)),
 }
+# Mixtures of experts (models/moe.py): `moe` trains on the built-in corpus; the published shapes are for
+# --mode=compile (their parameter counts: tests/test_moe.py).
+PRESETS |= {
+    # `default` with 8 experts, top-2, 510 wide: per token 2 x (2 x 256 x 510) + the 256 x 8 router =
+    # 524,288 MLP weights per block, as many as the dense default's 2 x 256 x 1,024.
+    'moe': dict(PRESETS['default'], model=dict(PRESETS['default']['model'], moe_experts=8, moe_hidden=510)),
+    'mixtral-8x7b': dict(model=dict(LLAMA, num_layers=32, num_heads=32, num_kv_heads=8, width=4096, moe_experts=8,
+                                    moe_hidden=14336, max_len=32768, rope_theta=1e6, tie_embeddings=False),
+                         data=dict(vocab_size=32000, seq_len=4096)),
+    # Qwen3's heads are 128 wide whatever the width (32 x 128 = 4,096 query features for 2,048).
+    'qwen3-30b-a3b': dict(model=dict(LLAMA, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, width=2048,
+                                     qk_norm=True, moe_experts=128, moe_top_k=8, moe_hidden=768, max_len=40960,
+                                     rope_theta=1e6, layer_norm_epsilon=1e-6, tie_embeddings=False),
+                          data=dict(vocab_size=151936, seq_len=4096)),
+    # OLMoE normalises the whole query and key projections ([2,048] scales); qk_norm here is per head ([128]).
+    'olmoe-1b-7b': dict(model=dict(LLAMA, num_layers=16, num_heads=16, width=2048, qk_norm=True, moe_experts=64,
+                                   moe_top_k=8, moe_hidden=1024, moe_norm_topk_prob=False, max_len=4096,
+                                   tie_embeddings=False),
+                        data=dict(vocab_size=50304, seq_len=4096)),
+}
 
 # `--mode=import_hf` without --config: the preset a Hugging Face config.json's model_type starts from.
 HF_MODEL_TYPES = {'gpt2': 'gpt2', 'llama': 'llama'}
@@ -139,6 +166,19 @@ def get_config(preset: str = 'default'):
   c.model.qk_norm = False  # RMSNorm of each query and key head (a learned [D] scale each), before RoPE
   c.model.logit_softcap = 0.0  # logits -> c * tanh(logits / c) in the losses and in decoding; 0 = off
   c.model.zero_init_out = False  # attention output and MLP down projections start at zero
+  c.model.head_dim = 0  # each attention head's width; 0 = width // num_heads (Qwen3 sets it apart)
+  # Mixture of experts (models/moe.py), usable with either architecture; moe_experts = 0 is the dense model.
+  c.model.moe_experts = 0  # routed experts per MoE block; 0 = dense
+  c.model.moe_top_k = 2  # experts each token is routed to
+  c.model.moe_shared_experts = 0  # always-on experts: a dense MLP of this many experts' width beside the routed ones
+  c.model.moe_every = 1  # block i (from 0) holds experts when (i + 1) % moe_every == 0; scan_layers needs 1
+  c.model.moe_hidden = 0  # each expert's hidden width; 0 = the dense MLP's (mlp_hidden or mlp_ratio * width)
+  c.model.moe_norm_topk_prob = True  # the k chosen probabilities renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+  c.model.moe_capacity_factor = 0.0  # 0 = dropless (grouped matmuls); > 0: each expert takes this x its even share
+  c.model.moe_router_bias = False  # DeepSeek-V3's auxiliary-loss-free balancing: a load-driven bias on the choice
+  c.train.moe_aux_loss = 0.01  # MoE: coefficient of the Switch load-balancing loss (N sum_i f_i P_i, 1 = even)
+  c.train.moe_z_loss = 0.001  # MoE: coefficient of the router z-loss (mean logsumexp(router logits)^2)
+  c.train.moe_bias_rate = 0.001  # MoE with moe_router_bias: the bias' step, bias_i += rate * sign(mean load - load_i)
   # Cross-entropy this many tokens at a time, so no [B, L, V] float32 logits exist; 0 = all at once
   # (README 'Speed' has XLA's temporaries for a few chunk sizes).
   c.train.loss_chunk_tokens = 2048

@@ -299,10 +299,11 @@ class AttentionWeights(nnx.Intermediate):
 class MultiHeadAttention(nnx.Module):
   """Multi-head self- or cross-attention with an optional key/value cache.
 
-  Projections are separate [E, H*D] matrices so tensor parallelism can split them by head.
-  `num_kv_heads` K < H is grouped-query attention (Ainslie et al. 2023; K = 1: multi-query): the
-  key and value projections are [E_kv, K*D] and the cache holds K heads. `rope` (models/rope.py's
-  inverse frequencies) rotates the queries and the new keys by their `positions` before the keys
+  Projections are separate [E, H*D] matrices so tensor parallelism can split them by head; the
+  head width D is E / H unless `head_dim` sets it (Qwen3: H*D != E). `num_kv_heads` K < H is
+  grouped-query attention (Ainslie et al. 2023; K = 1: multi-query): the key and value
+  projections are [E_kv, K*D] and the cache holds K heads. `rope` (models/rope.py's inverse
+  frequencies) rotates the queries and the new keys by their `positions` before the keys
   are cached, so a cached key keeps the rotation of the position it was written at. `qk_norm`
   (Dehghani et al. 2023; as in OLMo 2 and Qwen3) RMS-normalises each query and key head over its D
   features, with a learned [D] scale each (`query_norm`, `key_norm`), before the rotation: every
@@ -322,25 +323,25 @@ class MultiHeadAttention(nnx.Module):
   def __init__(self, features: int, num_heads: int, *, rngs: nnx.Rngs, kv_features: int | None = None,
                dropout: float = 0.0, use_bias: bool = True, dtype: Any = None,
                implementation: str = 'xla', num_kv_heads: int | None = None, rope: Sequence[float] | None = None,
-               qk_norm: bool = False, qk_norm_epsilon: float = 1e-6):
+               qk_norm: bool = False, qk_norm_epsilon: float = 1e-6, head_dim: int | None = None):
     num_kv_heads = num_kv_heads or num_heads
-    if features % num_heads:
+    if head_dim is None and features % num_heads:
       raise ValueError(f'features={features} is not divisible by num_heads={num_heads}.')
     if num_heads % num_kv_heads:
       raise ValueError(f'num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}.')
     kv_features = kv_features or features
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
-    self.head_dim = features // num_heads
+    self.head_dim = head_dim or features // num_heads
     self.implementation = implementation
     # [D/2] inverse frequencies, static (a tuple): constants of the architecture, in no checkpoint.
     self.rope = None if rope is None else tuple(float(f) for f in rope)
     self.record_weights = False
     linear = functools.partial(nnx.Linear, use_bias=use_bias, dtype=dtype, rngs=rngs)
-    self.query = linear(features, features)
+    self.query = linear(features, num_heads * self.head_dim)
     self.key = linear(kv_features, num_kv_heads * self.head_dim)
     self.value = linear(kv_features, num_kv_heads * self.head_dim)
-    self.out = linear(features, features)
+    self.out = linear(num_heads * self.head_dim, features)
     self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
     if qk_norm:  # shared by the heads: x / sqrt(mean(x^2) + eps) * scale over each head's D features
       head_norm = functools.partial(nnx.RMSNorm, self.head_dim, epsilon=qk_norm_epsilon, dtype=dtype, rngs=rngs)

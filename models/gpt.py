@@ -49,11 +49,22 @@ first three, so `--mode=export_hf` refuses them):
                         starts as the identity; models/layers.py `zero_init_output_projections`)
 The fifth, the z-loss, is the loss's, not the model's: `chunked_loss(z_loss=...)` and `train.z_loss`.
 
+Mixture of experts (models/moe.py), with either architecture: `moe_experts` N > 0 makes every
+`moe_every`-th block (block i when (i + 1) % moe_every == 0) an MoE block, its MLP replaced by
+`MoEFeedForward` (parameters blocks[i].mlp.router/gate/up/down, `shared` with `moe_shared_experts`):
+each token through its `moe_top_k` experts of width `moe_hidden` (0: mlp_width), dropless with
+grouped matmuls or, with `moe_capacity_factor` > 0, at most that many times an even share per
+expert; `moe_norm_topk_prob` renormalises the chosen probabilities, `moe_router_bias` adds
+DeepSeek-V3's load bias to the choice. With scan_layers every block is an MoE block
+(moe_every = 1). `router_statistics` and `update_load_bias` serve the training loss
+(train/tasks/gpt.py). `head_dim` sets the attention heads' width apart from width / num_heads (Qwen3).
+
 Shape legend: B batch, L length, E width, V vocabulary, V' padded vocabulary, L_max cache length.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -64,6 +75,7 @@ from models import decoding
 from models.attention import AttentionMask
 from models.layers import BlockShape, Embed, TransformerBlock, norm_layer, vocab_embedding, zero_init_output_projections
 from models.lm_head import chunked_lm_loss, vocab_logits
+from models.moe import MoEFeedForward, RouterStatistics, updated_load_bias
 from models.rope import RopeConfig, inverse_frequencies
 
 
@@ -100,6 +112,16 @@ class GPT2Config:
   num_kv_heads: int = 0  # 0 = num_heads
   use_bias: bool = True
   tie_embeddings: bool = True
+  head_dim: int = 0  # each attention head's width D; 0 = width // num_heads
+  # Mixture of experts (module docstring); moe_experts = 0 is the dense model, what a model.json without them means.
+  moe_experts: int = 0
+  moe_top_k: int = 2
+  moe_shared_experts: int = 0
+  moe_every: int = 1
+  moe_hidden: int = 0  # each expert's hidden width; 0 = mlp_width
+  moe_norm_topk_prob: bool = True
+  moe_capacity_factor: float = 0.0  # 0 = dropless
+  moe_router_bias: bool = False
 
   @property
   def mlp_width(self) -> int:
@@ -109,8 +131,25 @@ class GPT2Config:
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
 
+  @property
+  def head_width(self) -> int:
+    return self.head_dim or self.width // self.num_heads
+
+  @property
+  def expert_width(self) -> int:
+    return self.moe_hidden or self.mlp_width
+
+  def is_moe_block(self, index: int) -> bool:
+    """Whether block `index` (0-based) holds experts: every `moe_every`-th block, counting from 1."""
+    return self.moe_experts > 0 and (index + 1) % self.moe_every == 0
+
+  def moe_blocks(self) -> list[int]:
+    return [i for i in range(self.num_layers) if self.is_moe_block(i)]
+
   def block_shape(self) -> BlockShape:
-    return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=self.mlp_width,
+    # An MoE block's hidden activations: k (and the shared) experts' widths per token.
+    mlp_width = (self.moe_top_k + self.moe_shared_experts) * self.expert_width if self.moe_experts else self.mlp_width
+    return BlockShape(width=self.width, heads=self.num_heads, layers=self.num_layers, mlp_width=mlp_width,
                       vocab=self.vocab_size, dtype=self.dtype, remat=self.remat, qk_norm=self.qk_norm)
 
   @property
@@ -179,21 +218,32 @@ class GPT(nnx.Module):
       self.position_embedding = Embed(config.max_len, config.width, embedding_init=nnx.initializers.normal(0.01),
                                       dtype=dtype, rngs=rngs)
     # With rope the positions act inside attention: the blocks hold the [D/2] inverse frequencies.
-    rope = inverse_frequencies(config.width // config.num_heads, config.rope) if config.positions == 'rope' else None
+    rope = inverse_frequencies(config.head_width, config.rope) if config.positions == 'rope' else None
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
     if config.remat not in REMAT_POLICIES:
       raise ValueError(f'remat={config.remat!r} is not one of {tuple(REMAT_POLICIES)}.')
     activation, gated = MLPS[config.mlp]
+    if config.scan_layers and config.moe_experts and config.moe_every != 1:
+      raise ValueError(f'scan_layers stacks identical blocks: moe_every={config.moe_every} must be 1.')
 
-    def make_block(rngs):
+    def make_block(rngs, moe: bool):
+      experts = MoEFeedForward(
+          config.width, config.expert_width, experts=config.moe_experts, top_k=config.moe_top_k,
+          activation=activation, gated=gated, shared_experts=config.moe_shared_experts,
+          capacity_factor=config.moe_capacity_factor, norm_topk_prob=config.moe_norm_topk_prob,
+          router_bias=config.moe_router_bias, dropout=config.dropout, use_bias=config.use_bias, dtype=dtype,
+          kernel_init=init, output_init=nnx.initializers.zeros if config.zero_init_out else residual_init,
+          rngs=rngs) if moe else None
       block = TransformerBlock(
           config.width, config.num_heads, config.mlp_width, dropout=config.dropout,
           attention_dropout=config.dropout, activation=activation, pre_norm=True,
           layer_norm_epsilon=config.layer_norm_epsilon, dtype=dtype,
           attention_implementation=config.attention, norm=config.norm, gated_mlp=gated, use_bias=config.use_bias,
-          num_kv_heads=config.num_kv_heads, rope=rope, qk_norm=config.qk_norm, rngs=rngs)
-      for linear in (block.self_attention.query, block.self_attention.key, block.self_attention.value,
-                     block.mlp.up) + ((block.mlp.gate,) if gated else ()):
+          num_kv_heads=config.num_kv_heads, rope=rope, qk_norm=config.qk_norm, head_dim=config.head_dim or None,
+          mlp=experts, rngs=rngs)
+      dense_mlp = block.mlp.shared if moe else block.mlp  # the routed experts drew their own initialisation
+      mlp_inputs = () if dense_mlp is None else (dense_mlp.up,) + ((dense_mlp.gate,) if gated else ())
+      for linear in (block.self_attention.query, block.self_attention.key, block.self_attention.value) + mlp_inputs:
         linear.kernel.set_value(init(rngs.params(), linear.kernel.shape))
       for linear in block.output_projections():
         linear.kernel.set_value(residual_init(rngs.params(), linear.kernel.shape))
@@ -203,9 +253,10 @@ class GPT(nnx.Module):
 
     if config.scan_layers:
       # One block's worth of modules whose every variable has a leading [num_layers] axis.
-      self.blocks = nnx.split_rngs(splits=config.num_layers)(nnx.vmap(make_block, in_axes=0, out_axes=0))(rngs)
+      make_stacked = functools.partial(make_block, moe=config.moe_experts > 0)
+      self.blocks = nnx.split_rngs(splits=config.num_layers)(nnx.vmap(make_stacked, in_axes=0, out_axes=0))(rngs)
     else:
-      self.blocks = nnx.List([make_block(rngs) for _ in range(config.num_layers)])
+      self.blocks = nnx.List([make_block(rngs, config.is_moe_block(i)) for i in range(config.num_layers)])
     self.final_norm = norm_layer(config.norm, config.width, epsilon=config.layer_norm_epsilon,
                                  use_bias=config.use_bias, dtype=dtype, rngs=rngs)
     if not config.tie_embeddings:  # [V', E] like the token embedding, so logits and losses read either alike
@@ -256,8 +307,8 @@ class GPT(nnx.Module):
         return x, (nnx.state(block), layer_cache)
 
       x, (stacked, new_cache) = jax.lax.scan(scan_step, x, {'state': stacked, 'cache': cache})
-      if not deterministic:  # dropout advanced the blocks' RNG counters
-        nnx.update(self.blocks, stacked)
+      # Dropout advanced the blocks' RNG counters; routers recording statistics sowed them (models/moe.py).
+      nnx.update(self.blocks, stacked if not deterministic else nnx.filter_state(stacked, nnx.Intermediate))
     else:
       new_cache = []
       for i, block in enumerate(self.blocks):
@@ -301,9 +352,28 @@ class GPT(nnx.Module):
     scan_layers one dict of [num_layers, B, K, L_max, D] arrays."""
     dtype = jnp.dtype(self.config.dtype)
     if self.config.scan_layers:
-      shape = (self.config.num_layers, batch, self.config.kv_heads, max_len, self.config.width // self.config.num_heads)
+      shape = (self.config.num_layers, batch, self.config.kv_heads, max_len, self.config.head_width)
       return {'self': {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}}
     return [{'self': block.self_attention.init_cache(batch, max_len, dtype)} for block in self.blocks]
+
+  def router_statistics(self, recorded: list[tuple[str, RouterStatistics]]) -> RouterStatistics:
+    """`models.moe.record_router_statistics`'s per-layer records of this model -> one RouterStatistics
+    whose leaves lead with [M], the MoE blocks in order (`config.moe_blocks()`)."""
+    by_path = dict(recorded)
+    if self.config.scan_layers:
+      return by_path['blocks/mlp']
+    layers = [by_path[f'blocks/{i}/mlp'] for i in self.config.moe_blocks()]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+
+  def update_load_bias(self, load: jax.Array, rate: float) -> None:
+    """Move every MoE block's `load_bias` towards the even load (models/moe.py `updated_load_bias`),
+    from `load` [M, N], the token-slots each block routed to each expert (`router_statistics`)."""
+    if self.config.scan_layers:
+      layers = [(self.blocks.mlp, load)]
+    else:
+      layers = [(self.blocks[i].mlp, load[row]) for row, i in enumerate(self.config.moe_blocks())]
+    for layer, layer_load in layers:
+      layer.load_bias.set_value(updated_load_bias(layer.load_bias[...], layer_load, rate))
 
 
 @nnx.jit(static_argnames=('max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'pad_id'))

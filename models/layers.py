@@ -137,6 +137,9 @@ class FeedForward(nnx.Module):
     hidden = constrain(self.activation(self.up(x)), ('batch', 'length', 'mlp'))  # [B, L, F]
     return self.down(self.dropout(hidden, deterministic=deterministic))
 
+  def output_projections(self) -> list[nnx.Linear]:
+    return [self.down]
+
 
 @jax.custom_vjp
 def stacked_projection(x: jax.Array, kernels: jax.Array) -> jax.Array:
@@ -189,6 +192,9 @@ class GatedFeedForward(nnx.Module):
     hidden = self.activation(gate_up[..., 0, :]) * gate_up[..., 1, :]
     return self.down(self.dropout(hidden, deterministic=deterministic))
 
+  def output_projections(self) -> list[nnx.Linear]:
+    return [self.down]
+
 
 class TransformerBlock(nnx.Module):
   """Self-attention (+ optional cross-attention) + FFN, each in dropout + residual + LayerNorm.
@@ -199,8 +205,11 @@ class TransformerBlock(nnx.Module):
   (no bias in any projection or norm), `num_kv_heads` (grouped-query self-attention) and `rope`
   (rotary self-attention at `positions`; see MultiHeadAttention). `qk_norm`: every attention of the
   block RMS-normalises its query and key heads (MultiHeadAttention, epsilon `layer_norm_epsilon`).
+  `head_dim`: the self-attention's head width (default features / num_heads).
   `output_projections()` are the last matrices of the residual branches, which models initialise
-  at zero with `zero_init_output_projections` (their `zero_init_out` option).
+  at zero with `zero_init_output_projections` (their `zero_init_out` option). `mlp`: a feed-forward
+  module to use instead of the dense FFN (GPT's mixture of experts, models/moe.py), called as
+  mlp(x, deterministic=...) and with an `output_projections()` of its own.
 
   Call:
     x: [B, L, E]; mask: self-attention AttentionMask over [L, L_keys] (None: every key).
@@ -215,27 +224,30 @@ class TransformerBlock(nnx.Module):
                pre_norm: bool = False, cross_attention: bool = False, layer_norm_epsilon: float = 1e-5,
                dtype: Any = None, attention_implementation: str = 'xla', norm: str = 'layernorm',
                gated_mlp: bool = False, use_bias: bool = True, num_kv_heads: int | None = None,
-               rope: Sequence[float] | None = None, qk_norm: bool = False):
+               rope: Sequence[float] | None = None, qk_norm: bool = False, head_dim: int | None = None,
+               mlp: nnx.Module | None = None):
     attention = functools.partial(MultiHeadAttention, features, num_heads, dropout=attention_dropout,
                                   use_bias=use_bias, dtype=dtype, implementation=attention_implementation,
                                   qk_norm=qk_norm, qk_norm_epsilon=layer_norm_epsilon, rngs=rngs)
     make_norm = functools.partial(norm_layer, norm, features, epsilon=layer_norm_epsilon, use_bias=use_bias,
                                   dtype=dtype, rngs=rngs)
     self.pre_norm = pre_norm
-    self.self_attention = attention(num_kv_heads=num_kv_heads, rope=rope)
+    self.self_attention = attention(num_kv_heads=num_kv_heads, rope=rope, head_dim=head_dim)
     self.self_attention_norm = make_norm()
     self.cross_attention = attention() if cross_attention else None
     self.cross_attention_norm = make_norm() if cross_attention else None
-    mlp = GatedFeedForward if gated_mlp else FeedForward
-    self.mlp = mlp(features, hidden, activation=activation, dropout=dropout, use_bias=use_bias, dtype=dtype, rngs=rngs)
+    if mlp is None:
+      dense = GatedFeedForward if gated_mlp else FeedForward
+      mlp = dense(features, hidden, activation=activation, dropout=dropout, use_bias=use_bias, dtype=dtype, rngs=rngs)
+    self.mlp = mlp
     self.mlp_norm = make_norm()
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
   def output_projections(self) -> list[nnx.Linear]:
     """The linear layers whose outputs join the residual stream: each attention's `out` [E, E] and
-    the MLP's `down` [F, E]."""
+    the MLP's (a dense FFN's `down` [F, E])."""
     attentions = [self.self_attention] + ([self.cross_attention] if self.cross_attention is not None else [])
-    return [attention.out for attention in attentions] + [self.mlp.down]
+    return [attention.out for attention in attentions] + self.mlp.output_projections()
 
   def _residual(self, x, norm, sublayer, deterministic):
     if self.pre_norm:

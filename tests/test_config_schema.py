@@ -43,7 +43,7 @@ def test_a_model_key_the_model_config_lacks_is_an_error(monkeypatch):
   monkeypatch.setattr(gpt, 'get_config', with_stray_key)
   config = gpt.get_config('tiny')
   message = (r"^config.model.widht is not a field of GPT2Config \(models/gpt.py\), so the model would ignore it. "
-             r"Did you mean 'width'\? Its fields: vocab_size, vocab_multiple, max_len, .*, tie_embeddings.$")
+             r"Did you mean 'width'\? Its fields: vocab_size, vocab_multiple, max_len, .*, moe_router_bias.$")
   with pytest.raises(ConfigError, match=message):
     validate_config(config, num_devices=1)
   with pytest.raises(ConfigError, match=message):  # and where the model config is resolved, for any caller

@@ -46,6 +46,15 @@ def summary_writer_class():
   return SummaryWriter
 
 
+def read_logged(workdir: str, names: list[str]) -> tuple[list[int], dict[str, list[float]]]:
+  """(the steps of the run's metrics.jsonl rows that log every one of `names`, {name: its values at
+  those steps}); ([], {}) when the run has no such row or no metrics file."""
+  path = storage.path(os.path.join(workdir, METRICS_FILE))
+  rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+  rows = sorted((row for row in rows if all(name in row for name in names)), key=lambda row: row['step'])
+  return [row['step'] for row in rows], ({name: [row[name] for row in rows] for name in names} if rows else {})
+
+
 def reduce_metrics(metrics: dict) -> dict[str, float]:
   """{name: (sum, count)} -> {name: sum / count}; plain scalars pass through."""
   out = {}

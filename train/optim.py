@@ -68,15 +68,21 @@ COOLDOWN_KEYS = ('cooldown_start', 'cooldown_steps')  # wsd's hyperparameters in
 # Which parameters Muon orthogonalises, in one place: the first rule whose pattern is found in a
 # parameter's path ('a/b/kernel', train/sharding.py `path_to_string`) decides; a path that no rule
 # matches goes to AdamW. Muon takes only matrices, [in, out] with both sides above 1, or stacks of
-# them ([layers, in, out] under GPT's `scan_layers`: each layer's matrix is orthogonalised alone).
+# them ([layers, in, out] under GPT's `scan_layers`, [experts, in, out] in an MoE block, or both:
+# each matrix is orthogonalised alone).
 # The output layers go to AdamW: Muon's orthogonalised step is steepest descent in the spectral norm
 # of a map between hidden activations (Jordan 2024; Bernstein & Newhouse 2024), and the logits are
 # not such activations; the NanoGPT speedrun and Moonlight train embeddings and head with AdamW too.
+# The expert matrices of an MoE block (models/moe.py): matrices as kernels are, stacked on [N] (and
+# [layers, N] under scan_layers).
+EXPERT_MATRICES = r'(^|/)mlp/(gate|up|down)$'
 MUON_RULES: tuple[tuple[str, str], ...] = (
     (r'embedding$', 'adamw'),  # token, position and segment tables, GPT's untied lm_head (an Embed)
     (r'(^|/)(output|head|nsp|classifier)/kernel$', 'adamw'),  # output layers: vocabulary, class, NSP logits
+    (r'(^|/)router/kernel$', 'adamw'),  # an MoE block's router: its outputs are logits too
     (r'kernel$', 'muon'),  # hidden Linear kernels (attention query/key/value/out, MLP, BERT's pooler and
                            # MLM transform, Bahdanau scores) and the RNN cells' input and recurrent kernels
+    (EXPERT_MATRICES, 'muon'),  # an MoE block's experts [N, E, H] / [N, H, E]: each expert's matrix alone
 )
 
 
@@ -134,20 +140,20 @@ def learning_rate_schedule(train_config, cooldown: tuple | None = None, peak: fl
 
 # ============================================================================ which parameters Muon takes
 def decay_mask(params) -> object:
-  """True for parameters that get weight decay: matrices of Linear layers (kernels).
+  """True for parameters that get weight decay: matrices of Linear layers (kernels) and MoE experts.
 
   Biases, LayerNorm scales/offsets and embedding tables are excluded, as in GPT-2 and BERT.
   """
   def keep(path, _):
     names = [str(k.key) for k in path if hasattr(k, 'key')]  # nnx.State paths end in '.value'
-    return bool(names) and names[-1] == 'kernel'
+    return bool(names) and (names[-1] == 'kernel' or re.search(EXPERT_MATRICES, '/'.join(names)) is not None)
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
 def muon_side(path: str, shape: tuple[int, ...]) -> str:
   """'muon' or 'adamw': the optimizer `MUON_RULES` give the parameter at `path` of `shape`."""
   side = next((side for pattern, side in MUON_RULES if re.search(pattern, path)), 'adamw')
-  matrix = len(shape) in (2, 3) and min(shape[-2:]) > 1
+  matrix = len(shape) >= 2 and min(shape[-2:]) > 1
   return 'muon' if side == 'muon' and matrix else 'adamw'
 
 
@@ -189,7 +195,7 @@ def describe_split(train_config, params) -> str | None:
              'output layers' if re.search(MUON_RULES[1][0], name) else
              'norms and biases' if name.endswith(('bias', 'scale')) else 'others')
     groups[group].append((name, shape))
-  matrices = sum(shape[0] if len(shape) == 3 else 1 for _, shape in split['muon'])
+  matrices = sum(int(np.prod(shape[:-2])) for _, shape in split['muon'])
   adamw = '; '.join(f'{count(entries):,} in {group}' + ('' if group == 'norms and biases' else f' ({names(entries)})')
                     for group, entries in groups.items() if entries)
   return (f'Muon takes {matrices} matrices, {count(split["muon"]):,} parameters ({names(split["muon"])}), at lr '

@@ -1,4 +1,5 @@
-"""Attention heatmaps as PNG files, for any family that records attention weights.
+"""Attention heatmaps as PNG files, for any family that records attention weights, and the expert
+load of a mixture-of-experts run.
 
 `plot_attention(path, panels, ...)` draws a grid of panels, each a [queries, keys] weight matrix
 with its tokens on the axes (one row per attention kind, one column per head, say). Families
@@ -64,6 +65,33 @@ def plot_attention(path: str, panels: Sequence[Sequence[Panel]], title: str = ''
       ax.set_xlabel(panel.x_label, fontsize=8)
       if c == 0:
         ax.set_ylabel(panel.y_label, fontsize=8)
+  if title:
+    figure.suptitle(title, fontsize=10)
+  figure.tight_layout()
+  storage.save_png(figure, path, dpi=90)
+  plt.close(figure)
+  return path
+
+
+def plot_expert_load(path: str, steps: Sequence[int], blocks: Sequence[int], max_load: np.ndarray,
+                     min_load: np.ndarray, title: str = '') -> str:
+  """Save two heatmaps over [MoE blocks, logged steps] to `path` (PNG): each block's most and least
+  loaded expert, as a multiple of an even share (1 = every expert equally loaded); return the path.
+  max_load, min_load: [len(blocks), len(steps)]."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  figure, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.12 * len(steps) + 3), 2 * (1.0 + 0.3 * len(blocks)) + 0.6),
+                              squeeze=False)
+  every = max(1, len(steps) // 12)  # at most ~12 step labels
+  for ax, values, name, cmap in ((axes[0][0], max_load, 'most loaded expert', 'magma'),
+                                 (axes[1][0], min_load, 'least loaded expert', 'viridis')):
+    image = ax.imshow(np.asarray(values, np.float32), cmap=cmap, aspect='auto', interpolation='nearest')
+    figure.colorbar(image, ax=ax, label='x even share')
+    ax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]], fontsize=8)
+    ax.set_yticks(range(len(blocks)), [f'block {b}' for b in blocks], fontsize=8)
+    ax.set_title(name, fontsize=9)
+    ax.set_xlabel('step', fontsize=8)
   if title:
     figure.suptitle(title, fontsize=10)
   figure.tight_layout()

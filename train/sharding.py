@@ -9,12 +9,13 @@ and MLP width). The batch is split over ('data', 'fsdp', 'expert').
 Models carry no parameter annotations. A parameter's sharding follows from its path, by the first
 matching rule in `PARTITION_RULES`, the names being the ones the shared modules use
 (MultiHeadAttention: query/key/value/out; FeedForward: up/down; GatedFeedForward: gate/up/down;
-Embed: embedding). Any other array is FSDP-sharded over its largest dimension, a fallback that
-`explicit_rule` makes visible: tests/test_sharding_rules.py fails when a large array of any preset
-lands on it. Grouped-query attention's key and value projections hold K*D columns for K < H heads:
-'tensor' splits them only when it divides K (`kv_head_counts`), so no head is cut in two. An axis
-that does not divide a dimension is dropped for that dimension (that dimension is replicated), so
-every model shards on any mesh.
+MoEFeedForward: router, gate/up/down experts, shared; Embed: embedding). Any other array is
+FSDP-sharded over its largest dimension, a fallback that `explicit_rule` makes visible:
+tests/test_sharding_rules.py fails when a large array of any preset lands on it. Grouped-query
+attention's key and value projections hold K*D columns for K < H heads: 'tensor' splits them only
+when it divides K (`kv_head_counts`), so no head is cut in two. An axis that does not divide a
+dimension is dropped for that dimension (that dimension is replicated), so every model shards on
+any mesh.
 Optimizer moments live at the same paths (below `mu/`, `nu/`), so they shard like their parameters.
 
 Activations: models name logical axes at a few points (models/partitioning.py) and
@@ -50,12 +51,16 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r'(query|key|value)/kernel$', ('fsdp', 'tensor')),  # [E, H*D]: split by heads
     (r'(query|key|value)/bias$', ('tensor',)),
     (r'attention/out/kernel$', ('tensor', 'fsdp')),  # [H*D, E]
-    (r'mlp/(up|gate)/kernel$', ('fsdp', 'tensor')),  # [E, F]: split the hidden width
-    (r'mlp/(up|gate)/bias$', ('tensor',)),
-    (r'mlp/down/kernel$', ('tensor', 'fsdp')),  # [F, E]
+    (r'(mlp|shared)/(up|gate)/kernel$', ('fsdp', 'tensor')),  # [E, F]: split the hidden width
+    (r'(mlp|shared)/(up|gate)/bias$', ('tensor',)),
+    (r'(mlp|shared)/down/kernel$', ('tensor', 'fsdp')),  # [F, E]; `shared`: an MoE block's shared experts
+    # An MoE block's experts (models/moe.py), [N, E, H] and [N, H, E]: each expert split like a dense MLP.
+    (r'mlp/(up|gate)$', (None, 'fsdp', 'tensor')),
+    (r'mlp/down$', (None, 'tensor', 'fsdp')),
+    (r'mlp/router/kernel$', ('fsdp', None)),  # [E, N]
     (r'embedding$', ('tensor', 'fsdp')),  # [V, E]: vocabulary split for the tied output layer
     # FSDP alone, over the dimension the largest-dimension fallback picked for every preset:
-    (r'(norm/(scale|bias)|(attention/out|mlp/down)/bias)$', ('fsdp',)),  # [E]: large only when stacked
+    (r'(norm/(scale|bias)|(attention/out|mlp/down|shared/down)/bias)$', ('fsdp',)),  # [E]: large only when stacked
     (r'(pooler|mlm/dense)/kernel$', ('fsdp', None)),  # BERT's [E, E] pooler and MLM transform
     (r'mlm/bias$', ('fsdp',)),  # BERT's MLM output bias [V']
     (r'output/kernel$', (None, 'fsdp')),  # untied output layers [E, V]: the vocabulary
