@@ -90,7 +90,9 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True, load_bi
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
   scores = probs if load_bias is None else probs + jax.lax.stop_gradient(load_bias)
-  _, experts = jax.lax.top_k(scores, top_k)
+  # A stable sort, not jax.lax.top_k (the same choice, ties to the lower index): XLA's TopK custom call is not
+  # split by batch, so on a mesh every device gathered the global [T, N] scores first.
+  experts = jnp.argsort(-scores, axis=-1, stable=True)[..., :top_k]
   weights = jnp.take_along_axis(probs, experts, axis=-1)
   if norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
