@@ -54,9 +54,10 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r'(mlp|shared)/(up|gate)/kernel$', ('fsdp', 'tensor')),  # [E, F]: split the hidden width
     (r'(mlp|shared)/(up|gate)/bias$', ('tensor',)),
     (r'(mlp|shared)/down/kernel$', ('tensor', 'fsdp')),  # [F, E]; `shared`: an MoE block's shared experts
-    # An MoE block's experts (models/moe.py), [N, E, H] and [N, H, E]: each expert split like a dense MLP.
-    (r'mlp/(up|gate)$', (None, 'fsdp', 'tensor')),
-    (r'mlp/down$', (None, 'tensor', 'fsdp')),
+    # An MoE block's experts (models/moe.py), [N, E, H] and [N, H, E]: split between devices over 'expert'
+    # (models/moe_parallel.py), each expert like a dense MLP.
+    (r'mlp/(up|gate)$', ('expert', 'fsdp', 'tensor')),
+    (r'mlp/down$', ('expert', 'tensor', 'fsdp')),
     (r'mlp/router/kernel$', ('fsdp', None)),  # [E, N]
     (r'embedding$', ('tensor', 'fsdp')),  # [V, E]: vocabulary split for the tied output layer
     # FSDP alone, over the dimension the largest-dimension fallback picked for every preset:

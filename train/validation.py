@@ -134,6 +134,10 @@ def check_mesh(config, num_devices: int | None = None) -> None:
   if sizes['expert'] > 1 and not experts:
     raise ConfigError(f'config.mesh.expert={sizes["expert"]} splits experts, but this model has none '
                       f'(model.moe_experts=0); set mesh.expert=1, or model.moe_experts.')
+  if sizes['expert'] > 1 and config.model.get('moe_capacity_factor', 0) > 0:
+    raise ConfigError(f'config.model.moe_capacity_factor={config.model.moe_capacity_factor} with mesh.expert='
+                      f'{sizes["expert"]}: expert parallelism runs the dropless experts only; set '
+                      f'model.moe_capacity_factor=0, or mesh.expert=1.')
   if experts % sizes['expert']:
     raise ConfigError(f'config.model.moe_experts={experts} is not divisible by mesh.expert={sizes["expert"]}: each '
                       f'device holds an equal share of the experts; choose an expert axis that divides {experts}.')
