@@ -42,6 +42,7 @@ def base_config(family: str, preset: str = '', presets: dict | None = None) -> m
   c.mesh.data = -1  # -1 = all devices not used by the other axes
   c.mesh.fsdp = 1  # devices parameters and optimizer state are sharded over (and the batch split over)
   c.mesh.tensor = 1  # devices attention heads and MLP width are split over (tensor parallelism)
+  c.mesh.expert = 1  # devices a mixture of experts' experts are split over (and the batch split over)
   c.decode = decode_defaults()
   return c
 

@@ -14,7 +14,9 @@ Two ways to compute the experts, the same function where no token is dropped:
       matmul per projection (`jax.lax.ragged_dot`): static shapes [T*k, ...], no [T, N, ...] tensor
       and no padding. The steps are separate functions, `route` -> `sort_by_expert` ->
       `grouped_expert_mlp` -> `unsort_and_combine`, so that expert parallelism can move the sorted
-      slots between devices around `grouped_expert_mlp` (`dropless_moe` chains them on one device).
+      slots between devices around `grouped_expert_mlp` (`dropless_moe` chains them on one device;
+      models/moe_parallel.py runs it on each device's tokens when the mesh's expert axis splits the
+      experts).
   capacity (capacity_factor > 0)  each expert takes at most C = ceil(factor * T * k / N) slots into
       a [N, C, E] buffer computed with ordinary batched matmuls (the static shapes some compilers
       want); slots past an expert's capacity are dropped (they add nothing; the token keeps its
@@ -33,6 +35,7 @@ experts, k experts per token, C capacity per expert.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -40,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import moe_parallel
 from models.layers import ACTIVATIONS, FeedForward, GatedFeedForward
 
 STATISTICS = 'router_statistics'  # the name each layer's RouterStatistics is sown under
@@ -90,7 +94,9 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True, load_bi
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
   scores = probs if load_bias is None else probs + jax.lax.stop_gradient(load_bias)
-  _, experts = jax.lax.top_k(scores, top_k)
+  # A stable sort, not jax.lax.top_k (the same choice, ties to the lower index): XLA's TopK custom call is not
+  # split by batch, so on a mesh every device gathered the global [T, N] scores first.
+  experts = jnp.argsort(-scores, axis=-1, stable=True)[..., :top_k]
   weights = jnp.take_along_axis(probs, experts, axis=-1)
   if norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -159,10 +165,13 @@ def unsort_and_combine(expert_outputs: jax.Array, order: jax.Array, weights: jax
   return jnp.einsum('kte,tk->te', slots, weights.astype(slots.dtype))
 
 
-def dropless_moe(tokens: jax.Array, routing: Routing, weights: ExpertWeights, activation: str) -> jax.Array:
-  """[T, E] -> [T, E]: every token-slot through its expert (the dropless path on one device)."""
-  dispatch = sort_by_expert(tokens, routing.experts, weights.up.shape[0])
-  outputs = grouped_expert_mlp(dispatch.tokens, dispatch.group_sizes, weights, activation)
+def dropless_moe(tokens: jax.Array, routing: Routing, weights: ExpertWeights, activation: str,
+                 grouped_mlp: Callable[..., jax.Array] = grouped_expert_mlp) -> jax.Array:
+  """[T, E] -> [T, E]: every token-slot through its expert (the dropless path on one device).
+  `grouped_mlp` computes the sorted slots: `grouped_expert_mlp`, or under expert parallelism the
+  exchange of models/moe_parallel.py around it (then `weights` hold this device's experts only)."""
+  dispatch = sort_by_expert(tokens, routing.experts, routing.probs.shape[-1])
+  outputs = grouped_mlp(dispatch.tokens, dispatch.group_sizes, weights, activation)
   return unsort_and_combine(outputs, dispatch.order, routing.weights)
 
 
@@ -257,6 +266,10 @@ class MoEFeedForward(nnx.Module):
     if self.capacity_factor > 0:
       capacity = expert_capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
       y, dropped = capacity_moe(tokens, routing, weights, self.activation, capacity)
+    elif moe_parallel.splits_experts(self.num_experts):  # the mesh's expert axis splits the experts
+      y = moe_parallel.expert_parallel(functools.partial(dropless_moe, activation=self.activation),
+                                       grouped_expert_mlp, tokens, routing, weights)
+      dropped = jnp.zeros((), jnp.float32)
     else:
       y, dropped = dropless_moe(tokens, routing, weights, self.activation), jnp.zeros((), jnp.float32)
     y = y.reshape(x.shape).astype(dtype)

@@ -33,7 +33,7 @@ def test_compile_mode_describes_the_step_bench_compiles(tmp_path):
   xla = timed['memory']['xla_mb']
   assert [round(out[f'{k}_bytes'] / MB, 1) for k in ('temp', 'argument', 'output', 'alias')] == \
       [xla['temp'], xla['argument'], xla['output'], xla['alias']]
-  assert (out['target'], out['devices'], out['mesh']) == ('cpu-8', 8, {'data': 8, 'fsdp': 1, 'tensor': 1})
+  assert (out['target'], out['devices'], out['mesh']) == ('cpu-8', 8, {'data': 8, 'fsdp': 1, 'expert': 1, 'tensor': 1})
   assert (out['params'], out['attention'], out['rng_impl']) == (timed['params'], 'xla', 'threefry')
   # 8 CPU devices of one process share its cores: the machine's ceiling is one device's matmul.
   assert timed['parallel_devices'] == 1 and timed['mfu'] == pytest.approx(timed['achieved_tflops'] /

@@ -191,7 +191,7 @@ def test_bad_llama_options_are_one_line_config_errors(override, message):
 
 def test_tensor_parallelism_splits_key_value_projections_by_whole_heads():
   from train import sharding
-  mesh = jax.make_mesh((1, 2, 4), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = sharding.make_mesh({'data': 1, 'fsdp': 2, 'tensor': 4})
   counts = sharding.kv_head_counts(nnx.eval_shape(lambda: tiny_llama(width=256, num_kv_heads=2)))
   assert counts == {'blocks/0/self_attention': 2, 'blocks/1/self_attention': 2}
   spec = lambda path, heads: sharding.partition_spec(path, (256, 128), mesh, heads)

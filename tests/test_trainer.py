@@ -172,6 +172,7 @@ def test_checkpoints_keep_the_latest_and_the_best(tmp_path):
     ({'model.num_heads': 3}, 'num_heads=3 does not divide'),
     ({'mesh.fsdp': 16}, 'config.mesh'),
     ({'train.batch_size': 12, 'mesh.data': 8}, 'not divisible by mesh data'),
+    ({'mesh.data': 4, 'mesh.expert': 2}, r'mesh.expert=2 splits experts, but this model has none \(model.moe_experts=0\)'),
     ({'train.schedule': 'warmup'}, 'train.schedule'),
     ({'train.steps': 0}, 'train.steps=0 must be positive'),
     ({'data.seq_len': 1000}, 'exceeds config.model.max_len'),

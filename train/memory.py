@@ -21,7 +21,7 @@ counted in elements instead of fp16 bytes, without dropout masks):
 plus the float32 logits and their gradient (2V per token). E, H, F, V, the layer count, the
 compute dtype and the remat policy come from the resolved model config's `block_shape()`
 (models/layers.py BlockShape); S is data.seq_len. B S tokens per device are the global batch over
-mesh data x fsdp, divided by gradient-accumulation micro-batches; the F and H terms are split by
+mesh data x fsdp x expert, divided by gradient-accumulation micro-batches; the F and H terms are split by
 mesh.tensor. Models without Transformer blocks (no `block_shape()`: the RNNs, kernel regression)
 get parameters and optimizer only.
 """
@@ -32,6 +32,8 @@ import os
 
 import jax
 import numpy as np
+
+from train import sharding
 
 MB = 2**20
 WARN_FRACTION = 0.9
@@ -87,7 +89,7 @@ def activation_bytes(config, model_config, mesh) -> int | None:
   one_block = (11 if shape.qk_norm else 9) * shape.width + split(2 * shape.mlp_width + 2 * shape.heads * seq)
   per_token = {'none': one_block, 'dots': 6 * shape.width + split(shape.mlp_width), 'full': shape.width}[shape.remat]
   recomputed = one_block if shape.remat != 'none' else 0  # one block's, live again during its backward pass
-  micro_batch = config.train.batch_size / (mesh.shape['data'] * mesh.shape['fsdp']) / config.train.grad_accum
+  micro_batch = config.train.batch_size / sharding.batch_shards(mesh) / config.train.grad_accum
   tokens = micro_batch * seq
   saved = tokens * np.dtype(shape.dtype).itemsize * (shape.layers * per_token + recomputed)
   return int(saved + tokens * 4 * split(2 * shape.vocab))

@@ -299,7 +299,7 @@ def _on_these_devices(config):
     print(f"Note: the run's mesh {dict(config.mesh)} does not fit the {jax.device_count()} devices here; "
           f'using a data-parallel mesh over all of them.', flush=True)
     config = config.copy_and_resolve_references()
-    config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
+    config.mesh.update({'data': -1, 'fsdp': 1, 'expert': 1, 'tensor': 1})
     return config
 
 

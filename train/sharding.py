@@ -1,8 +1,10 @@
 """Device mesh and the partitioning rules of every parameter, in one place.
 
 Mesh axes: 'data' (pure data parallel), 'fsdp' (data parallel whose parameters and optimizer
-state are sharded too) and 'tensor' (Megatron-style model parallel over heads and MLP width).
-The batch is split over ('data', 'fsdp').
+state are sharded too), 'expert' (expert parallel: a mixture of experts' experts split between
+devices, each token sent to its experts' devices and back, models/moe_parallel.py; outside the
+experts it is one more data-parallel axis) and 'tensor' (Megatron-style model parallel over heads
+and MLP width). The batch is split over ('data', 'fsdp', 'expert').
 
 Models carry no parameter annotations. A parameter's sharding follows from its path, by the first
 matching rule in `PARTITION_RULES`, the names being the ones the shared modules use
@@ -38,8 +40,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import partitioning
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
-BATCH_AXES = ('data', 'fsdp')
+# 'expert' before 'tensor': with expert = 1 every mesh places its devices as before the axis existed.
+MESH_AXES = ('data', 'fsdp', 'expert', 'tensor')
+BATCH_AXES = ('data', 'fsdp', 'expert')
 
 # (regex searched in the 'a/b/c' path of an array, axis name per dimension); the first rule whose
 # pattern matches and whose rank is the array's wins. A rule also covers a stack of such arrays (one
@@ -51,9 +54,10 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r'(mlp|shared)/(up|gate)/kernel$', ('fsdp', 'tensor')),  # [E, F]: split the hidden width
     (r'(mlp|shared)/(up|gate)/bias$', ('tensor',)),
     (r'(mlp|shared)/down/kernel$', ('tensor', 'fsdp')),  # [F, E]; `shared`: an MoE block's shared experts
-    # An MoE block's experts (models/moe.py), [N, E, H] and [N, H, E]: each expert split like a dense MLP.
-    (r'mlp/(up|gate)$', (None, 'fsdp', 'tensor')),
-    (r'mlp/down$', (None, 'tensor', 'fsdp')),
+    # An MoE block's experts (models/moe.py), [N, E, H] and [N, H, E]: split between devices over 'expert'
+    # (models/moe_parallel.py), each expert like a dense MLP.
+    (r'mlp/(up|gate)$', ('expert', 'fsdp', 'tensor')),
+    (r'mlp/down$', ('expert', 'tensor', 'fsdp')),
     (r'mlp/router/kernel$', ('fsdp', None)),  # [E, N]
     (r'embedding$', ('tensor', 'fsdp')),  # [V, E]: vocabulary split for the tied output layer
     # FSDP alone, over the dimension the largest-dimension fallback picked for every preset:
@@ -72,7 +76,7 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 # row-parallel down/out, one reduction per row-parallel output); width, length and the recurrent state
 # stay whole, so the contraction dimension of every weight is gathered rather than the activations.
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
-    'batch': BATCH_AXES, 'heads': ('tensor',), 'mlp': ('tensor',), 'vocab': ('tensor',),
+    'batch': BATCH_AXES, 'heads': ('tensor',), 'mlp': ('tensor',), 'vocab': ('tensor',), 'expert': ('expert',),
     'length': (), 'embed': (), 'hidden': (),
 }
 # Arrays smaller than this stay replicated: sharding them costs more communication than memory.
@@ -80,8 +84,9 @@ MIN_SHARDED_SIZE = 2**14
 
 
 def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
-  """Resolve -1 entries of `config.mesh` ({'data','fsdp','tensor'}) to use all devices."""
-  sizes = {axis: int(mesh_config[axis]) for axis in MESH_AXES}
+  """Resolve -1 entries of `config.mesh` ({'data','fsdp','expert','tensor'}) to use all devices; an
+  axis `mesh_config` lacks (a config saved before the axis existed) is 1."""
+  sizes = {axis: int(mesh_config.get(axis, 1)) for axis in MESH_AXES}
   fixed = int(np.prod([s for s in sizes.values() if s != -1]))
   free = [axis for axis, s in sizes.items() if s == -1]
   if len(free) > 1:
@@ -154,7 +159,7 @@ def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh, kv_heads: dict
   heads = next((count for prefix, count in (kv_heads or {}).items()
                 if re.search(f'(^|/){re.escape(prefix)}/(key|value)/', path)), None)
   for i, axis in enumerate(axes):
-    if axis is not None and (mesh.shape[axis] == 1 or shape[i] % mesh.shape[axis]):
+    if axis is not None and (mesh.shape.get(axis, 1) == 1 or shape[i] % mesh.shape[axis]):
       axes[i] = None
     if axis == 'tensor' and heads is not None and heads % mesh.shape[axis]:
       axes[i] = None
@@ -178,7 +183,7 @@ def _batch_axes_dividing(size: int, mesh: Mesh) -> tuple[str, ...] | None:
   holding one row per example of the batch is split."""
   axes, product = [], 1
   for axis in BATCH_AXES:
-    if mesh.shape[axis] > 1 and size % (product * mesh.shape[axis]) == 0:
+    if mesh.shape.get(axis, 1) > 1 and size % (product * mesh.shape[axis]) == 0:
       axes.append(axis)
       product *= mesh.shape[axis]
   return tuple(axes) or None
@@ -191,6 +196,11 @@ def state_shardings(abstract_state, mesh: Mesh, kv_heads: dict[str, int] | None 
     shape = getattr(leaf, 'shape', ())
     return NamedSharding(mesh, partition_spec(path_to_string(path), tuple(shape), mesh, kv_heads))
   return jax.tree_util.tree_map_with_path(sharding, abstract_state)
+
+
+def batch_shards(mesh: Mesh) -> int:
+  """Into how many pieces the batch is split: the product of the BATCH_AXES `mesh` has."""
+  return int(np.prod([mesh.shape.get(axis, 1) for axis in BATCH_AXES]))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

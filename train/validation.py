@@ -14,6 +14,7 @@ import importlib
 
 import jax
 import ml_collections
+import numpy as np
 
 from errors import ConfigError
 
@@ -65,7 +66,7 @@ def check_keys_and_types(config, reference) -> None:
 
 def check_values(config, num_devices: int | None = None) -> None:
   """`num_devices`: the devices the mesh spans (None: all of this run's, `jax.device_count()`)."""
-  t, m, mesh = config.train, config.model, config.mesh
+  t, m = config.train, config.model
   positive = {'train.steps': t.steps, 'train.batch_size': t.batch_size, 'train.grad_accum': t.grad_accum,
               'train.eval_every': t.eval_every, 'train.checkpoint_every': t.checkpoint_every,
               'train.log_every': t.log_every, 'train.keep_checkpoints': t.keep_checkpoints,
@@ -102,7 +103,13 @@ def check_values(config, num_devices: int | None = None) -> None:
   for rate in ('dropout', 'attention_dropout', 'token_dropout'):
     if not 0 <= m.get(rate, 0.0) < 1:
       raise ConfigError(f'config.model.{rate}={m[rate]} must be in [0, 1): the fraction of values dropped in training.')
+  check_mesh(config, num_devices)
+
+
+def check_mesh(config, num_devices: int | None = None) -> None:
+  """The mesh fits the devices, its batch axes split the batch, and its expert axis splits the experts."""
   from train import sharding
+  t, mesh = config.train, config.mesh
   devices = jax.device_count() if num_devices is None else num_devices
   try:
     sizes = sharding.mesh_shape(mesh, devices)
@@ -110,19 +117,30 @@ def check_values(config, num_devices: int | None = None) -> None:
     raise ConfigError(f'config.mesh: {e}') from e
   if any(s <= 0 for s in sizes.values()):
     raise ConfigError(f'config.mesh sizes must be positive or -1, got {dict(mesh)}.')
-  data_parallel = sizes['data'] * sizes['fsdp']
+  axes = ' x '.join(sharding.BATCH_AXES)
+  data_parallel = int(np.prod([sizes[axis] for axis in sharding.BATCH_AXES]))
   per_step = data_parallel * t.grad_accum
   if t.batch_size % per_step:
-    raise ConfigError(f'config.train.batch_size={t.batch_size} is not divisible by mesh data x fsdp x '
-                      f'train.grad_accum = {sizes["data"]} x {sizes["fsdp"]} x {t.grad_accum}; '
-                      f'use a multiple of {per_step}.')
+    raise ConfigError(f'config.train.batch_size={t.batch_size} is not divisible by mesh {axes} x train.grad_accum = '
+                      + ' x '.join(str(sizes[axis]) for axis in sharding.BATCH_AXES)
+                      + f' x {t.grad_accum}; use a multiple of {per_step}.')
   eval_batch = t.eval_batch_size or t.batch_size
   if eval_batch % data_parallel:
-    raise ConfigError(f'config.train.eval_batch_size={eval_batch} is not divisible by mesh data x fsdp = '
-                      f'{data_parallel}.')
+    raise ConfigError(f'config.train.eval_batch_size={eval_batch} is not divisible by mesh {axes} = {data_parallel}.')
   if t.batch_size % jax.process_count():
     raise ConfigError(f'config.train.batch_size={t.batch_size} is not divisible by the {jax.process_count()} '
                       f'processes.')
+  experts = config.model.get('moe_experts', 0)
+  if sizes['expert'] > 1 and not experts:
+    raise ConfigError(f'config.mesh.expert={sizes["expert"]} splits experts, but this model has none '
+                      f'(model.moe_experts=0); set mesh.expert=1, or model.moe_experts.')
+  if sizes['expert'] > 1 and config.model.get('moe_capacity_factor', 0) > 0:
+    raise ConfigError(f'config.model.moe_capacity_factor={config.model.moe_capacity_factor} with mesh.expert='
+                      f'{sizes["expert"]}: expert parallelism runs the dropless experts only; set '
+                      f'model.moe_capacity_factor=0, or mesh.expert=1.')
+  if experts % sizes['expert']:
+    raise ConfigError(f'config.model.moe_experts={experts} is not divisible by mesh.expert={sizes["expert"]}: each '
+                      f'device holds an equal share of the experts; choose an expert axis that divides {experts}.')
 
 
 def check_optimizer(t) -> None:
