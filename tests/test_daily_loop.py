@@ -43,7 +43,7 @@ def logged(workdir, key, step):
 def test_early_stopping_ends_the_run_and_the_final_evaluation_scores_the_best_checkpoint(corpus, tmp_path):
   workdir = str(tmp_path / 'run')
   # best_mode=max on a falling eval loss: the first evaluation (step 5) stays the best. eval_steps=0:
-  # every evaluation scores the whole split (54 windows: 6 batches of 8 and one of 6 real rows).
+  # every evaluation scores the whole split (56 windows: 7 batches of 8).
   config = tiny(corpus, **{'train.steps': 40, 'train.eval_every': 5, 'train.checkpoint_every': 100,
                            'train.best_mode': 'max', 'train.early_stopping_patience': 2, 'train.eval_steps': 0})
   results = train_and_evaluate(config, workdir)
@@ -297,22 +297,22 @@ def test_predict_says_when_an_input_is_cut_to_the_window(corpus, tmp_path):
 
 
 def test_evaluation_scores_every_example_of_a_split_that_does_not_fill_its_batches(corpus, tmp_path):
-  """54 validation windows in one eval batch of 64: the 10 fillers count for nothing, so the
-  metrics equal the loss of the 54 windows computed in one unpadded batch."""
+  """56 validation windows in one eval batch of 64: the 8 fillers count for nothing, so the
+  metrics equal the loss of the 56 windows computed in one unpadded batch."""
   import numpy as np
   workdir = str(tmp_path / 'run')
   results = train_and_evaluate(tiny(corpus, **{'train.steps': 1, 'train.eval_batch_size': 64}), workdir)
   run = load_run(workdir)
   windows = type(run.task).prepare(run.config, workdir).datasets.eval
-  assert len(windows) == 54
+  assert len(windows) == 56
   batch = {'tokens': np.stack([windows[i]['tokens'] for i in range(len(windows))])}
   _, expected = run.task.loss(run.model, batch, deterministic=True)
   for name in ('loss', 'accuracy'):
     total, count = (float(x) for x in expected[name])
-    assert count == 54 * 32
-    # One batch of 54 windows against one of 64 with 10 weight-0 fillers: the same tokens summed in
-    # another order (the tiny GPT's reductions, then the 54 x 32 tokens).
-    terms = transformer_terms(2, 32, 4 * 32, 32, vocab=32, positions=54 * 32)
+    assert count == 56 * 32
+    # One batch of 56 windows against one of 64 with 8 weight-0 fillers: the same tokens summed in
+    # another order (the tiny GPT's reductions, then the 56 x 32 tokens).
+    terms = transformer_terms(2, 32, 4 * 32, 32, vocab=32, positions=56 * 32)
     assert_close(results[f'eval/{name}'], total / count, terms=terms)
     assert_close(logged(workdir, f'eval/{name}', 1), total / count, terms=terms)
 
