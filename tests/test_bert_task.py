@@ -168,10 +168,13 @@ def test_launch_predict_applies_config_overrides_to_a_trained_run(tmp_path):
   lines = tmp_path / 'lines.txt'
   lines.write_text('alpha beta gamma.\ndelta epsilon\tzeta eta theta.\n')
   output_dir = tmp_path / 'vectors'
-  result = support.launch(['--mode=predict', f'--workdir={workdir}', f'--input={lines}', '--config.task=features',
-                           '--config.features.pooling=mean', f'--config.features.output_dir={output_dir}'])
-  assert result.returncode == 0, result.stderr[-2000:]
-  outputs = support.last_json(result.stdout)['outputs']
+  with open(lines) as stdin:  # the lines piped in, as docs/families/bert.md shows it (--input=-)
+    process = support.launch(['--mode=predict', f'--workdir={workdir}', '--input=-', '--config.task=features',
+                              '--config.features.pooling=mean', f'--config.features.output_dir={output_dir}'],
+                             background=True, stdin=stdin)
+    stdout, stderr = process.communicate(timeout=300)
+  assert process.returncode == 0, stderr[-2000:]
+  outputs = support.last_json(stdout)['outputs']
   assert [o['shape'] for o in outputs] == [[32], [32]]  # tiny: width 32, mean over real tokens
   for output in outputs:
     assert os.path.dirname(output['file']) == str(output_dir)

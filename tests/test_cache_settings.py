@@ -10,6 +10,7 @@ import ml_collections
 import support
 from configs import gpt
 from data import token_cache
+from train import rundir
 
 USERS_CACHE = os.path.realpath(os.path.expanduser('~/.cache/attention-lineage'))
 
@@ -29,16 +30,26 @@ def test_the_default_cache_dir_is_the_named_folder_in_configs_saved_before_too(m
 
 
 def test_a_launch_of_the_tests_builds_its_caches_in_the_temporary_folder(tmp_path):
+  """--mode=prepare builds the caches in the tests' folder; a training launch on the same data, in a
+  workdir of its own (docs/data.md's two commands), trains on them as built."""
   corpus = support.write_corpus(str(tmp_path / 'corpus'), files=3, lines=20)
-  result = support.launch(['--mode=prepare', '--config=configs/gpt.py:tiny', f'--config.data.source={corpus}',
-                           '--config.data.tokenizer=char'])
+  data = ['--config=configs/gpt.py:tiny', f'--config.data.source={corpus}', '--config.data.tokenizer=char']
+  result = support.launch(['--mode=prepare', *data])
   assert result.returncode == 0, result.stderr[-3000:]
-  caches = set(support.last_json(result.stdout)['caches'].values())
+  prepared = support.last_json(result.stdout)['caches']
+  caches = set(prepared.values())
   folder = os.environ[token_cache.CACHE_DIR_VARIABLE]
-  for name in caches:
-    with open(os.path.join(folder, name, 'manifest.json')) as f:
+  manifests = {name: os.path.join(folder, name, 'manifest.json') for name in caches}
+  for name, manifest in manifests.items():
+    with open(manifest) as f:
       assert json.load(f)['source'] == corpus
     assert not os.path.exists(os.path.join(USERS_CACHE, 'data', name))
+  built = {name: os.stat(manifest).st_mtime_ns for name, manifest in manifests.items()}
+  workdir = str(tmp_path / 'run')
+  trained = support.launch([*data, '--config.train.steps=1', '--config.train.eval_steps=1', f'--workdir={workdir}'])
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  assert rundir.data_history(workdir)[-1]['caches'] == prepared
+  assert {name: os.stat(manifest).st_mtime_ns for name, manifest in manifests.items()} == built  # none rebuilt
 
 
 def test_cache_workers_below_zero_is_one_config_error_before_any_workdir(tmp_path):
