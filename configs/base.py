@@ -208,3 +208,15 @@ def apply_preset(c: ml_collections.ConfigDict, presets: dict) -> ml_collections.
     else:
       c[name] = values
   return c
+
+
+def flatten(config, prefix: str = '') -> dict:
+  """{'train.lr': 3e-4, ...}: a config's (or a nested dict's) keys, dotted, and their values."""
+  out = {}
+  for key, value in config.items():
+    name = f'{prefix}{key}'
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      out.update(flatten(value, name + '.'))
+    else:
+      out[name] = value
+  return out

@@ -74,11 +74,11 @@ import ml_collections
 from configs.base import apply_preset, base_config
 
 TASKS = ('pretrain', 'classify', 'features')
+# The encoder's sizes besides BERT-base's, which get_config sets.
 SIZES = {
     'tiny': dict(num_layers=2, num_heads=2, width=32, mlp_dim=64, max_len=64),
     'default': dict(num_layers=2, num_heads=2, width=128, mlp_dim=512, max_len=128),
-    'base': dict(num_layers=12, num_heads=12, width=768, mlp_dim=3072, max_len=512),
-    'large': dict(num_layers=24, num_heads=16, width=1024, mlp_dim=4096, max_len=512),
+    'large': dict(num_layers=24, num_heads=16, width=1024, mlp_dim=4096),
 }
 # BERT-base and BERT-large pretraining (Devlin et al. 2019): the 30,522-token vocabulary, the schedule.
 PRETRAINING = dict(data=dict(vocab_size=30522),
@@ -102,8 +102,8 @@ PRESETS = {
                      train=dict(steps=340, lr=5e-4, schedule='linear', warmup_steps=34,
                                 end_lr_fraction=0.0, eval_every=100, eval_steps=0, checkpoint_every=100,
                                 log_every=20, best_metric='eval/accuracy', best_mode='max')),
-    'base': dict(PRETRAINING, model=SIZES['base']),
-    'bench': dict(model=dict(num_layers=6, num_heads=6, width=384, mlp_dim=1536, max_len=512, dropout=0.0,
+    'base': PRETRAINING,
+    'bench': dict(model=dict(num_layers=6, num_heads=6, width=384, mlp_dim=1536, dropout=0.0,
                              attention_dropout=0.0),
                   data=dict(vocab_size=8192),
                   train=dict(batch_size=16, lr=1e-4, grad_clip=0.0)),
@@ -116,7 +116,7 @@ HF_MODEL_TYPES = {'bert': 'base'}
 
 def get_config(preset: str = 'default'):
   c = base_config('bert', preset, PRESETS)
-  c.task = 'pretrain'
+  c.task = 'pretrain'  # 'pretrain' (MLM + NSP) | 'classify' (a label per text or pair) | 'features' (vectors)
 
   c.data.source = 'bbc_news'
   c.data.tokenizer = 'wordpiece'
@@ -126,7 +126,7 @@ def get_config(preset: str = 'default'):
   c.data.documents = 'auto'  # text:<glob> pretraining: 'file' | 'blank_line' | 'auto' (one file: blank lines)
   c.data.dupe_factor = 5  # pretraining: sentence pairs are cut this many times, differently
   c.data.short_seq_prob = 0.1  # pretraining: fraction of pairs shorter than seq_len, as in BERT
-  c.data.mask_prob = 0.15
+  c.data.mask_prob = 0.15  # pretraining: share of tokens chosen for MLM (80% [MASK], 10% random, 10% kept)
   c.data.max_predictions = 20  # MLM positions per sequence (>= mask_prob * seq_len)
 
   c.model.attention = 'auto'  # 'auto' (GPU: cudnn, jax_nn for float32; TPU: splash; else xla) | 'xla' | 'cudnn' | 'jax_nn' | 'splash'
@@ -135,12 +135,17 @@ def get_config(preset: str = 'default'):
   # ids are never predicted. A run config without this key is unpadded (vocab_multiple=1).
   c.model.vocab_multiple = 128
   c.model.dtype = 'auto'  # compute dtype, weights stay float32: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
-  c.model.type_vocab_size = 2
-  c.model.dropout = 0.1
-  c.model.attention_dropout = 0.1
-  c.model.layer_norm_epsilon = 1e-12
-  c.model.activation = 'gelu'
-  c.model.init_std = 0.02
+  c.model.num_layers = 12  # encoder blocks (BERT-base's sizes; the presets set their own)
+  c.model.num_heads = 12  # attention heads per block
+  c.model.width = 768  # hidden size: embeddings and every block's output
+  c.model.mlp_dim = 3072  # each block's FFN hidden width
+  c.model.max_len = 512  # learned positions: the longest sequence the model reads
+  c.model.type_vocab_size = 2  # segment embeddings: sentence A = 0, B = 1
+  c.model.dropout = 0.1  # training: rate on the embeddings, each block's branches and the classifier's input
+  c.model.attention_dropout = 0.1  # training: rate on the attention weights
+  c.model.layer_norm_epsilon = 1e-12  # added to the variance in every LayerNorm
+  c.model.activation = 'gelu'  # 'relu' | 'gelu' | 'gelu_tanh' | 'silu' | 'relu2' (models/layers.py ACTIVATIONS)
+  c.model.init_std = 0.02  # standard deviation of the truncated normal every kernel and embedding starts from
   c.model.qk_norm = False  # RMSNorm of query and key heads (Hugging Face's BERT has none: no export)
   c.model.zero_init_out = False  # attention output and FFN down projections start at zero
 

@@ -139,28 +139,28 @@ def get_config(preset: str = 'default'):
   # ids are never predicted. A run config without this key is unpadded (vocab_multiple=1).
   c.model.vocab_multiple = 128
   c.model.dtype = 'auto'  # compute dtype, weights stay float32: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
-  c.model.dropout = 0.0
-  c.model.num_layers = 4
-  c.model.num_heads = 4
-  c.model.width = 256
-  c.model.mlp_ratio = 4
-  c.model.max_len = 256
-  c.model.layer_norm_epsilon = 1e-5
+  c.model.dropout = 0.0  # training: rate on the embeddings, the attention weights and each block's branches
+  c.model.num_layers = 4  # decoder blocks
+  c.model.num_heads = 4  # query heads per attention
+  c.model.width = 256  # the residual stream's features (the embedding width)
+  c.model.mlp_ratio = 4  # the MLP's hidden width as a multiple of width (when mlp_hidden is 0)
+  c.model.max_len = 256  # longest sequence: learned positions' rows, and prompt + new tokens in decoding
+  c.model.layer_norm_epsilon = 1e-5  # added to the variance in every LayerNorm / RMSNorm
   c.model.scan_layers = False  # one nnx.scan over stacked blocks: compile time flat in depth
   c.model.remat = 'none'  # 'none' | 'dots' | 'full': recompute activations in the backward pass
   # The Llama steps, each usable alone (models/gpt.py); these defaults are GPT-2.
   c.model.positions = 'learned'  # 'learned' | 'rope' (rotary, models/rope.py)
-  c.model.rope_theta = 10000.0
-  c.model.rope_scaling = 'none'  # 'none' | 'llama3' (Llama 3.1's long-context frequency scaling):
-  c.model.rope_factor = 8.0
-  c.model.rope_low_freq_factor = 1.0
-  c.model.rope_high_freq_factor = 4.0
-  c.model.rope_original_max_len = 8192
+  c.model.rope_theta = 10000.0  # rope: the base wavelength, frequencies theta^(-2i / head width)
+  c.model.rope_scaling = 'none'  # 'none' | 'llama3' (Llama 3.1's long-context frequency scaling, the keys below)
+  c.model.rope_factor = 8.0  # llama3 scaling: long wavelengths are divided by this
+  c.model.rope_low_freq_factor = 1.0  # llama3: wavelengths beyond original_max_len / this are scaled
+  c.model.rope_high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept
+  c.model.rope_original_max_len = 8192  # llama3: the context length the model was first trained at
   c.model.norm = 'layernorm'  # 'layernorm' | 'rmsnorm'
   c.model.mlp = 'gelu'  # 'gelu' | 'swiglu' | 'relu2' (a plain MLP with relu(x)^2, the speedrun's)
   c.model.mlp_hidden = 0  # the MLP's hidden width; 0 = mlp_ratio * width
   c.model.num_kv_heads = 0  # key/value heads: 0 = num_heads (multi-head), 1 = multi-query, else grouped-query
-  c.model.use_bias = True
+  c.model.use_bias = True  # biases in every projection and norm (False: Llama's none)
   c.model.tie_embeddings = True  # the output layer is the token embedding's transpose
   # The NanoGPT speedrun's block options, each usable alone with either architecture (models/gpt.py);
   # off by default. None exports to Hugging Face but zero_init_out (and train.z_loss).

@@ -80,11 +80,11 @@ PRESETS = {
 def get_config(preset: str = 'default'):
   c = base_config('seq2seq', preset, PRESETS)
   c.model.attention_type = 'none'  # 'none' | 'bahdanau'
-  c.model.embed = 32
-  c.model.hidden = 64
-  c.model.num_layers = 2
+  c.model.embed = 32  # source and target embedding width
+  c.model.hidden = 64  # each GRU layer's state width, encoder and decoder
+  c.model.num_layers = 2  # stacked GRU layers, encoder and decoder
   c.model.dtype = 'auto'  # compute dtype, weights stay float32: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
-  c.model.dropout = 0.1
+  c.model.dropout = 0.1  # training: rate on the embeddings, between stacked layers and on the decoder's outputs
   c.model.attention_hidden = 0  # width of the additive attention's tanh layer; 0 = model.hidden
   c.data.source = 'numbers_en_fr'
   c.data.vocab_size = 512

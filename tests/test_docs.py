@@ -1,8 +1,10 @@
-"""The documentation's generated parts cannot drift: every key of configs/base.py has a one-line meaning
-(its comment, which docs/gen_config_reference.py turns into the configuration reference), the parser
-finds every key base_config() really sets, and the README's links and commands hold; the numbers the
+"""The documentation's generated parts cannot drift: every key of configs/base.py and of each family's
+configs/<family>.py has a one-line meaning (its comment, which docs/gen_config_reference.py turns into the
+configuration reference), the parser finds every key the configs really set, the allowed values it
+gives are the ones validation enforces, and the README's links and commands hold; the numbers the
 pages report (speed ratios, studies, the time-to-target table) are those of measurements/, read from
 both."""
+import importlib
 import itertools
 import os
 import re
@@ -12,7 +14,8 @@ import pytest
 
 import support
 from configs.base import base_config
-from train.validation import flatten
+from errors import ConfigError
+from train.validation import flatten, validate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,14 +25,64 @@ def reference_module():
 
 
 def test_every_config_key_has_a_one_line_meaning():
-  keys = reference_module().config_keys()
+  module = reference_module()
+  keys = module.config_keys()
   missing = [f"{entry['key']} (configs/base.py:{entry['line']})" for entry in keys if not entry['meaning']]
+  shared = {entry['key']: entry['meaning'] for entry in keys}
+  for family in module.families():
+    missing += [f"{row['key']} (configs/{family}.py)" for row in module.family_rows(family, shared, module.bounds())
+                if not row['meaning']]
   assert not missing, f'Give these keys an inline "# one-line meaning" comment: {", ".join(missing)}'
 
 
 def test_the_reference_lists_every_key_base_config_sets():
   listed = {entry['key'] for entry in reference_module().config_keys()}
   assert listed == set(flatten(base_config('gpt')))
+
+
+def test_the_reference_covers_every_family_and_every_key_of_each_preset():
+  """A family's row for each key its get_config sets or any preset gives a value other than the shared
+  default; every other key of every preset is a shared one at its shared default."""
+  module = reference_module()
+  assert module.families() == support.registered_families()
+  shared = {entry['key']: entry['meaning'] for entry in module.config_keys()}
+  for family, preset in support.family_presets():
+    rows = {row['key']: row for row in module.family_rows(family, shared, module.bounds())}
+    own = {entry['key'] for entry in module.config_keys(module.REPO / 'configs' / f'{family}.py', 'get_config')}
+    assert own <= set(rows), family
+    common = flatten(base_config(family))
+    for key, value in flatten(importlib.import_module(f'configs.{family}').get_config(preset)).items():
+      assert key in rows or common.get(key) == value, f'configs/{family}.py:{preset} {key}={value!r} has no row'
+
+
+def test_a_family_key_without_a_comment_is_found(tmp_path):
+  family = tmp_path / 'family.py'
+  family.write_text('def get_config(preset=\'default\'):\n'
+                    '  c = base_config(\'x\', preset, PRESETS)\n'
+                    '  c.model.width = 64  # the residual stream\n'
+                    '  c.model.depth = 2\n'
+                    '  c.features = ml_collections.ConfigDict()\n'
+                    '  c.features.layer = -1  # the hidden state\n'
+                    '  return apply_preset(c, PRESETS)\n')
+  keys = {entry['key']: entry['meaning'] for entry in reference_module().config_keys(family, 'get_config')}
+  assert keys == {'model.width': 'the residual stream', 'model.depth': '', 'features.layer': 'the hidden state'}
+
+
+def test_the_allowed_values_listed_are_the_ones_validation_enforces():
+  """Each bound the reference gives ('> 0', '>= 0') and each enumeration: a value outside it is a
+  ConfigError naming the key, and the enumerations are the code's own tuples."""
+  module = reference_module()
+  for key, bound in module.bounds().items():
+    config = support.smallest_config('gpt', {key: 0 if bound == '> 0' else -1})
+    with pytest.raises(ConfigError, match=re.escape(f'config.{key}=')):
+      validate_config(config, num_devices=1)
+  for key, (path, name) in module.ENUMERATIONS.items():
+    family = 'bert' if key == 'task' else 'gpt'
+    code = importlib.import_module(path[:-len('.py')].replace('/', '.'))
+    assert module.constant(path, name) == getattr(code, name)
+    config = support.smallest_config(family, {key: 'no-such-value'})
+    with pytest.raises(ConfigError, match=re.escape(key)):
+      validate_config(config, num_devices=1)
 
 
 def test_a_key_without_a_comment_is_found(tmp_path):
@@ -56,18 +109,21 @@ def test_a_key_without_a_comment_is_found(tmp_path):
 
 def test_the_reference_page_has_a_row_per_key():
   module = reference_module()
-  keys = module.config_keys()
-  page = module.page(keys)
-  for entry in keys:
+  page = module.page()
+  for entry in module.config_keys():
     assert f"| `{entry['key']}` |" in page
+  shared = {entry['key']: entry['meaning'] for entry in module.config_keys()}
+  for family in module.families():
+    section = page.split(f'\n## {family}\n', 1)[1].split('\n## ', 1)[0]
+    for row in module.family_rows(family, shared, module.bounds()):
+      assert f"| `{row['key']}` | {row['default']} |" in section, (family, row['key'])
 
 
 def test_the_committed_reference_page_is_the_generated_one():
   # mkdocs builds the page from configs/base.py; the copy in the repository is what GitHub shows.
   with open(os.path.join(ROOT, 'docs', 'reference', 'config.md'), encoding='utf-8') as f:
     committed = f.read()
-  module = reference_module()
-  assert committed == module.page(module.config_keys()), 'python docs/gen_config_reference.py > docs/reference/config.md'
+  assert committed == reference_module().page(), 'python docs/gen_config_reference.py > docs/reference/config.md'
 
 
 def readme():

@@ -16,18 +16,10 @@ import jax
 import ml_collections
 import numpy as np
 
+from configs.base import flatten  # noqa: F401  (callers take it from here too)
 from errors import ConfigError
 
-
-def flatten(config, prefix=''):
-  out = {}
-  for key, value in config.items():
-    name = f'{prefix}{key}'
-    if isinstance(value, (ml_collections.ConfigDict, dict)):
-      out.update(flatten(value, name + '.'))
-    else:
-      out[name] = value
-  return out
+MODEL_DTYPES = ('auto', 'float32', 'bfloat16', 'float16')  # model.dtype: the compute dtype ('auto': per platform)
 
 
 def reference_config(config) -> ml_collections.ConfigDict:
@@ -91,7 +83,7 @@ def check_values(config, num_devices: int | None = None) -> None:
   if t.best_mode not in ('min', 'max'):
     raise ConfigError(f"config.train.best_mode={t.best_mode!r}: use 'min' or 'max'.")
   check_optimizer(t)
-  if m.get('dtype') not in (None, 'auto', 'float32', 'bfloat16', 'float16'):
+  if m.get('dtype') not in (None, *MODEL_DTYPES):
     raise ConfigError(f"config.model.dtype={m.dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
   from models.attention import ATTENTION_IMPLEMENTATIONS
   if m.get('attention') is not None and m.attention not in ATTENTION_IMPLEMENTATIONS:
