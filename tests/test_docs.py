@@ -237,3 +237,48 @@ def test_the_learning_curves_cross_the_target_where_the_time_to_target_table_say
     for field in ('seconds', 'seconds_excluding_compile'):
       median = statistics.median(float(c[field]) for c in crossings)
       assert round(median, 1) == float(row[field]), (arm, field)
+
+
+def links_module():
+  return support.load_file('docs/repository_links.py')
+
+
+def test_the_site_links_repository_files_issues_and_the_notebook():
+  page = '\n'.join([
+      '# `measurements/history.md` in a heading stays as it is',
+      'See `measurements/history.md`, `measurements/` and issue 33 (and issue #22); not `runs/x`, `docs/index.md`,',
+      '`python launch.py`, `no/such/file.py` or the [`measurements/history.md`](elsewhere) link.',
+      '',
+      '    python scripts/make_figures.py   # `measurements/history.md` in a code block: issue 33',
+      '',
+      'The notebook: `notebooks/reload_and_inspect.ipynb`.'])
+  repo = 'https://github.com/someone/attention-lineage'
+  linked = links_module().link_markdown(page, repo, 'main').split('\n')
+  assert linked[0] == page.split('\n')[0] and linked[3:6] == page.split('\n')[3:6]
+  assert linked[1] == (f'See [`measurements/history.md`]({repo}/blob/main/measurements/history.md), '
+                       f'[`measurements/`]({repo}/tree/main/measurements/) and [issue 33]({repo}/issues/33) (and '
+                       f'[issue #22]({repo}/issues/22)); not `runs/x`, `docs/index.md`,')
+  assert linked[2] == page.split('\n')[2]
+  assert linked[6] == (f'The notebook: [`notebooks/reload_and_inspect.ipynb`]({repo}/blob/main/notebooks/'
+                       'reload_and_inspect.ipynb) [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)]'
+                       '(https://colab.research.google.com/github/someone/attention-lineage/blob/main/notebooks/'
+                       'reload_and_inspect.ipynb).')
+  elsewhere = links_module().link_markdown(page, 'https://gitlab.example/x/y', 'dev').split('\n')[6]
+  assert 'colab' not in elsewhere and '(https://gitlab.example/x/y/blob/dev/notebooks/' in elsewhere
+
+
+def test_every_measurements_file_a_page_names_exists():
+  module = links_module()
+  pages = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(ROOT, 'docs')) for name in names
+           if name.endswith('.md')]
+  named = {span for page in pages for span in re.findall(r'`(measurements/[^`\s]*)`', open(page).read())}
+  assert named and all(module.repository_path(span) for span in named), sorted(
+      span for span in named if not module.repository_path(span))
+
+
+def test_the_notebook_clones_the_repository_the_site_links_to():
+  with open(os.path.join(ROOT, 'mkdocs.yml')) as f:
+    repo_url = re.search(r"^repo_url: !ENV \[ATTENTION_LINEAGE_REPO_URL, '([^']+)'\]$", f.read(), re.M).group(1)
+  with open(os.path.join(ROOT, 'notebooks', 'reload_and_inspect.ipynb')) as f:
+    cloned = re.findall(r"os\.environ\.get\('REPO_URL', '([^']+)'\)", f.read())
+  assert cloned == [repo_url], 'the notebook clones another repository than mkdocs.yml\'s repo_url: make them equal'
