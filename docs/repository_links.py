@@ -10,12 +10,14 @@ environment variable, else a placeholder), on the branch `extra.repo_branch`:
   issue 33, issue #22                   -> [issue 33](<repo_url>/issues/33)
   `notebooks/reload_and_inspect.ipynb`  -> the file's link and an "Open in Colab" badge for it
 
-A code span is linked when it names a file or folder of the repository outside docs/ (pages link to
-each other themselves) that exists; headings, indented code blocks and spans already inside a link are
-left as they are.
+A code span is linked when it names a file or folder the repository tracks (git ls-files; what exists,
+outside a git checkout), outside docs/ (pages link to each other themselves); headings, indented code
+blocks and spans already inside a link are left as they are.
 """
+import functools
 import pathlib
 import re
+import subprocess
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CODE_SPAN = re.compile(r'(?<![\[`])`([^`\n]+)`(?![\]`])')
@@ -24,13 +26,27 @@ PATH = re.compile(r'[\w.-]+(?:/[\w.-]+)*/?')
 COLAB_BADGE = 'https://colab.research.google.com/assets/colab-badge.svg'
 
 
+@functools.cache
+def tracked() -> frozenset[str] | None:
+  """The files git tracks in the repository and their folders (as 'a/b/'); None outside a git checkout."""
+  try:
+    files = subprocess.run(['git', 'ls-files'], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  folders = {'/'.join(path.split('/')[:i]) + '/' for path in files for i in range(1, path.count('/') + 1)}
+  return frozenset(files) | frozenset(folders)
+
+
 def repository_path(text: str) -> str | None:
-  """`text` when it names an existing file or folder of the repository outside docs/, else None."""
-  if not PATH.fullmatch(text) or '..' in text or text.split('/')[0] in ('docs', '.git', 'runs'):
+  """`text` when it names a file or folder of the repository outside docs/, else None."""
+  if not PATH.fullmatch(text) or '..' in text or text.split('/')[0] == 'docs':
     return None
   if '/' not in text and not (REPO / text).is_file():  # a lone word: a top-level file (a folder ends in /)
     return None
-  return text if (REPO / text).exists() else None
+  known = tracked()
+  found = (text if text.endswith('/') or (REPO / text).is_file() else text + '/') in known if known else (
+      REPO / text).exists()
+  return text if found else None
 
 
 def colab_url(repo_url: str, branch: str, path: str) -> str | None:
