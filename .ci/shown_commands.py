@@ -3,11 +3,13 @@
 Each is run by bash in the repository root, in `SHOWN`'s order, with the caller's environment (no flag
 or variable of the test suite's), and must exit 0 within COMMAND_SECONDS. The outputs the docs give
 them (`/tmp/...`, `runs/...`) are removed first, so that a second run of CI on one machine starts as
-the first did. A `mkdocs serve` command runs until it serves the site's first page, then is stopped.
+the first did; a command that reads a run (`--mode=eval --workdir=runs/x`) keeps the one an earlier
+command wrote. A `mkdocs serve` command runs until it serves the site's first page, then is stopped.
 Each command's seconds are printed; a failure prints the end of its output and exits 1.
 
 Usage: python .ci/shown_commands.py [--list]
 """
+import ast
 import os
 import re
 import shutil
@@ -25,9 +27,18 @@ COMMAND_SECONDS = 15 * 60
 SERVE_URL, SERVE_SECONDS = 'http://127.0.0.1:8000/', 180
 
 
+def new_workdir_modes() -> tuple[str, ...]:
+  """launch.py's NEW_WORKDIR_MODES: the modes that write a workdir; the others read a run's."""
+  with open(os.path.join(REPO, 'launch.py')) as f:
+    return ast.literal_eval(re.search(r'^NEW_WORKDIR_MODES = (\(.*?\))', f.read(), re.M).group(1))
+
+
 def outputs(command: str) -> list[str]:
-  """The local paths a command writes that it names (--out_dir=/tmp/x, --workdir=/tmp/x, --out=...)."""
-  return [path for path in re.findall(r'--(?:out_dir|out|workdir)=(\S+)', command) if not path.startswith('gs://')]
+  """The local paths a command writes that it names (--out_dir=/tmp/x, --out=..., and the --workdir=/tmp/x
+  of a launch that writes one; `--mode=eval --workdir=runs/x` reads the run an earlier command wrote)."""
+  mode = re.search(r'--mode=(\w+)', command)
+  flags = 'out_dir|out|workdir' if not mode or mode.group(1) in new_workdir_modes() else 'out_dir|out'
+  return [path for path in re.findall(rf'--(?:{flags})=(\S+)', command) if not path.startswith('gs://')]
 
 
 def serve(command: str) -> None:

@@ -214,12 +214,23 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'python -m pytest -q -n 0 tests/test_x.py': Synopsis(),
     'pip install wandb==0.31.0': Ci('install requirements-dev.txt'),  # requirements-dev.txt's pin
     'pip install -r requirements-docs.txt': Ci('install requirements-docs.txt'),
+    'pip install -r requirements.txt': Ci('install requirements-dev.txt'),  # requirements-dev.txt includes it
+    'pip install -r requirements-dev.txt': Ci('install requirements-dev.txt'),
     'mkdocs build --strict': Ci('docs build'),
     'python launch.py --config=configs/<family>.py[:preset] [--config.section.key=value ...] [--workdir=DIR] '
     '[--mode=MODE]': Synopsis(),
     # --------------------------------------------------------------------- run as written, in this order
     'python scripts/make_gettext_corpus.py --out_dir=/tmp/gettext': RUN,
     'python launch.py --config=configs/attention_pooling.py': RUN,
+    'python3 -m venv .venv && source .venv/bin/activate': RUN,
+    # docs/tutorial.md, in its order: the main job into a named workdir, then eval and predict on it
+    'python launch.py --workdir=runs/first-hour': RUN,
+    'python launch.py --mode=eval --workdir=runs/first-hour': RUN,
+    "echo 'three hundred and twelve' | python launch.py --mode=predict --workdir=runs/first-hour --input=-": RUN,
+    'python launch.py --config=configs/transformer.py:tiny --config.data.source=tsv:/tmp/gettext/train.tsv '
+    '--workdir=runs/my-pairs': RUN,  # on the corpus make_gettext_corpus.py wrote above
+    "python launch.py --config=configs/gpt.py:tiny --config.data.source='text:docs/*.md' --workdir=runs/my-text": RUN,
+    "echo '## Install' | python launch.py --mode=predict --workdir=runs/my-text --input=-": RUN,
     'python launch.py --config=configs/transformer.py:default': RUN,
     'python launch.py --sweep=configs/sweeps/gpt_tiny_random.py --sweep_dry_run': RUN,
     'python launch.py --config=configs/rnn_lm.py': RUN,
@@ -362,6 +373,8 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'python launch.py --mode=import_hf --hf_dir=/path/to/SmolLM-135M --workdir=runs/smollm': Needs('network'),
     'python launch.py --mode=import_hf --hf_dir=/path/to/Qwen3-30B-A3B --workdir=runs/qwen3-moe': Needs('network'),
     'gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...': Needs('accelerator'),
+    'pip install -r requirements.txt "jax[cuda12]==0.10.2"': Needs('accelerator'),
+    'pip install -r requirements.txt "jax[tpu]==0.10.2"': Needs('accelerator'),
     "gcloud compute tpus tpu-vm ssh NAME --worker=all --command='cd attention-lineage && python launch.py "
     "--config=configs/gpt.py:gpt2 --workdir=gs://BUCKET/runs/gpt2'": Needs('accelerator'),
     'python launch.py --mode=eval --workdir=gs://BUCKET/runs/gpt2': Needs('network'),

@@ -282,3 +282,14 @@ def test_the_notebook_clones_the_repository_the_site_links_to():
   with open(os.path.join(ROOT, 'notebooks', 'reload_and_inspect.ipynb')) as f:
     cloned = re.findall(r"os\.environ\.get\('REPO_URL', '([^']+)'\)", f.read())
   assert cloned == [repo_url], 'the notebook clones another repository than mkdocs.yml\'s repo_url: make them equal'
+
+
+def test_the_installation_page_gives_each_requirements_file_its_pins():
+  """docs/installation.md's table: every requirements file with the number of packages it pins itself."""
+  listed = dict(re.findall(r'\| `(requirements[\w-]*\.txt)` \| (\d+)(?: more)? \|', page_text('installation.md')))
+  files = sorted(name for name in os.listdir(ROOT) if re.fullmatch(r'requirements[\w-]*\.txt', name))
+  assert sorted(listed) == files
+  for name in files:
+    with open(os.path.join(ROOT, name)) as f:
+      pins = [line for line in f if re.match(r'[A-Za-z0-9_.-]+(\[[\w,]+\])?==', line)]
+    assert int(listed[name]) == len(pins), f'docs/installation.md gives {name} {listed[name]} pins; it has {len(pins)}'
