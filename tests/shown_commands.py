@@ -362,6 +362,12 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'python launch.py --config=configs/transformer.py:base --config.model.dtype=bfloat16 --config.model.dropout=0.0 '
     '--mode=compile --compile_target=h100': Needs('network'),
     'python launch.py $M --mode=compile --compile_target=v5e-8': Needs('network'),
+    'python launch.py --config=configs/gpt.py:olmoe-1b-7b $E --config.mesh.fsdp=8 --mode=compile '
+    '--compile_target=h100x8': Needs('network'),
+    'python launch.py --config=configs/gpt.py:olmoe-1b-7b $E --config.mesh.fsdp=2 --config.mesh.expert=4 '
+    '--mode=compile --compile_target=h100x8': Needs('network'),
+    'python launch.py --config=configs/gpt.py:olmoe-1b-7b $E --config.mesh.expert=8 --mode=compile '
+    '--compile_target=h100x8': Needs('network'),
     'python launch.py --config=configs/gpt.py:llama-3.2-1b --config.train.batch_size=16 --config.data.seq_len=1024 '
     '--config.model.dtype=bfloat16 --config.model.dropout=0.0 --config.mesh.data=1 --config.mesh.fsdp=8 '
     '--mode=compile --compile_target=v5e-8': Needs('network'),

@@ -1,6 +1,7 @@
 """Every command the README and the docs show is run by CI or a test, or its page says why it cannot run
 here (tests/shown_commands.py says which, command by command)."""
 import ast
+import functools
 import os
 import re
 import textwrap
@@ -101,30 +102,52 @@ def family_and_mode(text: str) -> tuple[str | None, str | None]:
 FAMILIES = support.registered_families()
 
 
+class ModuleSource:
+  """A file of tests/: its source, its functions by name, and the names it imports from other files of
+  tests/ (`from test_bert_task import tiny_config as bert_config`: alias -> (file, name))."""
+
+  def __init__(self, path: str):
+    with open(os.path.join(REPO, path)) as f:
+      self.source = f.read()
+    self.lines = self.source.splitlines()
+    tree = ast.parse(self.source)
+    self.functions = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    self.imported = {alias.asname or alias.name: (f'tests/{n.module}.py', alias.name)
+                     for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
+                     and os.path.isfile(os.path.join(REPO, 'tests', f'{n.module}.py')) for alias in n.names}
+
+
+@functools.cache
+def module_source(path: str) -> ModuleSource:
+  return ModuleSource(path)
+
+
 def checked_source(node: str) -> str:
-  """The source a test runs: its function's, with the module's functions and fixtures it reaches (and
-  tests/support.py's and tests/conftest.py's), followed by name; a whole file when `node` names one."""
+  """The source a test runs: its function's, with the functions and fixtures it reaches, followed by
+  name through its module, the tests/ modules it imports from, tests/support.py and tests/conftest.py;
+  a whole file when `node` names one."""
   path, _, name = node.partition('::')
-  files = {key: open(os.path.join(REPO, key)).read() for key in (path, 'tests/support.py', 'tests/conftest.py')}
+  module = module_source
   if not name:
-    return files[path]
-  functions = {key: {n.name: n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)}
-               for key, source in files.items()}
+    return module(path).source
   seen, todo, parts = set(), [(path, name)], []
   while todo:
     key, function = todo.pop()
     if (key, function) in seen:
       continue
     seen.add((key, function))
-    definition = functions[key][function]
-    parts.append(ast.get_source_segment(files[key], definition))
+    definition = module(key).functions[function]
+    parts.append('\n'.join(module(key).lines[definition.lineno - 1:definition.end_lineno]))
     for sub in ast.walk(definition):
-      if isinstance(sub, ast.Name) and sub.id in functions[key]:
+      if isinstance(sub, ast.Name) and sub.id in module(key).functions:
         todo.append((key, sub.id))
-      elif isinstance(sub, ast.Attribute) and ast.unparse(sub.value) == 'support' and sub.attr in functions['tests/support.py']:
+      elif isinstance(sub, ast.Name) and sub.id in module(key).imported:
+        todo.append(module(key).imported[sub.id])
+      elif isinstance(sub, ast.Attribute) and ast.unparse(sub.value) == 'support' and (
+          sub.attr in module('tests/support.py').functions):
         todo.append(('tests/support.py', sub.attr))
       elif isinstance(sub, ast.arg):  # a fixture, of the module or of conftest.py
-        todo += [(where, sub.arg) for where in (key, 'tests/conftest.py') if sub.arg in functions[where]][:1]
+        todo += [(where, sub.arg) for where in (key, 'tests/conftest.py') if sub.arg in module(where).functions][:1]
   return '\n'.join(parts)
 
 
