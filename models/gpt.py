@@ -294,7 +294,9 @@ class GPT(nnx.Module):
       return block(x, mask, positions=positions, cache=layer_cache, cache_index=cache_index,
                    deterministic=deterministic)
 
-    if self.config.remat != 'none':
+    # Remat decides what the backward pass keeps; decoding (a cache) has none, and its loop runs blocks
+    # created outside it, which nnx.remat refuses.
+    if self.config.remat != 'none' and cache is None:
       run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.config.remat])
     if self.config.scan_layers:
       # A plain lax.scan over the split state rather than nnx.scan, which refuses modules created at

@@ -87,6 +87,19 @@ def test_cached_greedy_decoding_matches_between_layouts():
   assert cache['self']['k'].shape == (3, 2, 2, 13, 8)
 
 
+@pytest.mark.parametrize('remat', ['dots', 'full'])
+def test_cached_decoding_of_a_remat_model_equals_the_plain_one(remat):
+  """Remat only changes what the backward pass keeps: an unscanned model with it decodes as without it
+  (its blocks, created outside the decoding loop, are run without nnx.remat there)."""
+  plain = twin_models()[0]
+  with_remat = twin_models(GPT2Config(**{**CONFIG.__dict__, 'remat': remat}))[0]
+  prompt = tokens(batch=2, length=5, seed=3)
+  valid = jnp.ones(prompt.shape, bool)
+  outputs = [np.asarray(generate(m, prompt, valid, jax.random.key(0), max_new_tokens=6, temperature=0.0, top_k=0,
+                                 top_p=1.0, eos_id=None, pad_id=0)[0]) for m in (plain, with_remat)]
+  np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
 def hlo_size(num_layers: int, scan: bool) -> int:
   config = GPT2Config(**{**CONFIG.__dict__, 'num_layers': num_layers, 'scan_layers': scan})
   model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(params=0, dropout=1)))
