@@ -184,6 +184,22 @@ def test_the_checkpoint_and_optimizer_state_hold_the_adapters_alone(base_run, lo
   assert sum(x.nbytes for x in optimizer if not x.ndim) <= 64
 
 
+def test_the_training_state_line_counts_what_the_checkpoints_hold(corpus, base_run, lora_run, tmp_path):
+  """The start-up line's sizes: the adapters trained, the base frozen, the optimizer's moments and
+  counts, as the saved arrays count them."""
+  from train import state as state_lib
+  from train.trainer import setup_run
+  last, base = saved(lora_run, 4), saved(base_run, 2)
+  size = lambda tree: (sum(np.asarray(x).size for x in jax.tree.leaves(tree)),
+                       sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)))
+  (trained, trained_bytes), (frozen, frozen_bytes) = size(last['model']['params']), size(base['model']['params'])
+  values, value_bytes = size(last['optimizer'])
+  line = state_lib.describe_sizes(setup_run(lora_config(corpus, base_run), str(tmp_path / 'run')).spec)
+  assert line == (f'Training state: {trained:,} trained parameters ({trained_bytes / 2**20:,.2f} MiB), {frozen:,} frozen '
+                  f'({frozen_bytes / 2**20:,.2f} MiB), optimizer state {values:,} values ({value_bytes / 2**20:,.2f} MiB).')
+  assert 2 * trained < values < 2 * trained + 8  # AdamW: two moments of each adapter, and its step counts
+
+
 def test_a_resumed_lora_run_equals_the_uninterrupted_one_and_eval_mode_scores_it_alike(corpus, base_run, lora_run,
                                                                                           tmp_path):
   from train.trainer import evaluate_run, train_and_evaluate

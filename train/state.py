@@ -106,6 +106,22 @@ def state_spec(build_model, mesh, rng_impl: str, tx: optax.GradientTransformatio
   return StateSpec(nnx.graphdef(abstract_model), abstract, shardings, mesh, rng_impl, trainable)
 
 
+def _size(tree) -> tuple[int, int]:
+  """(elements, bytes) of the arrays (or abstract arrays) of `tree`, whole (not per device)."""
+  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, 'shape')]
+  return (sum(int(np.prod(x.shape)) for x in leaves),
+          sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves))
+
+
+def describe_sizes(spec: StateSpec) -> str:
+  """One line: the trained parameters, the frozen ones (a LoRA run's base weights) and the optimizer
+  state, each in elements and MiB, whole (a sharded array counted once, not per device)."""
+  mib = lambda size: f'{size[1] / 2**20:,.2f} MiB'
+  trained, frozen, optimizer = _size(spec.abstract.params), _size(spec.abstract.frozen), _size(spec.abstract.opt_state)
+  return (f'Training state: {trained[0]:,} trained parameters ({mib(trained)}), {frozen[0]:,} frozen '
+          f'({mib(frozen)}), optimizer state {optimizer[0]:,} values ({mib(optimizer)}).')
+
+
 def jit_initialiser(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int):
   """() -> TrainState: the jitted initialiser that `init_state` calls, each array born with its sharding."""
   return jax.jit(_init_fn(build_model, tx, seed, spec.rng_impl, spec.trainable), out_shardings=spec.shardings)

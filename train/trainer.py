@@ -219,6 +219,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                             wandb=_wandb_settings(config, workdir))
       if start_step:
         writer.log(f'Resumed from the checkpoint at step {start_step} in {checkpointer.directory}.')
+      writer.log(state_lib.describe_sizes(setup.spec))
       writer.log(evaluation.describe(setup))
       writer.log(evaluation.describe_final(setup))
       # -------------------------------------------------------------- 4. loop
