@@ -22,13 +22,16 @@ token cache):
   python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=2
   python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=1 \
       --size=model.num_layers=6,model.width=384,model.num_heads=6
+  python scripts/time_to_target.py --config=configs/gpt.py:moe --baseline=gpt-dense --steps=400 --rounds=1 --run_through
   python scripts/time_to_target.py --config=configs/transformer.py:default --baseline=transformer-2019 \
       --data=gettext --minutes=10 --metric=test/bleu --rounds=1
   python scripts/time_to_target.py --config=configs/classifier.py:default --baseline=classifier-2019 \
       --minutes=3 --metric=test/accuracy --rounds=2
 
 `--baseline` names one of BASELINES below: the recipe a family's `default` preset had before the
-tuned recipes (as `--config.*` overrides of today's preset). Every run's workdir, log and result
+tuned recipes (as `--config.*` overrides of today's preset), or `gpt-dense`, the dense decoder under
+a mixture-of-experts preset. With --run_through every arm trains all --steps steps (the target
+recorded where first met, not stopping there). Every run's workdir, log and result
 line are kept under --out; the table (Markdown) and results.json go there too, with the CPU model
 and the load average before each run, and curves.csv: every evaluation during training of every run
 (arm, round, step, eval/loss and the run's clock then), the learning curves against steps and seconds.
@@ -72,6 +75,8 @@ BASELINES = {
         'model.attention_dropout': 0.0, 'model.pre_norm': True, 'model.qk_norm': False, 'model.zero_init_out': False,
         'model.token_dropout': 0.0,
     },
+    # The dense decoder a mixture-of-experts preset is built on (configs/gpt.py:moe is `default` with experts).
+    'gpt-dense': {'model.moe_experts': 0, 'model.moe_hidden': 0},
 }
 GETTEXT_DIR = '/tmp/gettext'  # scripts/make_gettext_corpus.py's output
 CLOCK_SCHEDULES = ('constant', 'rsqrt', 'wsd')  # schedules that need no step count: they run on the clock
@@ -233,10 +238,15 @@ def parse_args(argv: list[str] | None):
   parser.add_argument('--probe_minutes', default='',
                       help='with --minutes: the minutes of the probes of a schedule that decays over train.steps '
                            '(comma-separated; default: --minutes itself)')
+  parser.add_argument('--run_through', action='store_true',
+                      help='with --steps: each arm trains all N steps (the target still recorded where first met), '
+                           'so the result lines and metrics hold every arm at step N too')
   parser.add_argument('--out', default='runs/time-to-target')
   args = parser.parse_args(argv)
   if bool(args.steps) == bool(args.minutes):
     raise SystemExit('Give exactly one of --steps and --minutes.')
+  if args.run_through and not args.steps:
+    raise SystemExit('--run_through goes with --steps (a --minutes run always trains to its clock).')
   try:
     args.probe_minutes = [float(m) for m in args.probe_minutes.split(',') if m]
   except ValueError:
@@ -288,7 +298,8 @@ def main(argv: list[str] | None = None):
         # N steps, as the baseline's first run: a schedule's length (cosine's decay, wsd's cooldown) is part
         # of the recipe, so the rerun baseline meets the target at step N, and a recipe that has not met
         # it by then ends with target/met false.
-        overrides.update({'train.target': target, 'train.stop_at_target': True, 'train.steps': args.steps})
+        overrides.update({'train.target': target, 'train.stop_at_target': not args.run_through,
+                          'train.steps': args.steps})
       else:
         overrides.update(plans[arm]['overrides'])
       runs.append(timed_run(args, config, overrides, os.path.join(args.out, f'{arm}-{round_}'), arm, round_))

@@ -105,3 +105,22 @@ def test_schedules_that_need_no_step_count_run_on_the_clock_without_a_probe(scri
                '--metric=test/bleu', '--rounds=1', f'--out={tmp_path}'])
   assert trained(script) == [('recipe-0', 1_000_000, 2.0, None), ('baseline-0', 1_000_000, 2.0, 'rsqrt')]
   assert '- baseline: rsqrt needs no step count' in open(os.path.join(tmp_path, 'table.md')).read()
+
+
+def test_run_through_trains_every_arm_all_its_steps_against_the_dense_baseline(script, tmp_path):
+  out = str(tmp_path / 'out')
+  script.main(['--config=configs/gpt.py:moe', '--baseline=gpt-dense', '--steps=400', '--rounds=1', '--run_through',
+               f'--out={out}'])
+  runs = [(os.path.basename(workdir), overrides['train.steps'], overrides.get('train.stop_at_target'),
+           overrides.get('model.moe_experts'))
+          for args, overrides, workdir in script.calls if '--mode=prepare' not in args]
+  # The dense baseline's 400 steps set the target; then both arms train all 400 steps, the target recorded.
+  assert runs == [('baseline-full', 400, None, 0), ('recipe-0', 400, False, None), ('baseline-0', 400, False, 0)]
+  assert all(overrides['train.target'] == 'eval/loss<=2.5' for _, overrides, workdir in script.calls
+             if os.path.basename(workdir or '').endswith('-0'))
+
+
+def test_run_through_needs_steps(script, tmp_path):
+  with pytest.raises(SystemExit, match='--run_through goes with --steps'):
+    script.main(['--config=configs/gpt.py:moe', '--baseline=gpt-dense', '--minutes=3', '--run_through',
+                 f'--out={tmp_path}'])
