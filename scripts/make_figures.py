@@ -1,6 +1,6 @@
 """The documentation's figures, drawn from the committed measurement files only (measurements/).
 
-  python scripts/make_figures.py [--out=docs/figures]
+  python scripts/make_figures.py [--out=docs/figures] [--check]
 
 Writes, each from the files named:
   gpt_time_to_target.png          measurements/gpt_recipe_ablation.csv, measurements/gpt_time_to_target.csv
@@ -10,20 +10,29 @@ Writes, each from the files named:
   token_cache_rss.png             measurements/token_cache_rss.csv
   speed_tables.png                measurements/speed_raw.jsonl (the lines speed_raw_provenance.csv dates),
                                   measurements/speed_xeon.csv
+  transformer_attention.png       measurements/transformer_attention.json (scripts/attention_map.py's record
+                                  of a main-job run): its cross-attention heads, drawn by train/pictures.py
+
+Each PNG records what it was drawn from: its text chunk `drawn_from` holds the JSON {repository path:
+SHA-256} of every file read for it, so a figure older than its data is found from the files alone
+(`stale_figures`, `--check`; tests/test_figures.py runs it). Every bar chart's value axis starts at 0.
 
 A study is rebuilt in memory: `optuna.create_study` plus `add_trials` of every finished trial in its
 CSV (the sweep's own sweep.csv), with the distributions the sweep file declares, so the plots are
 Optuna's, not redrawn here. Pruned trials are left out (their rows hold the evaluation they were
 pruned at, not a final score). The PNGs are committed under docs/figures/; rerun this when a
-measurement file changes.
+measurement file changes (`--check` lists the figures whose data changed since they were drawn, exit 1).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import hashlib
 import json
 import os
 import sys
+import textwrap
 import warnings
 
 import matplotlib
@@ -35,26 +44,61 @@ import optuna  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from sweeps import runner, studies  # noqa: E402
+from train import pictures  # noqa: E402
 
-MEASUREMENTS = os.path.join(REPO, 'measurements')
 STUDIES = {  # measurements/<name>.csv: the sweep file that ran it
     'gpt_recipe_study': 'configs/sweeps/gpt_recipe.py',
     'transformer_recipe_study': 'configs/sweeps/transformer_recipe.py',
     'classifier_recipe_study': 'configs/sweeps/classifier_recipe.py',
 }
 RECIPE, BASELINE = '#1f77b4', '#aaaaaa'
+DRAWN_FROM_KEY = 'drawn_from'  # the PNG text chunk naming the data files and their SHA-256
+READ: set[str] = set()  # repository paths read since main() began the figure being drawn
+
+
+def data_file(relative: str) -> str:
+  """The absolute path of the repository file `relative`, noted as a source of the figure being drawn."""
+  READ.add(relative)
+  return os.path.join(REPO, relative)
 
 
 def read_csv(name: str) -> list[dict[str, str]]:
-  with open(os.path.join(MEASUREMENTS, name), newline='', encoding='utf-8') as f:
+  with open(data_file(f'measurements/{name}'), newline='', encoding='utf-8') as f:
     return list(csv.DictReader(f))
 
 
+def sha256(path: str) -> str:
+  with open(path, 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
 def save(figure, out_dir: str, name: str) -> None:
+  """Write `figure` as out_dir/name with the digests of the files read for it (DRAWN_FROM_KEY)."""
   path = os.path.join(out_dir, name)
-  figure.savefig(path, dpi=110, bbox_inches='tight')
+  drawn_from = {relative: sha256(os.path.join(REPO, relative)) for relative in sorted(READ)}
+  figure.savefig(path, dpi=110, bbox_inches='tight', metadata={DRAWN_FROM_KEY: json.dumps(drawn_from)})
   plt.close(figure)
   print(path)
+
+
+def stale_figures(figures_dir: str, root: str = REPO) -> list[str]:
+  """One line per PNG in `figures_dir` not drawn from the current files under `root`: no record of its
+  data, or a file it was drawn from changed or gone since."""
+  from PIL import Image  # matplotlib's own dependency
+  stale = []
+  for name in sorted(n for n in os.listdir(figures_dir) if n.endswith('.png')):
+    with Image.open(os.path.join(figures_dir, name)) as image:
+      record = image.text.get(DRAWN_FROM_KEY)
+    if not record:
+      stale.append(f'{name}: no record of the data it was drawn from')
+      continue
+    for relative, digest in json.loads(record).items():
+      path = os.path.join(root, relative)
+      if not os.path.isfile(path):
+        stale.append(f'{name}: drawn from {relative}, which is gone')
+      elif sha256(path) != digest:
+        stale.append(f'{name}: {relative} changed since it was drawn')
+  return stale
 
 
 def gpt_time_to_target(out_dir: str) -> None:
@@ -73,7 +117,7 @@ def gpt_time_to_target(out_dir: str) -> None:
   left.barh(range(len(ablation)), losses, color=colors)
   left.set_yticks(range(len(ablation)), [row['trial'] for row in ablation], fontsize=8)
   left.invert_yaxis()
-  left.set_xlim(min(losses) - 0.2, max(losses) + 0.1)
+  left.set_xlim(0, max(losses) * 1.12)  # from zero: the differences at their true size
   for y, loss in enumerate(losses):
     left.text(loss + 0.01, y, f'{loss:.3f}', va='center', fontsize=8)
   left.set_xlabel('eval loss after 120 steps (lower is better)')
@@ -115,7 +159,8 @@ def gpt_learning_curves(out_dir: str) -> None:
     axis.set_xlabel(label)
     axis.set_ylim(target - 0.4, target + 1.6)
     axis.grid(alpha=0.3)
-  axes[0].text(0, target - 0.05, f"target {target:.4f} (the 2019 recipe's step-400 eval loss)", fontsize=8, va='top')
+  axes[0].text(0.98, target - 0.05, f"target {target:.4f} (the 2019 recipe's step-400 eval loss)", fontsize=8,
+               va='top', ha='right', transform=axes[0].get_yaxis_transform())
   axes[0].set_ylabel('eval loss (8 validation batches)')
   axes[1].legend(fontsize=8)
   figure.suptitle(f"GPT default: the recipe against the 2019 recipe ({first['date']}, {first['recorded_at']}, "
@@ -134,7 +179,7 @@ def parsed(text: str, distribution):
 
 def rebuilt_study(name: str, sweep_file: str) -> tuple[optuna.Study, str]:
   """The finished trials of measurements/<name>.csv as an Optuna study; and the sweep's metric."""
-  sweep = runner.load_sweep(os.path.join(REPO, sweep_file))
+  sweep = runner.load_sweep(data_file(sweep_file))
   distributions = {key: studies.distribution(entry) for key, entry in sweep.space.items()}
   study = optuna.create_study(study_name=name, direction=sweep.direction)
   trials = []
@@ -148,19 +193,19 @@ def rebuilt_study(name: str, sweep_file: str) -> tuple[optuna.Study, str]:
   return study, sweep.metric
 
 
-def study_figures(out_dir: str) -> None:
+def study_figures(name: str, out_dir: str) -> None:
+  """Optuna's optimization history and fANOVA importances of measurements/<name>.csv."""
   optuna.logging.set_verbosity(optuna.logging.WARNING)
   warnings.filterwarnings('ignore', category=optuna.exceptions.ExperimentalWarning)  # the matplotlib plots' label
-  for name, sweep_file in STUDIES.items():
-    study, metric = rebuilt_study(name, sweep_file)
-    with plt.rc_context():  # Optuna's plots switch matplotlib to its ggplot style: for these figures only
-      axes = optuna.visualization.matplotlib.plot_optimization_history(study, target_name=metric)
-      axes.set_title(f'{name}: optimization history ({len(study.trials)} finished trials)', fontsize=10)
-      save(axes.figure, out_dir, f'{name}_history.png')
-      axes = optuna.visualization.matplotlib.plot_param_importances(
-          study, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0))
-      axes.set_title(f'{name}: parameter importances for {metric} (fANOVA)', loc='left', fontsize=10)  # Optuna's
-      save(axes.figure, out_dir, f'{name}_importance.png')
+  study, metric = rebuilt_study(name, STUDIES[name])
+  with plt.rc_context():  # Optuna's plots switch matplotlib to its ggplot style: for these figures only
+    axes = optuna.visualization.matplotlib.plot_optimization_history(study, target_name=metric)
+    axes.set_title(f'{name}: optimization history ({len(study.trials)} finished trials)', fontsize=10)
+    save(axes.figure, out_dir, f'{name}_history.png')
+    axes = optuna.visualization.matplotlib.plot_param_importances(
+        study, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0))
+    axes.set_title(f'{name}: parameter importances for {metric} (fANOVA)', loc='left', fontsize=10)  # Optuna's
+    save(axes.figure, out_dir, f'{name}_importance.png')
 
 
 def token_cache_rss(out_dir: str) -> None:
@@ -188,7 +233,7 @@ def token_cache_rss(out_dir: str) -> None:
 
 def dated_speed_lines() -> list[tuple[dict, dict]]:
   """(raw line, its provenance row) for the lines speed_raw_provenance.csv gives a machine."""
-  with open(os.path.join(MEASUREMENTS, 'speed_raw.jsonl'), encoding='utf-8') as f:
+  with open(data_file('measurements/speed_raw.jsonl'), encoding='utf-8') as f:
     lines = [json.loads(line) for line in f if line.strip()]
   out = []
   for row in read_csv('speed_raw_provenance.csv'):
@@ -226,21 +271,20 @@ def speed_tables(out_dir: str) -> None:
   xeon_meta = read_csv('speed_xeon.csv')[0]
   machines = [(f"AMD EPYC, 2 cores ({', '.join(amd_dates)}; speed_raw.jsonl)", amd, 'tab:blue'),
               (f"Intel Xeon, 2 cores ({xeon_meta['date']}, {xeon_meta['recorded_at']})", xeon, 'tab:orange')]
-  figure, axes = plt.subplots(figsize=(11, 4.8))
-  width = 0.38
+  figure, axes = plt.subplots(figsize=(13, 5.2))
+  width = 0.44  # each machine's share of a benchmark's slot: its rounds side by side
   for m, (label, rows, color) in enumerate(machines):
     for b, benchmark in enumerate(benchmarks):
       ratios = [r['ratio'] for r in sorted(rows, key=lambda r: r['round']) if r['benchmark'] == benchmark]
       step = width / max(len(ratios), 1)
-      for k, ratio in enumerate(ratios):
-        x = b + (m - 0.5) * width + (k + 0.5) * step - width / 2
-        axes.bar(x, ratio, step * 0.9, color=color, label=label if b == 0 and k == 0 else None)
-        axes.text(x, ratio + 0.03, f'{ratio:.2f}', ha='center', fontsize=6.5, rotation=90)
+      xs = [b + (m - 0.5) * width + (k + 0.5) * step - width / 2 for k in range(len(ratios))]
+      bars = axes.bar(xs, ratios, step * 0.92, color=color, label=label if b == 0 else None)
+      axes.bar_label(bars, [f'{ratio:.2f}' for ratio in ratios], fontsize=7, padding=2)
   for b, benchmark in enumerate(benchmarks):
-    axes.plot([b - 0.45, b + 0.45], [targets[benchmark]] * 2, color='black', linestyle=':', linewidth=1,
+    axes.plot([b - 0.47, b + 0.47], [targets[benchmark]] * 2, color='black', linestyle=':', linewidth=1,
               label='target' if b == 0 else None)
   axes.axhline(1.0, color='black', linewidth=0.8)
-  axes.set_xticks(range(len(benchmarks)), [b.replace(' tokens/s', '\ntokens/s') for b in benchmarks], fontsize=8)
+  axes.set_xticks(range(len(benchmarks)), [textwrap.fill(b, 18) for b in benchmarks], fontsize=8)
   axes.set_ylabel('ours / PyTorch reference (one bar per round)')
   axes.set_title('Speed against the PyTorch references (higher is better)', fontsize=10)
   axes.set_ylim(0, 5.3)
@@ -248,16 +292,38 @@ def speed_tables(out_dir: str) -> None:
   save(figure, out_dir, 'speed_tables.png')
 
 
+def transformer_attention(out_dir: str) -> None:
+  """The main job's cross-attention on one test sentence, one heatmap per head, as the run draws it."""
+  with open(data_file('measurements/transformer_attention.json'), encoding='utf-8') as f:
+    record = json.load(f)
+  panels = [[pictures.Panel(weights, record['target_tokens'], record['source_tokens'], f'head {h + 1}',
+                            'English source', 'French translation, word by word')
+             for h, weights in enumerate(record['heads'])]]
+  figure = pictures.attention_figure(panels, textwrap.fill(
+      f"The main job's cross-attention (decoder layer {record['decoder_layer']}, step {record['step']}): "
+      f"\"{record['source']}\" -> \"{record['translation']}\" ({record['date']}, {record['recorded_at']}, "
+      f"{record['machine']})", 110, break_on_hyphens=False))
+  save(figure, out_dir, 'transformer_attention.png')
+
+
+FIGURES = (gpt_time_to_target, gpt_learning_curves, token_cache_rss, speed_tables, transformer_attention,
+           *(functools.partial(study_figures, name) for name in STUDIES))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default=os.path.join(REPO, 'docs', 'figures'))
+  parser.add_argument('--check', action='store_true',
+                      help="draw nothing: list the figures in --out whose data changed since they were drawn")
   args = parser.parse_args()
+  if args.check:
+    stale = stale_figures(args.out)
+    print('\n'.join(stale) or f'{args.out}: every figure is drawn from the current data')
+    sys.exit(1 if stale else 0)
   os.makedirs(args.out, exist_ok=True)
-  gpt_time_to_target(args.out)
-  gpt_learning_curves(args.out)
-  token_cache_rss(args.out)
-  speed_tables(args.out)
-  study_figures(args.out)
+  for draw in FIGURES:
+    READ.clear()  # what the next figures are drawn from
+    draw(args.out)
 
 
 if __name__ == '__main__':

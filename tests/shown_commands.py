@@ -246,6 +246,7 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'python scripts/fault_soak.py --workdir=/tmp/soak-2p --processes=2 --kills=10 --seed=1': RUN,
     'python scripts/fault_soak.py --workdir=gs://bucket/soak --emulator --kills=10 --seed=2': RUN,
     'python scripts/make_figures.py': RUN,
+    'python scripts/make_figures.py --check': RUN,  # after the figures above are redrawn: none stale
     'python docs/gen_config_reference.py > docs/reference/config.md': RUN,  # the committed copy, rewritten equal
     'pip install -r requirements-docs.txt && mkdocs serve': RUN,  # until it serves the site, then stopped
     'mkdocs serve': RUN,

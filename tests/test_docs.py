@@ -210,14 +210,6 @@ def test_a_rebuilt_study_has_the_trials_and_the_best_score_the_docs_report(study
   assert f'{rebuilt.best_value:.{decimals}f}' == report['best']
 
 
-def test_the_figures_are_drawn_from_the_committed_measurements(tmp_path, monkeypatch):
-  monkeypatch.setattr('sys.argv', ['make_figures.py', f'--out={tmp_path}'])
-  figures_module().main()
-  drawn = sorted(path.name for path in tmp_path.iterdir())
-  assert drawn == sorted(os.listdir(os.path.join(ROOT, 'docs', 'figures')))
-  assert all((tmp_path / name).stat().st_size > 10_000 for name in drawn)
-
-
 def test_the_learning_curves_cross_the_target_where_the_time_to_target_table_says():
   """The curves figure and the table come from the same runs: each run's first evaluation at or below the
   target is the table's step count, and the median over rounds of the run's clock then its seconds."""

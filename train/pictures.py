@@ -1,9 +1,9 @@
 """Attention heatmaps as PNG files, for any family that records attention weights, and the expert
 load of a mixture-of-experts run.
 
-`plot_attention(path, panels, ...)` draws a grid of panels, each a [queries, keys] weight matrix
-with its tokens on the axes (one row per attention kind, one column per head, say). Families
-pass the file paths back from `Task.evaluate` under 'images' so the trainer also logs them to
+`plot_attention(path, panels, ...)` draws a grid of panels (`attention_figure`), each a [queries, keys]
+weight matrix with its tokens on the axes (one row per attention kind, one column per head, say).
+Families pass the file paths back from `Task.evaluate` under 'images' so the trainer also logs them to
 TensorBoard. `token_labels` turns ids into short readable axis labels.
 """
 from __future__ import annotations
@@ -43,6 +43,15 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
 
 def plot_attention(path: str, panels: Sequence[Sequence[Panel]], title: str = '') -> str:
   """Save a grid of heatmaps (panels[row][column]) to `path` (PNG) and return the path."""
+  import matplotlib.pyplot as plt
+  figure = attention_figure(panels, title)
+  storage.save_png(figure, path, dpi=90)
+  plt.close(figure)
+  return path
+
+
+def attention_figure(panels: Sequence[Sequence[Panel]], title: str = ''):
+  """A matplotlib figure of a grid of heatmaps (panels[row][column]), each cell sized by its token counts."""
   import matplotlib
   matplotlib.use('Agg')  # files only, no display
   import matplotlib.pyplot as plt
@@ -68,9 +77,7 @@ def plot_attention(path: str, panels: Sequence[Sequence[Panel]], title: str = ''
   if title:
     figure.suptitle(title, fontsize=10)
   figure.tight_layout()
-  storage.save_png(figure, path, dpi=90)
-  plt.close(figure)
-  return path
+  return figure
 
 
 def plot_expert_load(path: str, steps: Sequence[int], blocks: Sequence[int], max_load: np.ndarray,
