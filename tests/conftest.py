@@ -45,3 +45,15 @@ if not os.environ.get('ATTENTION_LINEAGE_DATA_CACHE'):
   os.environ['ATTENTION_LINEAGE_DATA_CACHE'] = tempfile.mkdtemp(prefix='attention-lineage-test-data-')
   atexit.register(_remove_data_cache, os.environ['ATTENTION_LINEAGE_DATA_CACHE'], os.getpid())
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The files that take one worker longest, handed out first (pytest.ini: --no-loadscope-reorder, so
+# pytest-xdist's loadfile keeps this order): a long file started last would leave the other worker
+# idle at the end. Only the order depends on this list; a file missing from it runs after these.
+SLOWEST_FILES = ('test_sweep.py', 'test_run_layout.py', 'test_trainer.py', 'test_daily_loop.py', 'test_fault_soak.py',
+                 'test_moe.py', 'test_lm_eval.py', 'test_transformer.py', 'test_lora.py', 'test_compile.py',
+                 'test_cloud_workdir.py', 'test_interop_errors.py', 'test_budget.py', 'test_cooldown.py')
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
