@@ -496,6 +496,14 @@ class Soak:
     return 0
 
 
+def in_run(value, run_dir: str):
+  """A result line's value with the files it names (`images`: {name: path}) relative to their run's
+  directory `run_dir`, so that two runs' lines compare."""
+  if isinstance(value, dict):
+    return {k: in_run(v, run_dir) for k, v in value.items()}
+  return value.removeprefix(run_dir) if isinstance(value, str) else value
+
+
 def end_state_differences(soak: Soak) -> dict[str, list[str]]:
   """How the finished soaked run differs from the reference, in {'checkpoints': every one it kept,
   'metrics.jsonl': its rows, 'result': the final result line} ([] each when bit-equal)."""
@@ -520,8 +528,8 @@ def end_state_differences(soak: Soak) -> dict[str, list[str]]:
                        f'{rows["soaked"][first] if first < len(rows["soaked"]) else "(none)"} against '
                        f'{rows["reference"][first] if first < len(rows["reference"]) else "(none)"}')
   ignored = ('workdir', 'train/compiles')  # a resume at the last step compiles no train step
-  results = [{k: v for k, v in result.items() if k not in ignored}
-             for result in (soak.final['result'], soak.reference['result'])]
+  results = [{k: in_run(v, f'{soak.root}/{name}/') for k, v in result.items() if k not in ignored}
+             for name, result in (('soaked', soak.final['result']), ('reference', soak.reference['result']))]
   if results[0] != results[1]:
     found['result'].append(f'final result line {results[0]} against the reference\'s {results[1]}')
   return found

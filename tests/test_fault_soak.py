@@ -83,3 +83,13 @@ def test_bad_flags_are_one_error_line(tmp_path):
   (tmp_path / 'used' / 'file').write_text('x')
   result = soak(f'--workdir={tmp_path}/used', timeout=60)
   assert result.returncode == 1 and result.stderr.startswith('error: ') and 'not empty' in result.stderr
+
+
+def test_result_lines_compare_with_the_files_they_name_relative_to_their_runs():
+  """An MoE run's result line names its expert-load picture inside its own workdir: the soaked run's and
+  the reference's lines are equal once each path is relative to its run."""
+  fault_soak = support.load_file('scripts/fault_soak.py')
+  soaked = {'eval/loss': 2.5, 'images': {'moe/expert_load': '/r/soaked/moe_expert_load.png'}}
+  reference = {'eval/loss': 2.5, 'images': {'moe/expert_load': '/r/reference/moe_expert_load.png'}}
+  assert fault_soak.in_run(soaked, '/r/soaked/') == fault_soak.in_run(reference, '/r/reference/')
+  assert fault_soak.in_run({**soaked, 'eval/loss': 2.4}, '/r/soaked/') != fault_soak.in_run(reference, '/r/reference/')
