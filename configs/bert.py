@@ -17,35 +17,13 @@ Commands (CPU, bbc_news: 2,225 BBC articles, 5 topics, 80/10/10 split by article
   python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-pretrain \\
       --workdir=runs/bert-bbc
   python launch.py --config=configs/bert.py:finetune --workdir=runs/bert-bbc-scratch   # no pretraining
-Measured (one run each, seed 0; 2 CPU cores shared with other jobs, every run under nice -n 19,
-so wall times vary with the load; CPU time is user + sys):
-  pretraining (`default`), 2,000 steps x 32 pairs x 128 tokens (42 min wall at load ~10): eval MLM
-    accuracy 13.5%, NSP accuracy 59%: still close to the unigram plateau of early BERT training
-    (fill-mask answers are frequent tokens), NSP barely above chance.
-  fine-tuning (`finetune`), 256 tokens, 340 steps of 32 = 6 epochs, lr 5e-4 linear; test accuracy /
-  macro-F1 on the 223 test articles (valid accuracy on 222):
-    from scratch                 0.951 / 0.948   (valid 0.950; 5.9 min wall, 6.8 CPU-min)
-    from that pretraining run    0.874 / 0.870   (valid 0.865; 5.1 min wall, 6.6 CPU-min)
-    with --config.train.lr=1e-3: from scratch 0.969 / 0.967 (valid 0.937; 5.3 min wall, 6.6 CPU-min),
-    from pretraining 0.924 / 0.921 (valid 0.901; 6.8 min wall, 6.8 CPU-min). The preset keeps
-    lr 5e-4, the best valid score of these four runs (the test split chose nothing).
-    the same at 128 tokens: from scratch 0.919 / 0.921 (valid 0.932),
-    from pretraining 0.852 / 0.845 (valid 0.878)
-    TF-IDF + logistic regression 0.982 / 0.982   (scripts/tfidf_baseline.py, same split)
-    the Transformer classifier   see configs/classifier.py (trained from scratch, 512 tokens)
-  Reading 256 instead of 128 tokens gains 3.2 points from scratch and 2.2 after pretraining; BERT
-  stays below the TF-IDF baseline, which sees every word of every article (the median article
-  has 446 WordPiece tokens, 40% have more than 510).
-  Pretraining did not help the final accuracy at this budget: -7.7 test points at 256 tokens with
-  the preset (-4.5 with lr 1e-3, which suits the pretrained start better; -6.7 at 128 tokens).
-  It only made fine-tuning start faster (valid accuracy after 100 steps 0.60 vs 0.45 from
-  scratch at 256 tokens; 0.71 vs 0.36 at 128). With a shorter recipe (128 tokens, 170 steps,
-  lr 3e-4) it did help: 0.592 vs 0.448. A variant with init_std=0.06 (MLM 14.1%, NSP 60%)
-  fine-tuned to 0.865 at 128 tokens. BERT's gains need far more pretraining than CPU minutes give
-  (BERT-base: 1M steps of 256 sequences of 128-512 tokens, ~5,000x this run's tokens), and here
-  the pretraining text is the fine-tuning text itself. The pretraining run has 128 positions;
-  `finetune` asks for 256, so positions 128..255 start from random values (init_from copies the
-  first 128).
+What `finetune` is: the `default` model read at 256 tokens, 340 steps of 32 (6 epochs), lr 5e-4 with
+linear decay (the best validation score of the runs tried; the test split chose nothing). Its runs
+from scratch and after `default` pretraining, at other learning rates and lengths, against TF-IDF +
+logistic regression (scripts/tfidf_baseline.py), with date, commit and machine:
+measurements/bert_bbc_news.csv (docs/families/bert.md). The pretraining run has 128 positions;
+`finetune` asks for 256, so positions 128..255 start from random values (init_from copies the
+first 128).
 
 Hugging Face checkpoints (with or without pretraining heads):
   python launch.py --config=configs/bert.py:base --config.task=features --mode=import_hf \\
@@ -61,8 +39,8 @@ Presets:
             109,536,000, the embedding padded to 30,592 rows (model.vocab_multiple, zero rows never used)
   large     BERT-large 24/1024/16/4096: encoder 335,141,888 parameters
   bench     speed only (--mode=bench): the reference benchmark's shapes, 6/384/6/1536, vocabulary 8,192,
-            batch 16 x 128, MLM + NSP, dropout 0, AdamW; measured on 2 CPU cores: 1,347-1,652 tokens/s
-            (1.04x HF BertForPreTraining in the same runs; README 'Speed')
+            batch 16 x 128, MLM + NSP, dropout 0, AdamW; its speed against HF BertForPreTraining:
+            docs/benchmarks.md
 
 Other data: --config.data.source=text:'/path/*.txt' (one document per file, or documents
 separated by blank lines in a single file), tfds:<name>[:<split>] (a `data.text_field`

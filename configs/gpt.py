@@ -4,20 +4,13 @@ Command (CPU, 2 cores):
   python launch.py --config=configs/gpt.py:default
 The recipe (issue 33): Muon (train.lr = train.adam_lr = 4e-3), warmup-stable-decay (20 warmup steps,
 the last 20% cooled, 1-sqrt), QK-norm, ReLU^2, logits soft-capped at 15, zero-initialised output
-projections. Chosen by
+projections. Chosen by the ablation
   python launch.py --sweep=configs/sweeps/gpt_recipe_ablation.py --workdir=runs/gpt-recipe-ablation
-(6 listed trials of 120 steps; whole-split eval loss 4.949 for the 2019 recipe -> 4.355 for this one).
-The TPE study of configs/sweeps/gpt_recipe.py (12 trials of 160 steps, 2026-11-27) found nothing
-better: its best 4.204 against this preset's 4.216 at 160 steps, and 3.905 against 3.867 on seed 1.
-Measured on 2 cores of an AMD EPYC, 2026-11-26 (held-out stdlib files, a 2,048-token byte-level BPE,
-32 x 128 tokens a step, seed 0):
-  python scripts/time_to_target.py --config=configs/gpt.py:default --baseline=gpt-2019 --steps=400 --rounds=1
-the 2019 recipe (AdamW at 2e-3, 50 warmup steps + cosine, GPT-2 block) ends its 400 steps at eval loss
-4.096 over the whole validation split; this recipe reaches that run's logged step-400 loss (3.878,
-8 batches) at step 220 (0.55x the steps) in 526 s against the 2019 recipe's 802 s to step 400
-(0.66x the seconds; README, Time to quality). On one H200: 0.55x the steps at this size and at
-6 layers x 384 (not retuned), 0.68x the seconds without compiling, ~1.05x with it. Its own 400 steps
-end at eval loss 3.730 over the whole validation split (perplexity 41.7; 15 min 19 s on the 2 cores).
+and kept after the TPE study of configs/sweeps/gpt_recipe.py found nothing better than a seed's spread.
+Data: held-out stdlib files, a 2,048-token byte-level BPE, 32 x 128 tokens a step. Its results (the
+ablation, the study, its 400 steps, its time to the 2019 recipe's loss on CPU and on an H200) are
+data in measurements/ (gpt_recipe_ablation.csv, gpt_recipe_study.csv, families.csv,
+gpt_time_to_target.csv), each row with its date, commit and machine; docs/families/gpt.md reports them.
 
 Presets:
   tiny         tests: seconds, character-level
@@ -26,10 +19,7 @@ Presets:
                124,475,904, the embedding padded to 50,304 rows (model.vocab_multiple, zero rows never used)
   gpt2-medium  GPT-2 medium, 354,823,168 parameters (stored: 354,871,296)
   bench        the reference benchmark shapes (6 layers, 384 wide, 6 heads, vocab 8,192, batch 8 x 256);
-               measured on 2 CPU cores: 1,098-1,201 train tokens/s (1.02x-1.21x HF GPT-2 in the same runs),
-               greedy decoding 198-245 / 1,034-1,184 new tokens/s at batch 1 / 8 (1.48x-2.27x / 1.92x-2.51x
-               HF generate);
-               README 'Speed' has the table
+               its speed against HF GPT-2 and HF generate: docs/benchmarks.md, from measurements/speed_raw.jsonl
   llama        the Llama-style decoder (RoPE, RMSNorm, SwiGLU, 2 KV heads for 4 query heads, no biases)
                at the `default` preset's size (3,746,048 parameters against 3,749,376) on the same text
   llama-bench  the `bench` shapes, Llama-style (2 KV heads, SwiGLU 1,024 wide)
@@ -37,7 +27,7 @@ Presets:
   llama-3.2-1b Llama 3.2 1B: 1,235,814,400 parameters (16 layers, 2,048 wide, 32 heads, 8 KV heads,
                Llama 3 RoPE scaling)
   Import either from Hugging Face instead of training it: python launch.py --mode=import_hf --hf_dir=DIR
-  --workdir=RUN (README 'Llama-style decoders').
+  --workdir=RUN (docs/families/gpt.md, Llama-style decoders).
   moe          `default` as a mixture of experts: 8 experts of width 510, top-2, in every block:
                10,011,648 parameters, 3,744,768 active per token against `default`'s 3,749,888 (its
                MLP biases; the experts have none)
@@ -92,7 +82,7 @@ PRESETS = {
 # The Llama steps (models/gpt.py); tied embeddings as in SmolLM and Llama 3.2 1B.
 LLAMA = dict(positions='rope', norm='rmsnorm', mlp='swiglu', use_bias=False)
 PRESETS |= {
-    # The 2019 recipe, as measured against Hugging Face's Llama (README): not retuned.
+    # The 2019 recipe (AdamW, cosine), not retuned: measurements/llama_vs_gpt2.csv compares it with GPT-2.
     'llama': dict(PRESETS['default'], model=dict(LLAMA, num_kv_heads=2, mlp_hidden=792),
                   train=dict(steps=400, lr=2e-3, warmup_steps=50, log_every=20)),
     'llama-bench': dict(PRESETS['bench'], model=dict(LLAMA, num_layers=6, num_heads=6, num_kv_heads=2, width=384,
@@ -181,7 +171,7 @@ def get_config(preset: str = 'default'):
   c.train.moe_z_loss = 0.001  # MoE: coefficient of the router z-loss (mean logsumexp(router logits)^2)
   c.train.moe_bias_rate = 0.001  # MoE with moe_router_bias: the bias' step, bias_i += rate * sign(mean load - load_i)
   # Cross-entropy this many tokens at a time, so no [B, L, V] float32 logits exist; 0 = all at once
-  # (README 'Speed' has XLA's temporaries for a few chunk sizes).
+  # (docs/benchmarks.md, Where the time goes, has XLA's temporaries for a few chunk sizes).
   c.train.loss_chunk_tokens = 2048
   c.decode.temperature = 0.8
   c.decode.top_k = 40

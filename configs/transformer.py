@@ -2,14 +2,11 @@
 
 Command (the CPU main job; built-in offline data, English number words -> French):
   python launch.py --config=configs/transformer.py:default
-Expected result: test BLEU above 99 (sacreBLEU, detokenized, beam 4) on 1,000 held-out numbers
-that never occur in training, five printed translations and three attention heatmaps (PNG,
-cross-attention and decoder self-attention per head) whose paths are printed.
-Measured (seed 0, 500 steps of 32 packed rows, 2 cores of an AMD EPYC with AVX-512, 2026-11-28, 98a33be):
-test BLEU 99.82 with beam 4 and greedy, exact match 99.6%, token accuracy 99.96%; the train step
-compiled once; 1 min 21 s wall clock with an empty compilation cache (.ci/run's README command 1
-step). On the AVX2-only EPYC of 2026-11-27 (363a57e): 99.98. The recipe before this one (Muon 4e-3, dropout 0.1, post-norm) gave 99.93 in 1 min 26 s;
-the paper's Adam and rsqrt for 800 steps 99.73 in 1 min 48 s.
+What it does: 500 steps of 32 packed rows, then test BLEU (sacreBLEU, detokenized, beam 4 and greedy)
+on 1,000 held-out numbers that never occur in training, five printed translations and three
+attention heatmaps (PNG, cross-attention and decoder self-attention per head) whose paths are
+printed. Its measured result, with date, commit and machine: measurements/families.csv (the README's
+table and docs/families/transformer.md).
 
 The `default` recipe (issue #33): Muon (lr 7e-3; its AdamW 8e-3 for the shared embedding, norms
 and biases, b2 0.95), warmup-stable-decay with no warmup and the last 35% cooled with 1-sqrt,
@@ -17,24 +14,16 @@ pre-LayerNorm blocks, no dropout, label smoothing 0.2, QK-norm, zero-initialised
 projections, 500 steps. Chosen by the TPE study configs/sweeps/transformer_recipe.py (24 trials on
 the gettext English -> Spanish pairs, scripts/make_gettext_corpus.py, scored by validation token
 accuracy; every trial in measurements/transformer_recipe_study.csv): its best trial, rounded, is
-the preset. The six best trials (0.551-0.563) all use Muon, wsd, pre-norm and no dropout; the
-recipe before them (Muon 4e-3 / 2e-3, 100 warmup steps, 20% cooldown, post-norm, dropout 0.1,
-label smoothing 0.1) scored 0.471. Whole runs as the preset is, gettext data overrides as below,
-pictures off (valid accuracy, test BLEU beam 4, wall seconds):
-  the recipe before, seed 0 / seed 1                 0.471 / 0.475, BLEU 16.69 / 16.82, 95 / 87 s
-  that recipe + pre-norm + no dropout, seed 1         0.538, BLEU 20.36, 86 s
-  the study's best trial (unrounded), seed 0 / 1      0.563 / 0.568, BLEU 20.88 / 22.07, 83 / 79 s
-  the preset (rounded), seed 0                        0.563, BLEU 20.78, 84 s
-At the same wall clock against the paper's recipe, alternating (the README's table):
+the preset. The study's trials, the recipe before it, and this recipe against the paper's at the
+same wall clock
   python scripts/time_to_target.py --config=configs/transformer.py:default --baseline=transformer-2019 \
       --data=gettext --minutes=1.5 --metric=test/bleu --rounds=2
-gives test BLEU 21.99 and 22.05 (546 and 520 steps) against 12.86 and 11.26 (649 and 662 steps);
-the earlier hand-picked recipe had given 15.96 and 16.59.
+are reported in docs/recipes.md.
 
 Your own parallel corpus (one `source<TAB>target` pair per line; 5% each held out for
 validation and test unless data.eval_source / data.test_source name files, used whole):
   python launch.py --config=configs/transformer.py:default --config.data.source=tsv:/path/pairs.tsv
-  python scripts/make_gettext_corpus.py --out_dir=/tmp/gettext     # 46,991 en->es pairs on these machines
+  python scripts/make_gettext_corpus.py --out_dir=/tmp/gettext     # 46,991 en->es pairs
   python launch.py --config=configs/transformer.py:default --config.data.source=tsv:/tmp/gettext/train.tsv \
     --config.data.eval_source=tsv:/tmp/gettext/valid.tsv --config.data.test_source=tsv:/tmp/gettext/test.tsv
 WMT 2014 English -> German as in the paper (TFDS must have prepared it):
@@ -49,8 +38,7 @@ Presets:
   big      the paper's big model: width 1024, 16 heads, FFN 4096, dropout 0.3
   bench    speed only (--mode=bench): the reference benchmark's torch.nn.Transformer shapes, width 256,
            4 heads, 3 + 3 layers, FFN 1024, vocabulary 8,000 (separate embeddings), batch 32 x 64, dropout 0,
-           AdamW, plain cross-entropy; measured on 2 CPU cores: 1,776-1,848 target tokens/s (0.89x and
-           0.81x torch.nn.Transformer in the same rounds; README 'Speed')
+           AdamW, plain cross-entropy; its speed against torch.nn.Transformer: docs/benchmarks.md
 
 Parameter counts (they depend on the vocabulary; tests/test_transformer.py checks them):
   base, vocab 37,000:  63,082,496 (the paper's Table 3: 65M)

@@ -9,7 +9,7 @@ per device and the collectives of the compiled step (train/hlo.py). The step is 
 Nothing runs and no data is read: the state and batch are abstract (shapes and shardings), dropout
 is 0 and the vocabulary is the preset's (`data.vocab_size`, padded as the preset says). `--layers`
 overrides the depth (compile time grows with it; the per-layer collectives and temporaries scale
-with it). The README's sharding table comes from this script.
+with it). docs/accelerators.md's collectives tables come from this script.
 """
 from __future__ import annotations
 

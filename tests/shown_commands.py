@@ -248,6 +248,7 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'python scripts/make_figures.py': RUN,
     'python scripts/make_figures.py --check': RUN,  # after the figures above are redrawn: none stale
     'python docs/gen_config_reference.py > docs/reference/config.md': RUN,  # the committed copy, rewritten equal
+    'python docs/gen_measurement_tables.py': RUN,  # the committed blocks, rewritten equal
     'pip install -r requirements-docs.txt && mkdocs serve': RUN,  # until it serves the site, then stopped
     'mkdocs serve': RUN,
     # ------------------------------------------------------- the reader's own files and runs: a test's own
@@ -301,8 +302,6 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'python launch.py --config=configs/gpt.py:default': Needs('minutes'),
     'python launch.py --config=configs/gpt.py:llama': Needs('minutes'),
     'python launch.py --config=configs/bert.py:finetune': Needs('minutes'),
-    'python launch.py --config=configs/gpt.py:llama --config.train.steps=2000 --config.train.max_minutes=15':
-        Needs('minutes'),
     'python launch.py --config=configs/bert.py:default --workdir=runs/bert-pretrain': Needs('minutes'),
     'python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-pretrain --workdir=runs/bert-bbc':
         Needs('minutes'),

@@ -340,7 +340,7 @@ def test_muon_without_a_matrix_and_an_unlogged_target_stop_before_any_compile(tm
 def test_a_sharded_muon_step_gathers_the_momentum_matrices_not_activations():
   """The compiled step on fsdp=8 (and data=2 x fsdp=2 x tensor=2) moves no activation of the batch
   (tests/test_fsdp_activations.py's check); Newton-Schulz gathers each sharded momentum matrix whole
-  ([1, in, out]: Optax's batch of one matrix), here several times per step (README 'Sharding')."""
+  ([1, in, out]: Optax's batch of one matrix), here several times per step (docs/accelerators.md, Muon under FSDP)."""
   for name, mesh in MESHES.items():
     config = sharded_config('muon', mesh)
     found = hlo.collectives(compile_train_step(config, compiler_options=FAST_COMPILE).as_text())

@@ -106,7 +106,7 @@ def _replica_parallel_saving_only_for_large_slices(min_bytes: int = 2**20) -> No
   writes one slice of it) kept for slices of at least `min_bytes`.
 
   Below that, slicing every small array (biases, LayerNorms, their optimizer moments) on every
-  device costs more than it parallelises (README, Checkpoints). The metadata store is the one
+  device costs more than it parallelises (docs/platform.md, Checkpoints). The metadata store is the one
   Orbax's default handler has: it records which PRNG implementation a key array uses.
   """
   handler = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),

@@ -23,7 +23,7 @@ ACTIVATION_RULES maps them to mesh axes while a step is traced inside `use_mesh`
 XLA's partitioner kept FSDP kernels split on their contraction dimension and moved the activations
 instead (GPT-2 124M, 16 x 1024, fsdp=8 on 8 CPU devices: 29.5 GB of temporaries per device and
 10 GB of all-reduces of hidden states and logits per step; with them 5.0 GB and 1.1 GB of weight
-gathers and gradient reductions; README 'Sharding'). Chosen over JAX's explicit sharding mode
+gathers and gradient reductions; docs/accelerators.md, Sharding). Chosen over JAX's explicit sharding mode
 (AxisType.Explicit), which fails at trace time at the first embedding lookup of these models and
 would need an output sharding at every lookup and a reshard of every FSDP-split kernel before its
 matmul (replacing nnx.Linear), where logical names take one call at each of a dozen points.
