@@ -183,18 +183,20 @@ def unscanned_params(model: nnx.Module) -> dict:
   return params
 
 
+def hf_tensor(params: dict, name: TensorName) -> np.ndarray:
+  """The tensor `name` names, in HF's layout, from a `numpy_params` dict."""
+  parts = [np.asarray(value_at(params, path) if name.expert is None else value_at(params, path)[name.expert])
+           for path in name.ours]
+  value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+  value = value if name.rows is None else value[:name.rows]
+  # safetensors writes an array's buffer as is: a transposed view must be made contiguous first.
+  return np.ascontiguousarray(value.T if name.transpose else value)
+
+
 def to_hf_tensors(params: dict, names: list[TensorName]) -> dict[str, np.ndarray]:
   """{HF name: array in HF's layout} from a `numpy_params` dict."""
   _check_covers(params, names)
-  tensors = {}
-  for name in names:
-    parts = [np.asarray(value_at(params, path) if name.expert is None else value_at(params, path)[name.expert])
-             for path in name.ours]
-    value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-    value = value if name.rows is None else value[:name.rows]
-    # safetensors writes an array's buffer as is: a transposed view must be made contiguous first.
-    tensors[name.hf] = np.ascontiguousarray(value.T if name.transpose else value)
-  return tensors
+  return {name.hf: hf_tensor(params, name) for name in names}
 
 
 def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:

@@ -10,6 +10,14 @@ modules through the family's tensor table (interop/common.py `TensorName`): wher
 several of them side by side (GPT-2's `c_attn`: query, key, value), its adapter stacks their A's and
 places each B beside its own outputs, zeros elsewhere, so it computes exactly theirs at rank R = k r
 and alpha k alpha for k projections adapted (PEFT's `rank_pattern` and `alpha_pattern` for that module).
+Modules a LoRA run trains in full beside its adapters (a BERT classifier's new output layer) are PEFT's
+`modules_to_save`: written whole, as `base_model.model.M.weight` and `.bias`, and swapped in by PEFT for
+the base model's own (a BertForSequenceClassification loaded from the base run's BertForPreTraining
+export draws that layer at random).
+
+GPT runs (`export_gpt_adapter`) adapt a GPT2LMHeadModel or LlamaForCausalLM, BERT runs
+(`export_bert_adapter`) a BertForPreTraining or BertForSequenceClassification (Hugging Face's module
+names: attention.self.query / key / value, attention.output.dense, intermediate.dense, output.dense).
 
 Shape legend: in / out a module's features, r our rank, R the module's adapter rank.
 """
@@ -20,8 +28,9 @@ import re
 import numpy as np
 
 from interop import gpt_exporter
-from interop.common import (TensorName, leaf_paths, output_directory, unscanned_params, value_at, write_json,
-                            write_safetensors)
+from interop.common import (TensorName, hf_tensor, leaf_paths, numpy_params, output_directory, unscanned_params,
+                            value_at, write_json, write_safetensors)
+from interop.hf_bert import tensor_names as bert_tensor_names
 from interop.hf_gpt2 import export_gpt2
 from interop.hf_gpt2 import tensor_names as gpt2_tensor_names
 from interop.hf_llama import tensor_names as llama_tensor_names
@@ -62,31 +71,60 @@ def module_adapters(params: dict, names: list[TensorName]) -> dict[str, tuple[np
 
 
 def adapter_config(modules: dict[str, tuple[np.ndarray, np.ndarray]], *, rank: int, alpha: float, dropout: float,
-                   fan_in_fan_out: bool, task_type: str) -> dict:
+                   fan_in_fan_out: bool, task_type: str | None, modules_to_save: list[str]) -> dict:
   """PEFT's LoraConfig for `modules` (`module_adapters`), as adapter_config.json holds it: `rank` and
   `alpha`, and for each module holding k > 1 adapters rank k r and alpha k alpha (PEFT matches those
-  patterns as regular expressions, so the module names are escaped)."""
+  patterns as regular expressions, so the module names are escaped); `modules_to_save` the HF modules
+  stored whole."""
   patterns = {re.escape(module): a.shape[0] // rank for module, (a, _) in modules.items() if a.shape[0] != rank}
   return {'peft_type': 'LORA', 'task_type': task_type, 'r': rank, 'lora_alpha': alpha, 'lora_dropout': dropout,
           'target_modules': sorted(modules), 'rank_pattern': {k: n * rank for k, n in patterns.items()},
           'alpha_pattern': {k: n * alpha for k, n in patterns.items()}, 'fan_in_fan_out': fan_in_fan_out,
-          'bias': 'none', 'use_rslora': False, 'modules_to_save': None, 'init_lora_weights': True,
+          'bias': 'none', 'use_rslora': False, 'modules_to_save': modules_to_save or None, 'init_lora_weights': True,
           'inference_mode': True, 'base_model_name_or_path': None}
+
+
+def write_adapter(params: dict, names: list[TensorName], out_dir: str, *, architecture: str, rank: int, alpha: float,
+                  dropout: float, fan_in_fan_out: bool = False, task_type: str | None,
+                  trained_in_full: tuple[str, ...] = ()) -> dict:
+  """Write the adapters in `params` (an `unscanned_params` dict) as a PEFT adapter of the HF
+  `architecture` whose tensors `names` names; the modules of `trained_in_full` (our module names, as
+  `Task.lora_heads`) whole, as PEFT's `modules_to_save`. `out_dir` appears complete or not at all.
+  Returns {'architecture', 'modules', 'parameters'}."""
+  modules = module_adapters(params, names)
+  tensors = {f'base_model.model.{module}.lora_{part}.weight': array
+             for module, pair in modules.items() for part, array in zip('AB', pair)}
+  saved = [name for name in names if any(part in path for path in name.ours for part in trained_in_full)]
+  tensors |= {f'base_model.model.{name.hf}': hf_tensor(params, name) for name in saved}
+  to_save = sorted({name.hf.rsplit('.', 1)[0] for name in saved})
+  with output_directory(out_dir) as staging:
+    write_json(staging, ADAPTER_CONFIG, adapter_config(modules, rank=rank, alpha=alpha, dropout=dropout,
+                                                       fan_in_fan_out=fan_in_fan_out, task_type=task_type,
+                                                       modules_to_save=to_save))
+    write_safetensors(staging, tensors, ADAPTER_WEIGHTS)
+  return {'architecture': f'PEFT LoRA adapter of a {architecture}', 'modules': len(modules),
+          'parameters': int(sum(t.size for t in tensors.values()))}
 
 
 def export_gpt_adapter(model, out_dir: str, *, rank: int, alpha: float, dropout: float) -> dict:
   """Write the adapters of `model` (an adapted GPT) as a PEFT adapter of the GPT2LMHeadModel or
-  LlamaForCausalLM its base run exports to; `out_dir` appears complete or not at all. Returns
-  {'architecture', 'modules', 'parameters'}."""
+  LlamaForCausalLM its base run exports to (`write_adapter`)."""
   config = model.config
   gpt2 = gpt_exporter(config) is export_gpt2  # refuses models without a Hugging Face class
   names = gpt2_tensor_names(config, 'transformer.') if gpt2 else llama_tensor_names(config)
-  modules = module_adapters(unscanned_params(model), names)
-  tensors = {f'base_model.model.{module}.lora_{part}.weight': array
-             for module, pair in modules.items() for part, array in zip('AB', pair)}
-  with output_directory(out_dir) as staging:
-    write_json(staging, ADAPTER_CONFIG, adapter_config(modules, rank=rank, alpha=alpha, dropout=dropout,
-                                                       fan_in_fan_out=gpt2, task_type='CAUSAL_LM'))
-    write_safetensors(staging, tensors, ADAPTER_WEIGHTS)
-  return {'architecture': f'PEFT LoRA adapter of a {"GPT2LMHeadModel" if gpt2 else "LlamaForCausalLM"}',
-          'modules': len(modules), 'parameters': int(sum(t.size for t in tensors.values()))}
+  return write_adapter(unscanned_params(model), names, out_dir, rank=rank, alpha=alpha, dropout=dropout,
+                       architecture='GPT2LMHeadModel' if gpt2 else 'LlamaForCausalLM', fan_in_fan_out=gpt2,
+                       task_type='CAUSAL_LM')
+
+
+def export_bert_adapter(model, out_dir: str, *, rank: int, alpha: float, dropout: float,
+                        trained_in_full: tuple[str, ...] = ()) -> dict:
+  """Write the adapters of `model` (an adapted BertForPretraining or BertClassifier) as a PEFT adapter of
+  the BertForPreTraining or BertForSequenceClassification it exports as, its modules `trained_in_full`
+  (a classifier's 'classifier') saved whole (`write_adapter`). A classifier's base loads from the base
+  run's export: `BertForSequenceClassification.from_pretrained(base_dir, num_labels=<its classes>)`."""
+  architecture, names = bert_tensor_names(model)
+  # BertForPreTraining's two heads match none of PEFT's task types: None is PEFT's plain PeftModel.
+  task_type = 'SEQ_CLS' if architecture == 'BertForSequenceClassification' else None
+  return write_adapter(numpy_params(model), names, out_dir, architecture=architecture, rank=rank, alpha=alpha,
+                       dropout=dropout, task_type=task_type, trained_in_full=trained_in_full)

@@ -204,6 +204,8 @@ RUN = Ci('shown commands')  # .ci/shown_commands.py, in this order
 # A LoRA run's exports (merged, its base run's, the PEFT adapter): Run.export_hf as --mode=export_hf calls it.
 LORA_EXPORT = ByTest('tests/test_lora.py::'
                      'test_a_gpt2_lora_run_exports_a_peft_adapter_and_a_merged_model_with_its_logits')
+# A BERT LoRA classifier run and its exports (the base run's, the PEFT adapter, merged).
+BERT_LORA = ByTest('tests/test_lora.py::test_a_bert_classifier_trains_adapters_and_its_new_head_and_exports_both_ways')
 
 SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     # ----------------------------------------------------------------------- the two commands, the docs
@@ -262,7 +264,10 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'pip install peft==0.21.2': Ci('install requirements-dev.txt'),  # requirements-dev.txt's pin
     'python launch.py --config=configs/bert.py:finetune --config.init_from=runs/bert-pretrain '
     '--config.train.lora_rank=8 --config.data.seq_len=128 --workdir=runs/bert-bbc-lora':
-        ByTest('tests/test_lora.py::test_a_bert_classifier_trains_adapters_and_its_new_head_over_the_frozen_encoder'),
+        BERT_LORA,
+    'python launch.py --mode=export_hf --workdir=runs/bert-pretrain --hf_dir=hf/bert-base': BERT_LORA,
+    'python launch.py --mode=export_hf --workdir=runs/bert-bbc-lora --hf_dir=hf/bert-bbc-adapter --hf_adapter':
+        BERT_LORA,
     'python scripts/make_gettext_corpus.py --out_dir=DIR': ByTest('tests/test_make_gettext_corpus.py'),
     "python launch.py --config=configs/gpt.py --config.data.source='text:/data/owt/*.txt' --mode=prepare":
         ByTest('tests/test_cache_settings.py::test_a_launch_of_the_tests_builds_its_caches_in_the_temporary_folder'),

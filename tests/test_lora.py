@@ -3,8 +3,10 @@ plus (alpha / r) x A B by hand; a LoRA run of a tiny GPT trains its adapters alo
 bit-equal to its base run's, no optimizer state and no checkpoint bytes for them), resumes bit for
 bit and is scored alike by --mode=eval; its PEFT adapter, loaded by `peft` onto the base run's Hugging
 Face export, and its merged export compute its logits (GPT-2, and a scanned Llama-style GPT with
-adapters on every projection); a BERT classifier trains its adapters and new head, and its merged
-export computes its logits; each bad LoRA input is one ConfigError before anything is left on disk."""
+adapters on every projection); a BERT classifier trains its adapters and new head, and its PEFT adapter
+(the head as PEFT's modules_to_save) and merged export compute its logits, as a BERT pretraining model's
+adapter on every projection does its MLM and NSP logits; each bad LoRA input is one ConfigError before
+anything is left on disk."""
 import json
 import os
 
@@ -18,6 +20,7 @@ from flax import nnx
 import support
 from errors import ConfigError
 from models import lora
+from test_bert import hf_outputs
 from test_bert_task import hf_bert_dir  # noqa: F401 (a fixture)
 from test_bert_task import tiny_config as bert_config
 from train import checkpoint as ckpt
@@ -226,17 +229,41 @@ def test_adapters_are_replicated_until_large_then_split_over_fsdp_like_their_pro
   assert spec('lora_a', (12, 4096, 8)) == P(None, 'fsdp', None)  # a scanned stack of them
 
 
-def test_a_bert_classifier_trains_adapters_and_its_new_head_over_the_frozen_encoder(hf_bert_dir, tmp_path):
+@pytest.fixture(scope='module')
+def bert_base(hf_bert_dir, tmp_path_factory):
+  """(workdir, HF directory): a BERT pretraining run imported from `hf_bert_dir`, the base of the BERT LoRA
+  runs, and its export (a BertForPreTraining)."""
   from train.rundir import load_run
-  from train.trainer import import_hf_run, train_and_evaluate
-  source, workdir = str(tmp_path / 'imported'), str(tmp_path / 'lora')
-  import_hf_run(bert_config(task='pretrain'), hf_bert_dir[0], source)
+  from train.trainer import import_hf_run
+  root = tmp_path_factory.mktemp('bert')
+  workdir, hf_dir = str(root / 'imported'), str(root / 'hf')
+  import_hf_run(bert_config(task='pretrain'), hf_bert_dir[0], workdir)
+  load_run(workdir).export_hf(hf_dir)
+  return workdir, hf_dir
+
+
+def bert_classifier_config(source, tmp_path, **overrides):
+  """A LoRA fine-tuning of `source` into a two-class classifier, rank 2 on q and v, 2 steps."""
   data = tmp_path / 'reviews.tsv'
   data.write_text(''.join(f'{w} film {i}\t{"pos" if w == "good" else "neg"}\n'
                           for i, w in enumerate(['good', 'bad'] * 20)))
-  train_and_evaluate(bert_config(task='classify', init_from=source, **{
+  return bert_config(task='classify', init_from=source, **{
       'data.source': f'tsv:{data}', 'train.lora_rank': 2, 'train.steps': 2, 'train.eval_every': 2,
-      'train.eval_steps': 1, 'train.checkpoint_every': 2}), workdir)
+      'train.eval_steps': 1, 'train.checkpoint_every': 2, **overrides})
+
+
+def peft_classifier_logits(base_dir, adapter_dir, tokens, segments, valid):
+  """Logits of the BertForSequenceClassification built on the base run's export, `adapter_dir` loaded by PEFT."""
+  model = transformers.BertForSequenceClassification.from_pretrained(base_dir, num_labels=2, dtype=torch.float32)
+  model = peft.PeftModel.from_pretrained(model.eval(), adapter_dir).eval()
+  return hf_outputs(model, tokens, segments, valid).logits.numpy()
+
+
+def test_a_bert_classifier_trains_adapters_and_its_new_head_and_exports_both_ways(bert_base, tmp_path):
+  from train.rundir import load_run
+  from train.trainer import train_and_evaluate
+  (source, base_dir), workdir = bert_base, str(tmp_path / 'lora')
+  train_and_evaluate(bert_classifier_config(source, tmp_path), workdir)
   params = paths(saved(workdir, 2)['model']['params'])
   assert {p for p in params if '/lora/' not in p} == {'classifier/kernel', 'classifier/bias'}
   assert len(params) == 2 + 2 * 2 * 3  # the head, and A and B of q and v in each of the 3 blocks
@@ -245,17 +272,78 @@ def test_a_bert_classifier_trains_adapters_and_its_new_head_over_the_frozen_enco
   for x, y in zip(jax.tree.leaves(nnx.state(encoder, lora.BASE)), jax.tree.leaves(nnx.state(original, nnx.Param)),
                   strict=True):
     assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
-  # Merged into the base weights, the export is a BertForSequenceClassification computing the run's logits.
-  randomize_adapters(run.model)
-  run.export_hf(str(tmp_path / 'hf'))
-  hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / 'hf'), dtype=torch.float32)
+  assert all(np.abs(np.asarray(layer.lora.lora_b[...])).max() > 0 for layer in lora.adapted(run.model).values())
   tokens = np.random.default_rng(0).integers(104, run.model_config.vocab_size, (2, 12))  # words, no specials
   segments, valid = np.zeros_like(tokens), np.ones(tokens.shape, bool)
-  ours = np.asarray(run.model(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid)))
-  with torch.no_grad():
-    theirs = hf.eval()(input_ids=torch.tensor(tokens), token_type_ids=torch.tensor(segments),
-                       attention_mask=torch.tensor(valid.astype(np.int64))).logits.numpy()
-  assert within_1e4('BERT classifier LoRA run, merged export', theirs, ours)
+  logits = lambda: np.asarray(run.model(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid)))
+  # Adapters far from their start, so that a misplaced A or B shows; the head stays as trained.
+  trained = logits()
+  randomize_adapters(run.model)
+  ours = logits()
+  assert np.abs(ours - trained).max() > 1e-2
+  # The adapters and the head as a PEFT adapter of the BertForSequenceClassification on the base export.
+  summary = run.export_hf(str(tmp_path / 'adapter'), adapter=True)
+  assert summary['architecture'] == 'PEFT LoRA adapter of a BertForSequenceClassification'
+  with open(tmp_path / 'adapter' / 'adapter_config.json') as f:
+    config = json.load(f)
+  assert config['target_modules'] == [f'bert.encoder.layer.{i}.attention.self.{m}' for i in range(3)
+                                      for m in ('query', 'value')]
+  assert (config['task_type'], config['modules_to_save'], config['r'], config['lora_alpha']) == (
+      'SEQ_CLS', ['classifier'], 2, 16.0)
+  assert within_1e4('BERT classifier LoRA run, PEFT adapter on the base export',
+                    peft_classifier_logits(base_dir, str(tmp_path / 'adapter'), tokens, segments, valid), ours)
+  # Merged into the base weights, the export is a BertForSequenceClassification computing the run's logits.
+  run.export_hf(str(tmp_path / 'hf'))
+  hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / 'hf'), dtype=torch.float32)
+  assert within_1e4('BERT classifier LoRA run, merged export',
+                    hf_outputs(hf.eval(), tokens, segments, valid).logits.numpy(), ours)
+
+
+def test_a_bert_pretraining_model_with_adapters_on_every_projection_loads_in_peft(bert_base, tmp_path):
+  from interop.peft import export_bert_adapter
+  from train.rundir import load_run
+  source, base_dir = bert_base
+  model = load_run(source).model
+  assert lora.add_adapters(model, ('q', 'k', 'v', 'o', 'up', 'down'), rank=2, alpha=3.0, dropout=0.0,
+                           rngs=nnx.Rngs(1)) == sorted(f'encoder/blocks/{i}/{name}' for i in range(3) for name in (
+                               'mlp/down', 'mlp/up', 'self_attention/key', 'self_attention/out',
+                               'self_attention/query', 'self_attention/value'))
+  randomize_adapters(model)
+  adapter_dir = str(tmp_path / 'adapter')
+  export_bert_adapter(model, adapter_dir, rank=2, alpha=3.0, dropout=0.0)
+  with open(os.path.join(adapter_dir, 'adapter_config.json')) as f:
+    config = json.load(f)
+  assert [m for m in config['target_modules'] if '.layer.0.' in m] == [
+      f'bert.encoder.layer.0.{m}' for m in ('attention.output.dense', 'attention.self.key', 'attention.self.query',
+                                            'attention.self.value', 'intermediate.dense', 'output.dense')]
+  assert (config['task_type'], config['modules_to_save'], len(config['target_modules'])) == (None, None, 18)
+  hf = transformers.BertForPreTraining.from_pretrained(base_dir, dtype=torch.float32).eval()
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(104, hf.config.vocab_size, (2, 12))
+  segments, valid = (np.arange(12) >= 6).astype(np.int64)[None].repeat(2, 0), np.ones(tokens.shape, bool)
+  out = model(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
+  ours = np.concatenate([support.real_logits(out.mlm_logits, hf.config.vocab_size).reshape(2, -1),
+                         np.asarray(out.nsp_logits)], axis=-1)
+
+  def both_heads(hf_model):
+    result = hf_outputs(hf_model, tokens, segments, valid)
+    return np.concatenate([result.prediction_logits.numpy().reshape(2, -1), result.seq_relationship_logits.numpy()],
+                          axis=-1)
+
+  assert np.abs(both_heads(hf) - ours).max() > 1e-2  # the adapters matter
+  assert within_1e4('BERT pretraining heads, PEFT adapter on the base export',
+                    both_heads(peft.PeftModel.from_pretrained(hf, adapter_dir).eval()), ours)
+
+
+def test_a_lora_target_on_the_head_a_classifier_trains_in_full_stops_before_anything_is_left(bert_base, tmp_path):
+  from train.trainer import train_and_evaluate
+  workdir = str(tmp_path / 'run')
+  with pytest.raises(ConfigError) as error:
+    train_and_evaluate(bert_classifier_config(bert_base[0], tmp_path, **{'train.lora_targets': 'q,classifier'}),
+                       workdir)
+  assert str(error.value) == ("config.train.lora_targets='q,classifier' adapts classifier, which a LoRA run trains in "
+                              "full; leave it out of the targets.")
+  assert not os.path.exists(workdir)
 
 
 # ------------------------------------------------------------------------------------ Hugging Face and PEFT

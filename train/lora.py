@@ -34,7 +34,8 @@ def targets(train_config) -> tuple[str, ...]:
 
 def model_builder(task, train_config):
   """rngs -> the task's model, with LoRA adapters on the projections `train.lora_targets` names
-  when the run is a LoRA run (ConfigError when a target names no projection)."""
+  when the run is a LoRA run (ConfigError when a target names no projection, or a module the run trains
+  in full: the task's `lora_heads`)."""
   if not enabled(train_config):
     return task.build_model
   t = train_config
@@ -42,10 +43,15 @@ def model_builder(task, train_config):
   def build(rngs: nnx.Rngs) -> nnx.Module:
     model = task.build_model(rngs)
     try:
-      lora_model.add_adapters(model, targets(t), rank=t.lora_rank, alpha=t.lora_alpha, dropout=t.lora_dropout,
-                              rngs=rngs)
+      chosen = lora_model.add_adapters(model, targets(t), rank=t.lora_rank, alpha=t.lora_alpha,
+                                       dropout=t.lora_dropout, rngs=rngs)
     except lora_model.TargetError as e:
       raise ConfigError(f'config.train.lora_targets: {e}') from e
+    # A head trains in full: an adapter beside it would add nothing, and PEFT saves such a module whole.
+    heads = [path for path in chosen if set(path.split('/')) & set(task.lora_heads)]
+    if heads:
+      raise ConfigError(f'config.train.lora_targets={t.lora_targets!r} adapts {", ".join(heads)}, which a LoRA run '
+                        f'trains in full; leave it out of the targets.')
     return model
 
   return build

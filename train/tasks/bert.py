@@ -238,6 +238,13 @@ class Task(task_lib.Task):
     from interop.hf_bert import export_bert
     return export_bert(model, self.tokenizer, out_dir, labels=list(getattr(self.model_config, 'labels', ())))
 
+  def export_hf_adapter(self, model, out_dir, train_config):
+    """The LoRA adapters as a PEFT adapter of the base run's BertForPreTraining (pretrain), or of the
+    BertForSequenceClassification built on it (classify), its head saved whole (`lora_heads`)."""
+    from interop.peft import export_bert_adapter
+    return export_bert_adapter(model, out_dir, rank=train_config.lora_rank, alpha=train_config.lora_alpha,
+                               dropout=train_config.lora_dropout, trained_in_full=self.lora_heads)
+
   @classmethod
   def import_hf(cls, config, hf_dir, rngs):
     from interop.hf_bert import import_bert
