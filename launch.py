@@ -101,9 +101,13 @@ def train_mode(workdir: str) -> None:
   import jax
   from train import trainer
   leader = jax.process_index() == 0
+  task_scorer = None
+  if FLAGS.config.train.get('eval_tasks'):  # checked before anything is written (evals/during_training.py)
+    from evals.during_training import TrainingTasks
+    task_scorer = TrainingTasks(FLAGS.config, workdir)
   if leader:
     print(f'workdir: {workdir}', flush=True)
-  results = trainer.train_and_evaluate(FLAGS.config, workdir)
+  results = trainer.train_and_evaluate(FLAGS.config, workdir, task_scorer)
   if not leader:
     return
   if not results.get('preempted'):

@@ -137,6 +137,13 @@ def evaluation_keys(train: ml_collections.ConfigDict) -> None:
   # loss): an exact-match rate over 1,000 has a standard error of at most 1.6 points.
   train.final_eval_examples = 50_000  # examples per split the final evaluation scores, evenly spaced; 0 = all
   train.final_decode_examples = 1_000  # test pairs translation decodes at the end (BLEU), evenly spaced; 0 = all
+  # Downstream tasks during training (decoder families: GPT): lm-eval tasks, comma-separated (evals/tasks/ names,
+  # lm-eval's own, or task YAML files), scored on the current weights at evaluations and logged beside eval/loss
+  # as tasks/<task>/<metric> (train.best_metric and train.target may name them); '' = off.
+  train.eval_tasks = ''
+  train.eval_tasks_every = 0  # steps between scorings, a multiple of eval_every (and the last); 0 = every evaluation
+  train.eval_tasks_limit = 100  # documents per task, evenly spaced (the same every run); 0 = all
+  train.eval_tasks_include_path = ''  # a directory of task YAML files beside evals/tasks/ ('' = none)
 
 
 def checkpoint_keys(train: ml_collections.ConfigDict) -> None:

@@ -3,6 +3,8 @@
 
   harness.py  the harness's model of a run ('attention_lineage'), and its task manager
   runner.py   --mode=lm_eval: tasks checked, the run scored, the results JSON written into the run
+  during_training.py  train.eval_tasks: the same checks before a training, and the scorer of the live
+              model that launch.py hands the trainer (train/downstream.py calls it)
   tasks/      the repository's own tasks: task YAMLs over JSONL files (multiple choice, rolling
               perplexity, generation), read with no network
 

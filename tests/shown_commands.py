@@ -295,6 +295,10 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'python launch.py --mode=lm_eval --workdir=runs/gpt-default-... '
     '--tasks=python_choice,python_perplexity,python_line_completion':
         ByTest('tests/test_lm_eval.py::test_launch_writes_the_harness_results_into_the_run'),
+    'python launch.py --config=configs/gpt.py:default --workdir=runs/gpt-tasks '
+    '--config.train.eval_tasks=python_choice,python_perplexity --config.train.best_metric=tasks/python_choice/acc '
+    '--config.train.best_mode=max':
+        ByTest('tests/test_lm_eval.py::test_tasks_scored_during_training_equal_lm_eval_of_the_same_checkpoint'),
     'export STORAGE_EMULATOR_HOST=http://localhost:9023':
         ByTest('tests/test_cloud_workdir.py::test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads'),
     'export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false':

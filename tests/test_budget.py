@@ -33,6 +33,8 @@ def test_the_reserve_is_the_closing_work_as_timed():
   assert clock.describe_reserve(1).endswith(' It does not fit the 15 s left, so the run ends now: raise '
                                             'train.max_minutes, or lower train.final_eval_examples (or '
                                             'train.final_decode_examples).')
+  progress.tasks_seconds = 5.0  # train.eval_tasks was scored once: the last evaluation scores them again
+  assert clock.closing_work()['tasks'] == 5.0 and clock.reserve() == 25.0
 
 
 def test_a_run_that_evaluates_nothing_before_its_end_stops_for_its_closing_work():

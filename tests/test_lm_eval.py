@@ -229,10 +229,12 @@ def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(sc
 # ---------------------------------------------------------------------------------------- --mode=lm_eval
 @pytest.mark.numerics
 def test_launch_writes_the_harness_results_into_the_run(scoring):
+  """--limit=3 scores 3 evenly spaced documents of each task: of python_choice's 8, i * 8 // 3."""
   from evals import harness
   run, exported, _, _ = scoring('gpt2')
+  spaced = {'python_choice': [0, 2, 5], 'python_perplexity': [0, 1, 2]}
   theirs = lm_eval.simple_evaluate(model='hf', model_args=hf_arguments(exported),
-                                   tasks=TASKS[:2], task_manager=harness.task_manager(), batch_size=1, limit=3)
+                                   tasks=TASKS[:2], task_manager=harness.task_manager(), batch_size=1, samples=spaced)
   result = support.launch(['--mode=lm_eval', f'--workdir={run.workdir}', '--tasks=python_choice,python_perplexity',
                            '--limit=3', '--batch_size=2'])
   assert result.returncode == 0, result.stderr[-3000:]
@@ -241,7 +243,8 @@ def test_launch_writes_the_harness_results_into_the_run(scoring):
   assert os.path.dirname(line['results_file']) == os.path.join(run.workdir, 'lm_eval')
   with open(line['results_file']) as f:
     written = json.load(f)
-  assert written['results'] == line['results'] and written['config']['limit'] == 3
+  assert written['results'] == line['results']
+  assert (written['config']['limit'], written['config']['samples']) == (3, spaced)
   assert written['results']['python_choice']['sample_len'] == 3
   assert written['results']['python_choice']['acc,none'] == theirs['results']['python_choice']['acc,none']
   np.testing.assert_allclose(written['results']['python_perplexity']['bits_per_byte,none'],
@@ -286,3 +289,113 @@ def test_bad_input_is_one_line_before_anything_is_written(scoring, tmp_path):
       runner.evaluate_run(run.workdir, **arguments)
     assert str(raised.value).startswith(message) and '\n' not in str(raised.value), arguments
   assert sorted(os.listdir(run.workdir)) == before and os.listdir(other) == ['config.json']
+
+
+# ---------------------------------------------------------------------------- tasks during training
+TRAINING_TASKS = 'python_choice,python_perplexity'
+SCORED = 'tasks/python_perplexity/bits_per_byte'
+LOGGED = sorted(['tasks/python_choice/acc', 'tasks/python_choice/acc_norm', 'tasks/python_perplexity/word_perplexity',
+                 'tasks/python_perplexity/byte_perplexity', SCORED])  # the task YAMLs' metric_list, filter 'none'
+
+
+def with_tasks(corpus: str, **overrides):
+  """configs/gpt.py:tiny on `corpus`, scoring 3 documents of each of TRAINING_TASKS during training."""
+  from configs import gpt
+  config = gpt.get_config('tiny')
+  config.data.source = corpus
+  return support.with_overrides(config, {'train.eval_tasks': TRAINING_TASKS, 'train.eval_tasks_limit': 3,
+                                         'train.eval_every': 5, 'train.eval_tasks_every': 10,
+                                         'train.async_checkpoints': False, **overrides})
+
+
+def train_with_tasks(config, workdir: str) -> dict:
+  """What launch.py's train mode runs: the trainer with the scorer of train.eval_tasks."""
+  from evals.during_training import TrainingTasks
+  from train.trainer import train_and_evaluate
+  return train_and_evaluate(config, workdir, TrainingTasks(config, workdir))
+
+
+@pytest.fixture(scope='module')
+def task_corpus(tmp_path_factory):
+  return support.write_corpus(str(tmp_path_factory.mktemp('task_corpus')))
+
+
+@pytest.fixture(scope='module')
+def trained_with_tasks(tmp_path_factory, task_corpus):
+  """A tiny GPT trained 20 steps, evaluated every 5 and scoring the tasks every 10, whose best
+  checkpoint is the one of the worst bits per byte (best_mode=max: not the last step, as a rule):
+  (its workdir, its result line, {evaluated step: the tasks/... it logged})."""
+  workdir = str(tmp_path_factory.mktemp('tasks') / 'run')
+  config = with_tasks(task_corpus, **{'train.steps': 20, 'train.best_metric': SCORED, 'train.best_mode': 'max',
+                                      'train.target': f'{SCORED}<=1e9'})
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv('HF_DATASETS_OFFLINE', '1')
+    results = train_with_tasks(config, workdir)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  scored = {row['step']: {k: v for k, v in row.items() if k.startswith('tasks/')} for row in rows if 'eval/loss' in row}
+  return workdir, results, scored
+
+
+@pytest.mark.numerics
+def test_tasks_scored_during_training_equal_lm_eval_of_the_same_checkpoint(trained_with_tasks):
+  """The tasks' metrics logged at the last step equal `--mode=lm_eval --limit=3` (what launch.py
+  calls) of that step's checkpoint; as train.best_metric (worst is best) the task metric picks the
+  final evaluation's checkpoint among the steps that scored it; as train.target it is met at the
+  first of them."""
+  from evals import runner
+  from evals.during_training import task_metrics
+  workdir, results, scored = trained_with_tasks
+  assert sorted(scored) == [5, 10, 15, 20] and not scored[5] and not scored[15]
+  assert sorted(scored[10]) == sorted(scored[20]) == LOGGED
+  assert results['final_eval_step'] == max((10, 20), key=lambda step: scored[step][SCORED])
+  assert (results['target/met'], results['target/step']) == (True, 10)
+  separate = runner.evaluate_run(workdir, TRAINING_TASKS.split(','), limit=3, batch_size=2,
+                                 config_overrides={'train.final_eval_from': 'last'})
+  assert separate['step'] == 20
+  assert separate['results']['python_choice']['sample_len'] == 3
+  logged = task_metrics(separate['results'])
+  assert sorted(logged) == LOGGED
+  np.testing.assert_allclose([scored[20][name] for name in LOGGED], [logged[name] for name in LOGGED], rtol=1e-5)
+
+
+def test_tasks_during_training_refuse_bad_input_before_the_workdir(task_corpus, tmp_path):
+  """Each mistake is one line before the workdir exists: through launch.py (a family that is no
+  decoder: exit 1), or in what it calls; and a well-formed scorer scores evenly spaced documents."""
+  from errors import UserError
+  from evals.during_training import TrainingTasks
+  from train.trainer import train_and_evaluate
+  workdir = tmp_path / 'run'
+  rnn = f'--config=configs/rnn_lm.py:{support.smallest_preset("rnn_lm")}'
+  result = support.launch([rnn, '--config.train.eval_tasks=python_choice', f'--workdir={workdir}'])
+  assert (result.returncode, result.stderr.strip().splitlines()) == (1, [
+      "error: config.train.eval_tasks='python_choice': lm-eval tasks score decoder language models, the families "
+      "('gpt',), not a 'rnn_lm' run; set --config.train.eval_tasks=''."]), result.stderr[-2000:]
+  missing = tmp_path / 'tasks'
+  missing.mkdir()
+  (missing / 'gone.yaml').write_text('task: gone_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n'
+                                     f'    test: {tmp_path}/nowhere.jsonl\ntest_split: test\noutput_type: '
+                                     'loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n')
+  with pytest.raises(UserError) as raised:
+    TrainingTasks(with_tasks(task_corpus, **{'train.eval_tasks': 'gone_task',
+                                             'train.eval_tasks_include_path': str(missing)}), str(workdir))
+  assert str(raised.value).startswith("config.train.eval_tasks: the data of task 'gone_task' cannot be read")
+  assert '\n' not in str(raised.value)
+  tasks = TrainingTasks(with_tasks(task_corpus), str(workdir))
+  assert tasks.samples == {'python_choice': [0, 2, 5], 'python_perplexity': [0, 1, 2]}  # of 8 and 4 documents
+  assert 'python_choice 3 of 8, python_perplexity 3 of 4 documents, evenly spaced' in tasks.describe()
+  assert tasks.metric_names == LOGGED
+  trained = {
+      'train.best_metric': ('tasks/python_choice/accuracy', "config.train.best_metric='tasks/python_choice/accuracy' "
+                                                            'is no metric of train.eval_tasks'),
+      'train.target': ('tasks/python_choice/accuracy>=0.5', "config.train.target='tasks/python_choice/accuracy>=0.5' "
+                                                           "names 'tasks/python_choice/accuracy', which no evaluation"),
+      'train.eval_tasks_every': (7, 'config.train.eval_tasks_every=7 must be a multiple of config.train.eval_every=5'),
+  }
+  for key, (value, message) in trained.items():
+    with pytest.raises(UserError) as raised:
+      train_and_evaluate(with_tasks(task_corpus, **{key: value}), str(workdir), tasks)
+    assert str(raised.value).startswith(message) and '\n' not in str(raised.value), key
+  with pytest.raises(UserError, match=r"^config.train.eval_tasks='python_choice,python_perplexity' needs the task "):
+    train_and_evaluate(with_tasks(task_corpus), str(workdir))
+  assert not workdir.exists()

@@ -9,6 +9,7 @@ loop stops once the budget less the reserve is spent (`clock_stop`); the reserve
   save         the stop's checkpoint, to the end of its writing (asynchronous or not)
   restore      the best checkpoint's model, when the final evaluation scores it (train.final_eval_from)
   decoding     the family's decoding after training (translation's greedy and beam search, samples)
+  tasks        the last evaluation's scoring of train.eval_tasks (train/downstream.py), once one was timed
 The loop times the save, the restore and a unit of the decoding at this process's first step, and
 an evaluation's batches until an evaluation is timed (train/loop.py `time_closing_work`), so that a
 run evaluating nothing before its end keeps its reserve from the start. The family's pictures and
@@ -25,7 +26,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from train import compilation, evaluation, optim
+from train import compilation, downstream, evaluation, optim
 from train.multihost import agreed
 
 
@@ -84,10 +85,12 @@ class RunClock:
     return sum(self.closing_work().values())
 
   def closing_work(self) -> dict[str, float]:
-    """{part of the closing work: its seconds}, as `reserve` sums them."""
+    """{part of the closing work: its seconds}, as `reserve` sums them; 'tasks' (the last evaluation's
+    scoring of train.eval_tasks) once one was timed."""
     p = self.progress
-    return {'evaluations': (p.eval_seconds or 0.0) * (1 + self.final_eval_scale), 'save': p.save_seconds or 0.0,
+    work = {'evaluations': (p.eval_seconds or 0.0) * (1 + self.final_eval_scale), 'save': p.save_seconds or 0.0,
             'restore': (p.restore_seconds or 0.0) if self.restores else 0.0, 'decoding': p.decode_seconds or 0.0}
+    return work if p.tasks_seconds is None else {**work, 'tasks': p.tasks_seconds}
 
   def describe_reserve(self, step: int) -> str:
     parts = ', '.join(f'{name} {seconds:.3g} s' for name, seconds in self.closing_work().items()
@@ -243,15 +246,18 @@ class Cooldown:
     checkpoints due among them before the last, whose evaluation the reserve holds."""
     t = self.train
     eval_seconds, save_seconds = self.progress.eval_seconds or 0.0, self.clock.last_save_seconds
+    tasks_seconds, tasks_every = self.progress.tasks_seconds or 0.0, downstream.every(t)
     eval_and_checkpoint_every = math.lcm(t.eval_every, t.checkpoint_every)
 
     def cost(n: int) -> float:
       # the multiples of `every` among steps step + 1 .. step + n - 1
       multiples = lambda every: (step + n - 1) // every - step // every
       saves = multiples(t.eval_every) + multiples(t.checkpoint_every) - multiples(eval_and_checkpoint_every)
-      return n * step_seconds + multiples(t.eval_every) * eval_seconds + saves * save_seconds  # evaluated: saved too
+      return (n * step_seconds + multiples(t.eval_every) * eval_seconds + multiples(tasks_every) * tasks_seconds
+              + saves * save_seconds)  # evaluated: saved too
 
-    per_step = step_seconds + eval_seconds / t.eval_every + save_seconds / min(t.eval_every, t.checkpoint_every)
+    per_step = (step_seconds + eval_seconds / t.eval_every + tasks_seconds / tasks_every
+                + save_seconds / min(t.eval_every, t.checkpoint_every))
     steps = int(left / per_step) if per_step > 0 else t.steps
     steps = min(steps, t.steps)
     while steps > 0 and cost(steps) > left:

@@ -150,7 +150,7 @@ class Checkpointer:
         create=not read_only, read_only=read_only,
         # best_fn only makes Orbax write each step's metrics (retention is the policies' job), so the
         # best checkpoint is still known after a resume and to `best_step`.
-        best_fn=lambda metrics: metrics[best_metric], best_mode=best_mode,
+        best_fn=self._rank, best_mode=best_mode,
         enable_async_checkpointing=bool(train_config and train_config.async_checkpoints),
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies) if policies else None)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
@@ -163,8 +163,9 @@ class Checkpointer:
     return metrics.get('data_since', 0) == self.data_since
 
   def _rank(self, metrics: dict) -> float:
-    """BestN's sort key: the metric, or the worst value for scores taken on earlier data."""
-    if self._on_current_data(metrics):
+    """BestN's sort key: the metric, or the worst value for scores taken on earlier data and for
+    evaluations without it (a task metric of train.eval_tasks, scored every train.eval_tasks_every)."""
+    if self._on_current_data(metrics) and self.best_metric in metrics:
       return float(metrics[self.best_metric])
     return float('inf') if self.best_mode == 'min' else float('-inf')
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from errors import ConfigError, UserError
-from train import budget, compilation, evaluation, optim, sharding, steps
+from train import budget, compilation, downstream, evaluation, optim, sharding, steps
 from train import checkpoint as ckpt
 from train import state as state_lib
 from train.budget import RunClock
@@ -41,6 +41,7 @@ class Progress:
   cooldown_start: int | None = None
   cooldown_steps: int | None = None
   eval_seconds: float | None = None  # the last evaluation during training's wall time, compilation excluded
+  tasks_seconds: float | None = None  # the last scoring of train.eval_tasks' wall time, compilation excluded
   # The rest of the closing work budget.RunClock.reserve keeps, timed (None: not yet): a save to the end of
   # its writing, the best checkpoint's restore, the family's decoding after training
   save_seconds: float | None = None
@@ -49,6 +50,10 @@ class Progress:
   target: dict[str, float] | None = None  # where `train.target` was first met: step, tokens, seconds, ...
 
   def record(self, step: int, metrics: dict[str, float], metric: str, mode: str) -> None:
+    """Track the best `metric` at the evaluation of `step`; an evaluation that scored no tasks
+    (train.eval_tasks_every) leaves a task metric's best as it was."""
+    if metric.startswith(downstream.PREFIX) and metric not in metrics:
+      return
     if metric not in metrics:
       raise UserError(f'train.best_metric={metric!r} is not among the eval metrics {sorted(metrics)}; '
                       f'set it to one of them.')
@@ -218,7 +223,8 @@ def train_loop(setup, state: TrainState, saver: Saver, data_iter, writer: Metric
         evaluated = step % train.eval_every == 0 or step == train.steps or stopped is not None
         if evaluated:
           logger.flush()  # the step has finished: the clock below is its own
-          last_eval, early_stop = evaluate_step(setup, state, step, saver, writer, time_final=not timed)
+          last_eval, early_stop = evaluate_step(setup, state, step, saver, writer, time_final=not timed,
+                                                last=stopped is not None or step == train.steps)
           stopped, timed = stopped or early_stop, True
         # Every evaluated step is saved with its metrics, so the best checkpoint is always on disk.
         if evaluated or stopped or step % train.checkpoint_every == 0:
@@ -273,20 +279,24 @@ def save_and_leave(setup, state: TrainState, step: int, saver: Saver, writer: Me
           **target_results(setup.target, saver.clock.progress)}
 
 
-def evaluate_step(setup, state: TrainState, step: int, saver: Saver, writer: MetricWriter, time_final: bool = False
-                  ) -> tuple[dict[str, float], str | None]:
+def evaluate_step(setup, state: TrainState, step: int, saver: Saver, writer: MetricWriter, time_final: bool = False,
+                  last: bool = False) -> tuple[dict[str, float], str | None]:
   """The evaluation during training at `step`: (its metrics, why training should stop now or None:
   early stopping, or train.target met with train.stop_at_target). Records the target's clock (the
   run's seconds when the step had finished, read before evaluating, also written in the evaluation's
   metrics row as `time/seconds`) and its own time, which the budget reserves for the closing
-  evaluations (budget.RunClock.reserve). `time_final`: log how long the final evaluation should take
-  at this evaluation's rate (the run's first evaluation)."""
+  evaluations (budget.RunClock.reserve); the scoring of train.eval_tasks when due (`last`: the run's
+  last evaluation), timed apart. `time_final`: log how long the final evaluation should take at this
+  evaluation's rate (the run's first evaluation)."""
   clock = saver.clock
   seconds, compile_seconds = clock.seconds(), clock.compile_seconds()
   times = {'time/seconds': round(seconds, 3), 'time/seconds_excluding_compile': round(seconds - compile_seconds, 3)}
   with saver.on_failure(step, state):
+    evaluated, task_metrics = setup.evaluated(state), {}
+    if downstream.due(setup.config.train, step, last):
+      task_metrics, clock.progress.tasks_seconds = clock.measure(lambda: score_tasks(setup, evaluated, step))
     (metrics, early_stop), clock.progress.eval_seconds = clock.measure(
-        lambda: evaluate_during_training(setup, setup.evaluated(state), step, clock.progress, writer, times))
+        lambda: evaluate_during_training(setup, evaluated, step, clock.progress, writer, times, task_metrics))
   if time_final:
     writer.log(evaluation.describe_cost(setup, clock.progress.eval_seconds))
   if record_target(setup.target, step, metrics, clock.progress, seconds, compile_seconds, writer) \
@@ -295,14 +305,24 @@ def evaluate_step(setup, state: TrainState, step: int, saver: Saver, writer: Met
   return metrics, early_stop
 
 
+def score_tasks(setup, state: TrainState, step: int) -> dict[str, float]:
+  """train.eval_tasks' metrics (tasks/...) of `state`'s model at `step`: the scorer's (train/downstream.py)."""
+  model = state_lib.model_of(setup.spec, state)
+  model.eval()
+  return setup.task_scorer(model, setup.task, step)
+
+
 def evaluate_during_training(setup, state: TrainState, step: int, progress: Progress, writer: MetricWriter,
-                             times: dict[str, float]) -> tuple[dict[str, float], str | None]:
-  """Score `train.eval_steps` validation batches at `step`, log them and track the best; returns
-  (the metrics, why training should stop early or None). `times`: written in the same metrics row
+                             times: dict[str, float], task_metrics: dict[str, float] | None = None
+                             ) -> tuple[dict[str, float], str | None]:
+  """Score `train.eval_steps` validation batches at `step`, log them with `task_metrics` (the tasks
+  scored at this step, tasks/...: the evaluation's own metrics too) and track the best; returns (the
+  metrics, why training should stop early or None). `times`: written in the same metrics row
   (`time/seconds`, `time/seconds_excluding_compile`: the run's clock when the step had finished), so
   that a learning curve can be drawn against seconds as well as steps."""
   train = setup.config.train
   metrics = evaluation.evaluate_loss(setup, state, evaluation.batches_during_training(setup))
+  metrics.update(task_metrics or {})
   progress.record(step, metrics, train.best_metric, train.best_mode)
   writer.write(step, {**metrics, **times})
   writer.log(f'step {step}: ' + ' '.join(f'{k}={v:.4f}' for k, v in metrics.items()))

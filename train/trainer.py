@@ -36,7 +36,7 @@ import storage
 from errors import UserError
 from train import checkpoint as ckpt
 from train import rundir
-from train import budget, compilation, evaluation, lora, loop, memory, optim, resume, sharding, steps
+from train import budget, compilation, downstream, evaluation, lora, loop, memory, optim, resume, sharding, steps
 from train import state as state_lib
 from train.metrics import MetricWriter
 from train.optim import make_optimizer
@@ -66,6 +66,7 @@ class Setup:
   eval_params: Callable | None = None
   target: loop.Target | None = None  # train.target
   base: dict | None = None  # a LoRA run's base run {'workdir', 'step'} (rundir.lora_base)
+  task_scorer: downstream.Downstream | None = None  # train.eval_tasks' scorer (train/downstream.py)
 
   def evaluated(self, state: TrainState) -> TrainState:
     """`state` with the parameters every evaluation scores and the checkpoint's model holds:
@@ -80,13 +81,15 @@ class Setup:
     return model, ckpt.optimizer_item(state.opt_state, state.params, self.eval_params is not None)
 
 
-def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = None) -> Setup:
+def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = None,
+              scorer: downstream.Downstream | None = None) -> Setup:
   """The run's setup: task, mesh, optimizer, the state's shapes and shardings, the jitted eval step.
   No array is created: a resume or an evaluation restores every one (`fresh_state` initialises).
 
   `model_config` (a finished run's model.json, for evaluation) replaces the one the config and
   data resolve to. Training in a workdir that already holds a model checks that the config still
   resolves to it, so that a resume never restores into a different model. `rng_impl` likewise.
+  `scorer`: train.eval_tasks' (train/downstream.py), whose metrics train.target may name.
   """
   compilation.enable_cache(config.compile_cache)
   base = rundir.lora_base(config, workdir) if lora.enabled(config.train) else None
@@ -106,10 +109,13 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
   averaged = optim.averages(config.train)
   eval_params = jax.jit(optim.eval_params, out_shardings=spec.shardings.params) if averaged else None
   setup = Setup(config, task, mesh, tx, schedule, spec, jax.jit(steps.make_eval_step(task, spec.graphdef)),
-                eval_params, loop.parse_target(config.train.target), base)
+                eval_params, loop.parse_target(config.train.target), base, scorer)
   batches = evaluation.eval_batches(setup)  # an empty eval split stops here, before anything is saved
-  if setup.target is not None:  # a target no evaluation logs stops here, before anything compiles
-    loop.check_target_metric(setup.target, config.train.target, eval_metric_names(setup, batches[0]))
+  # A target no evaluation logs stops here, before anything compiles (not when a run that scored tasks is
+  # evaluated: the scorer comes with training only, train/downstream.py `check`).
+  if setup.target is not None and (scorer is not None or not downstream.enabled(config.train)):
+    task_metrics = list(scorer.metric_names) if scorer is not None else []
+    loop.check_target_metric(setup.target, config.train.target, eval_metric_names(setup, batches[0]) + task_metrics)
   if split and jax.process_index() == 0:
     print(split, flush=True)
   memory.log_estimate(config, task.model_config, spec.abstract, spec.shardings, mesh)
@@ -192,15 +198,17 @@ def evaluated_state(setup: Setup, state: TrainState, checkpointer: ckpt.Checkpoi
 
 
 # ============================================================================ entry points
-def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  """Train `config` in `workdir` (resuming if it holds a checkpoint); return the final metrics."""
+def train_and_evaluate(config, workdir: str, task_scorer: downstream.Downstream | None = None) -> dict[str, Any]:
+  """Train `config` in `workdir` (resuming if it holds a checkpoint); return the final metrics.
+  `task_scorer`: train.eval_tasks' scorer (evals/during_training.py; needed with them, train/downstream.py)."""
   started, compile_started = time.time(), compilation.compile_seconds()
   # ------------------------------------------------------------------ 1. config
   validate_config(config)
+  downstream.check(config, task_scorer)
   with WorkdirGuard(workdir) as guard:
     # ---------------------------------------------------------------- 2. setup
     resume.check_run_files(config, workdir)
-    setup = setup_run(config, workdir)
+    setup = setup_run(config, workdir, scorer=task_scorer)
     checkpointer = ckpt.Checkpointer(workdir, config.train, data_since=rundir.data_since(workdir))
     # Only a run without a checkpoint initialises: a resume restores every array, and compiling an
     # initialiser is a large part of a big model's start-up (a GPT-2 on a GPU: 14 s with rbg).
@@ -222,6 +230,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       writer.log(state_lib.describe_sizes(setup.spec))
       writer.log(evaluation.describe(setup))
       writer.log(evaluation.describe_final(setup))
+      if downstream.enabled(config.train):
+        writer.log(task_scorer.describe())
       # -------------------------------------------------------------- 4. loop
       train = config.train
       clock = budget.RunClock(progress, started, compile_started, 60 * train.max_minutes,

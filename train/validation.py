@@ -72,12 +72,17 @@ def check_values(config, num_devices: int | None = None) -> None:
                   'train.early_stopping_patience': t.early_stopping_patience, 'train.max_minutes': t.max_minutes,
                   'train.z_loss': t.z_loss, 'data.cache_workers': config.data.cache_workers,
                   'train.final_eval_examples': t.get('final_eval_examples', 0),
-                  'train.final_decode_examples': t.get('final_decode_examples', 0)}
+                  'train.final_decode_examples': t.get('final_decode_examples', 0),
+                  'train.eval_tasks_every': t.get('eval_tasks_every', 0),
+                  'train.eval_tasks_limit': t.get('eval_tasks_limit', 0)}
   for key, value in non_negative.items():
     if value < 0:
       raise ConfigError(f'config.{key}={value} must be >= 0.')
   if t.lr <= 0:
     raise ConfigError(f'config.train.lr={t.lr} must be positive.')
+  if t.get('eval_tasks_every', 0) % t.eval_every:
+    raise ConfigError(f'config.train.eval_tasks_every={t.eval_tasks_every} must be a multiple of '
+                      f'config.train.eval_every={t.eval_every}: tasks are scored at evaluations (0 = at every one).')
   if t.final_eval_from not in ('best', 'last'):
     raise ConfigError(f"config.train.final_eval_from={t.final_eval_from!r}: use 'best' or 'last'.")
   if t.best_mode not in ('min', 'max'):
