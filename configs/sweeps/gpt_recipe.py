@@ -7,7 +7,7 @@ Each trial trains configs/gpt.py:default (4 layers, width 256, 32 x 128 tokens a
 BPE) for 160 steps and is scored by its validation loss (the whole held-out split at the best
 checkpoint); the median pruner stops a trial whose loss at an evaluation (every 40 steps, from step
 80) is worse than the median of the finished trials there. 12 trials, one at a time: on 2 CPU cores
-a trial is ~4 minutes, and two at once share the same cores. Learning rates are searched on a log
+a trial takes minutes, and two at once share the same cores. Learning rates are searched on a log
 scale; Muon's matrices take AdamW-sized rates (`train.muon_rms_scale` 0.2, Moonshot's consistent
 RMS), so one range serves both optimizers. Weight decay (0.1), z-loss (0), learned positions and
 wsd's cooldown fraction (0.2) stay at the preset's values: 12 trials cannot search 13 dimensions.
