@@ -2,13 +2,11 @@
 
 Command:
   python launch.py --config=configs/attention_pooling.py
-Expected result (measured, seed 0; 200 full-batch Adam steps, seconds of training): the learned
-kernel width w = 4.93, exactly where the leave-one-out loss is smallest (0.158 vs 0.340 at
-w = 1), and the test MSE against the true function 2 sin(x) + x^0.8 drops from 0.301
-(non-parametric, w = 1) to 0.028. As in D2L, the parametric fit is less smooth and its attention
-weights concentrate on a narrow band along the diagonal. The run writes attention_pooling.png:
-truth, noisy training points, both fits, and both attention matrices (test inputs x training
-inputs).
+200 full-batch Adam steps learn the kernel width w; the result is compared with the
+non-parametric fit (w = 1) by the leave-one-out loss and the test MSE against the true function
+2 sin(x) + x^0.8 (measurements/attention_pooling.csv; docs/families/before-the-transformer.md). The
+run writes attention_pooling.png: truth, noisy training points, both fits, and both attention
+matrices (test inputs x training inputs).
 
 Data: 50 noisy training points drawn from `seed` (--config.seed=1 for another draw).
 """

@@ -5,44 +5,15 @@ Commands (CPU, 2 cores):
   python launch.py --config=configs/seq2seq.py:bahdanau         # the same with Bahdanau attention
   python launch.py --config=configs/seq2seq.py:long             # numbers >= 100,000 as characters, no attention
   python launch.py --config=configs/seq2seq.py:long_bahdanau    # the same with Bahdanau attention
-(add --config.seed=1 for the second seed below). Test BLEU greedy / beam-4 (exact-match rate of
-the beam output), measured on 2 CPU cores that other jobs were sharing:
-
-default / bahdanau (all numbers, BPE vocabulary of 512, 4,000 steps of 64 pairs, about 4 minutes
-without attention and 8 with it; 1,000 test pairs):
-  default                                        99.63 / 99.63  (0.993)
-  bahdanau                                       99.98 / 100.00 (1.000)
-
-long / long_bahdanau, the long-input comparison: numbers >= 100,000 only (about 9,700 training
-pairs; 284 test pairs with seed 0, 297 with seed 1) tokenized by character, so a test source is
-41-72 characters (median 63) + EOS and a target 30-69; the same GRU 2 x 64, the same data and
-the same 1,500 steps of 64 pairs; only model.attention_type differs. Wall clock / CPU time (user +
-system) include compiling and the test decoding:
-  long            seed 0:  52.43 / 52.67  (0.106)   3 min 14 s wall,  3.3 min CPU
-                  seed 1:  73.04 / 75.15  (0.505)   3 min 16 s wall,  3.2 min CPU
-  long_bahdanau   seed 0: 100.00 / 100.00 (1.000)  17 min 36 s wall, 12.0 min CPU
-                  seed 1:  99.87 / 99.87  (0.993)  12 min 01 s wall, 12.0 min CPU
-Eval loss per target character at steps 500 / 1,000 / 1,500 (seed 0): no attention 0.173 / 0.082 /
-0.062, attention 0.099 / 0.0002 / 0.0001. The plain model's errors show the fixed-context
-bottleneck: of its 254 wrong test translations (seed 0; seed 1: 147), 252 (144) get the thousands
-wrong, the part of the source read first, and only 2 (4) the part below a thousand, read last
-('six cent treize mille cinq cent dix-neuf' for 'six cent trois mille cinq cent dix-neuf'). The
-attention model's only errors (seed 1) are two rare forms ('trois centsième' for 'trois cents').
-Its attention.png is sparse but monotonic: the weight peaks on the English tens-and-units words
-while their French counterparts are written, in source order, and spreads thinly elsewhere. The
-budget is equal in steps, not in time: an attention step costs about 4 times as much on CPU
-(10,500 vs 41,000 tokens/s). Given 4 times the steps, i.e. about the attention run's time, the
-plain model closes the gap (seed 0, --config.train.steps=6000 --config.train.eval_every=2000
---config.train.checkpoint_every=2000: 100.00 / 100.00 (1.000), eval loss 0.010 / 0.0001 /
-0.000006 at steps 2,000 / 4,000 / 6,000; 11 min 17 s wall, 11.5 min CPU). So at this size
-attention learns the long inputs in a quarter of the steps; it is not the only way to learn them.
-
-The long presets with the BPE vocabulary of 512 instead (mostly whole words): these numbers are
-then only ~13 source tokens, which the 2 x 64 GRU state carries, so the fixed context is not the
-bottleneck and attention does not reliably win (4,000 steps; add --config.data.tokenizer=bpe
---config.data.seq_len=20 --config.train.steps=4000 --config.train.eval_every=1000
---config.train.checkpoint_every=1000): no attention 99.34 / 99.34 (seed 0), 92.93 / 92.80 (seed 1);
-attention 94.40 / 94.30, 93.68 / 93.84, with diffuse attention weights.
+(add --config.seed=1 for a second seed). `long` / `long_bahdanau` are the long-input comparison:
+numbers >= 100,000 only, tokenized by character, so a source is a few dozen characters and the
+fixed context of the plain decoder is the bottleneck attention removes; the same GRU 2 x 64, the
+same data and the same 1,500 steps of 64 pairs, only model.attention_type differs (equal in steps,
+not in time: an attention step costs more). Their results (test BLEU greedy / beam-4, exact-match
+rate, wall and CPU time, the eval loss during training, the plain model given 4 times the steps, and
+the long presets with the BPE vocabulary instead) are data in measurements/ (seq2seq_results.csv,
+seq2seq_eval_loss.csv), each row with its date, commit, machine and command;
+docs/families/before-the-transformer.md reports them.
 
 `model.attention_type` ('none' | 'bahdanau') switches the decoder; everything else (data, size,
 budget, decoding) is shared, so presets differing only in it compare like for like. After

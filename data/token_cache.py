@@ -689,7 +689,8 @@ class ShardArray:
   """A shard's .npy array, its rows read from the file when indexed (`a[i]`, `a[i:j]` -> np.ndarray),
   nothing mapped: runs read rows scattered over every shard, and a memory map would count each
   touched page's neighbours in the run's RSS (the kernel maps ~64 KB of cached file around every
-  page a run touches: 5 GB of RSS for a few thousand rows on a 1 GB translation corpus)."""
+  page a run touches: gigabytes of RSS for a few thousand rows of a large corpus;
+  measurements/code_comments.csv)."""
 
   def __init__(self, path: str):
     self.path = path

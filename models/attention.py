@@ -168,7 +168,7 @@ def dot_product_attention(
   else:  # query heads grouped by the K/V head they read, G = H / K, head h = k * G + g
     # Head-major operands [B, K, G, Lq, D] and [B, K, Lk, D]: each einsum is then a plain batched
     # matmul whose output is the [B, H, Lq, Lk] scores as laid out, where grouping [B, Lq, K, G, D]
-    # in place makes XLA:CPU copy the scores and weights through transposes (25% slower here).
+    # in place makes XLA:CPU copy the scores and weights through transposes (slower; measurements/code_comments.csv).
     groups = num_heads // kv_heads
     grouped = jnp.transpose(query.reshape(batch, q_len, kv_heads, groups, depth), (0, 2, 3, 1, 4))
     scores = jnp.einsum('bkgqd,bksd->bkgqs', grouped, jnp.swapaxes(key, 1, 2)).reshape(batch, num_heads, q_len, k_len)

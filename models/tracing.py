@@ -12,8 +12,8 @@ def tracer_errors_without_origin():
   dropout under one (the train step). Each draw from an `nnx.Rngs` stream bumps its counter through flax 0.12.8's `Variable.set_value`, which compares
   `getattr(value, 'sharding', None)`; on a traced value JAX raises an AttributeError whose message
   (`DynamicJaxprTracer._origin_msg`) walks every equation traced so far, and getattr throws it
-  away. Building an L-layer model that way costs O(L^2): `nnx.eval_shape` of GPT-2's 12 layers
-  1.2 s, of 48 layers 17.4 s; without the messages 0.36 s and 1.3 s (AMD EPYC, 2 cores). Keep it
+  away. Building an L-layer model that way costs O(L^2) in its depth (docs/benchmarks.md has the
+  times of GPT-2 at 12 and 48 layers, with and without the messages). Keep it
   around tracing alone (inside a jitted function's body, which runs only while tracing): an error a
   user must read, such as a ConcretizationTypeError in their own code, keeps its full message
   everywhere else.

@@ -2,8 +2,11 @@
 measurements/. The tables are generated from those files (docs/gen_measurement_tables.py) and committed
 equal to a fresh generation; every other measured number a page shows is held by some row; a row measured
 with an earlier recipe of its preset says so. Pure text: no model is built."""
+import ast
 import csv
 import os
+import pathlib
+import re
 
 import pytest
 
@@ -156,3 +159,19 @@ def test_the_llama_row_against_gpt2_says_gpt2_was_measured_with_an_earlier_recip
   gpt2 = next(line for line in section.splitlines() if line.startswith('| GPT-2'))
   assert 'measured with an earlier recipe of `configs/gpt.py:default`' in gpt2 and '1.655' in gpt2
   assert "configs/gpt.py:llama" not in read("README.md")  # the headline no longer carries the comparison
+
+
+# What a config docstring may state that looks measured: settings (a cooldown's share, a fraction of the steps,
+# BERT's masking shares, a held-out share, Adam's betas).
+DOCSTRING_SETTINGS = r'(the last \d+%|at 0\.\dx|pairs, 15%|chosen: 80%|\[MASK\], 10%|random, 10%|per line; 5%|Adam\(0\.9, 0\.98)$'
+
+
+def test_config_docstrings_say_what_a_preset_is_never_what_it_measured():
+  """Issue 61: results are rows of measurements/ that the docs pages show; a config's docstring points there."""
+  stated = {}
+  for path in sorted(pathlib.Path(ROOT, 'configs').glob('**/*.py')):
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding='utf-8'))) or ''
+    measured = [context for _, context in GEN.measured_numbers(doc) if not re.search(DOCSTRING_SETTINGS, context)]
+    if measured:
+      stated[str(path.relative_to(ROOT))] = measured
+  assert not stated, f'config docstrings state measured numbers (move them to measurements/): {stated}'

@@ -21,9 +21,9 @@ Optimizer moments live at the same paths (below `mu/`, `nu/`), so they shard lik
 Activations: models name logical axes at a few points (models/partitioning.py) and
 ACTIVATION_RULES maps them to mesh axes while a step is traced inside `use_mesh`. Without them
 XLA's partitioner kept FSDP kernels split on their contraction dimension and moved the activations
-instead (GPT-2 124M, 16 x 1024, fsdp=8 on 8 CPU devices: 29.5 GB of temporaries per device and
-10 GB of all-reduces of hidden states and logits per step; with them 5.0 GB and 1.1 GB of weight
-gathers and gradient reductions; docs/accelerators.md, Sharding). Chosen over JAX's explicit sharding mode
+instead: several times the temporaries per device, and all-reduces of hidden states and logits
+every step where weight gathers and gradient reductions suffice (GPT-2 124M with fsdp=8:
+measurements/code_comments.csv; docs/accelerators.md, Sharding). Chosen over JAX's explicit sharding mode
 (AxisType.Explicit), which fails at trace time at the first embedding lookup of these models and
 would need an output sharding at every lookup and a reshard of every FSDP-split kernel before its
 matmul (replacing nnx.Linear), where logical names take one call at each of a dozen points.

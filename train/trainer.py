@@ -211,7 +211,7 @@ def train_and_evaluate(config, workdir: str, task_scorer: downstream.Downstream 
     setup = setup_run(config, workdir, scorer=task_scorer)
     checkpointer = ckpt.Checkpointer(workdir, config.train, data_since=rundir.data_since(workdir))
     # Only a run without a checkpoint initialises: a resume restores every array, and compiling an
-    # initialiser is a large part of a big model's start-up (a GPT-2 on a GPU: 14 s with rbg).
+    # initialiser is a large part of a big model's start-up (measurements/code_comments.csv).
     state = fresh_state(setup) if checkpointer.latest_step() is None else None
     guard.set_up()
     try:

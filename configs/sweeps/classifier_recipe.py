@@ -8,11 +8,9 @@ for the preset's 400 steps and is scored by its validation accuracy (222 article
 checkpoint); the median pruner stops a trial below the median at an evaluation (every 100 steps).
 The test split (223 articles) is not looked at: scripts/tfidf_baseline.py's accuracy on it is the bar.
 
-Run 2026-11-27 (AMD EPYC, 2 cores, --sweep_workers=1; 65 s - 7.5 min a trial, 67 min in all; the
-trials: measurements/classifier_recipe_study.csv): 10 of 20 trials finished, 10 pruned. Best valid
-accuracy 0.9865 (five trials tie: Muon with lr 9.6e-4 / 4.7e-3 / 2.4e-3 / 9.3e-4 / 5.7e-3, weight
-decay 0.1, no label smoothing), below the `default` preset's 0.991 (seed 0) from hand-listed
-trials, so the preset was kept. Those five score 0.973 / 0.973 / 0.969 / 0.982 / 0.978 on test.
+Run 2026-11-27 on 2 cores of an AMD EPYC with --sweep_workers=1; every trial is a row of
+measurements/classifier_recipe_study.csv, and docs/recipes.md (Classifier) reports the outcome: no
+trial beat the `default` preset's validation accuracy, so the preset was kept.
 """
 
 

@@ -7,7 +7,7 @@ An Optuna study in runs/sweep-random/study.journal: rerunning the command resume
 host running the same command with the same --workdir on a shared disk (or
 --sweep_storage=postgresql://...) takes the trials this one has not. A trial whose eval/loss is
 worse than the median of the finished trials at the same step (once 3 trials have finished; from
-step 10, its first evaluation) stops there, its checkpoint kept. 15-20 s per trial on 2 CPU cores
+step 10, its first evaluation) stops there, its checkpoint kept. Seconds per trial on 2 CPU cores
 (mostly process start and compilation).
 """
 

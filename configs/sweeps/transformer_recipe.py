@@ -10,13 +10,11 @@ steps on /tmp/gettext/train.tsv and is scored by its validation token accuracy (
 best checkpoint; accuracy, not loss, because label smoothing is searched and changes the loss);
 the median pruner stops a trial that is below the median at an evaluation (every 200 steps).
 
-Run 2026-11-27 on 2 cores of an AMD EPYC with --sweep_workers=1 (29 min; every trial in
-measurements/transformer_recipe_study.csv): 20 of 24 trials finished, 4 were pruned. The best,
-trial 14 (Muon lr 7.2e-3, its AdamW 8.2e-3, b2 0.95, wsd without warmup cooling the last 34%,
-label smoothing 0.2, no dropout, pre-norm, QK-norm, zero-initialised outputs), scored 0.563
-validation accuracy and 20.88 test BLEU against the earlier hand-picked preset's 0.471 and 16.69;
-rounded, it is configs/transformer.py's `default` now. All six trials above 0.55 use Muon, wsd,
-pre-norm and no dropout.
+Run 2026-11-27 on 2 cores of an AMD EPYC with --sweep_workers=1; every trial is a row of
+measurements/transformer_recipe_study.csv, and docs/recipes.md (Translation) reports the outcome:
+the best trial (Muon, wsd without warmup, label smoothing, no dropout, pre-norm, QK-norm,
+zero-initialised outputs) beat the earlier hand-picked preset and, rounded, is
+configs/transformer.py's `default` now.
 """
 GETTEXT = '/tmp/gettext'
 
