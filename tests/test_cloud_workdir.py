@@ -15,8 +15,9 @@ from numerics import assert_close
 STEP_TERMS = support.TINY_GPT_STEP_TERMS  # the reductions behind one tiny GPT step (tests/numerics.py)
 
 BUCKET = 'bucket'
-TRAIN = {'mesh.data': 1, 'train.log_every': 1, 'train.eval_every': 10, 'train.checkpoint_every': 10,
-         'train.schedule': 'constant', 'decode.temperature': 0.0, 'decode.prompts': 'alpha'}  # constant: 10 + 10 steps = 20
+# constant: 3 + 3 steps = 6, the 6-step run's schedule; a few steps suffice to compare a resume with a straight run.
+TRAIN = {'mesh.data': 1, 'train.log_every': 1, 'train.eval_every': 3, 'train.checkpoint_every': 3, 'train.steps': 6,
+         'train.schedule': 'constant', 'decode.temperature': 0.0, 'decode.prompts': 'alpha'}
 
 
 @pytest.fixture(scope='session')
@@ -58,28 +59,28 @@ def test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads(emulator, tm
   corpus = support.write_corpus(str(tmp_path / 'corpus'))
   args = ['--config=configs/gpt.py:tiny', *support.override_args({'data.source': corpus, **TRAIN})]
   workdir = f'gs://{BUCKET}/run'
-  local = launch(args + [f'--workdir={tmp_path}/local'], {})  # 20 steps in one go, on local disk
+  local = launch(args + [f'--workdir={tmp_path}/local'], {})  # 6 steps in one go, on local disk
 
-  first = launch(args + [f'--workdir={workdir}', '--config.train.steps=10'], emulator)
+  first = launch(args + [f'--workdir={workdir}', '--config.train.steps=3'], emulator)
   resumed = launch(args + [f'--workdir={workdir}'], emulator)
-  assert (first['step'], resumed['step']) == (10, 20)
+  assert (first['step'], resumed['step']) == (3, 6)
   # The resumed run restored parameters, optimizer and input position: it ends where the straight one does.
-  assert_close(resumed['eval/loss'], local['eval/loss'], terms=21 * STEP_TERMS)  # 20 steps, then the evaluation
+  assert_close(resumed['eval/loss'], local['eval/loss'], terms=7 * STEP_TERMS)  # 6 steps, then the evaluation
 
   bucket = storage.path(workdir)
   names = {str(p.relative_to(bucket)) for p in bucket.glob('*')}
   assert {'config.json', 'model.json', 'tokenizer.json', 'tokenizer_meta.json', 'metrics.jsonl', 'samples.json',
           'tensorboard', 'checkpoints'} <= names, names
-  assert {p.name for p in (bucket / 'checkpoints').iterdir()} >= {'10', '20'}
+  assert {p.name for p in (bucket / 'checkpoints').iterdir()} >= {'3', '6'}
   assert any(p.name.startswith('events.out.tfevents') for p in (bucket / 'tensorboard').iterdir())
   metrics = [json.loads(line) for line in (bucket / 'metrics.jsonl').read_text().splitlines()]
   local_metrics = [json.loads(line) for line in open(tmp_path / 'local' / 'metrics.jsonl')]
-  for step in (5, 15, 20):  # both sessions' lines, continued in one file
+  for step in (2, 5, 6):  # both sessions' lines, continued in one file
     assert_close(metrics_at(metrics, step, 'train/loss'), metrics_at(local_metrics, step, 'train/loss'),
                  terms=step * STEP_TERMS)
 
   evaluation = launch(['--mode=eval', f'--workdir={workdir}'], emulator)
-  assert evaluation['step'] == 20
+  assert evaluation['step'] == 6
   assert_close(evaluation['eval/loss'], resumed['eval/loss'], terms=STEP_TERMS)
 
   (bucket / 'prompts.txt').write_text('alpha beta\ngamma\n')
@@ -90,7 +91,7 @@ def test_a_gs_workdir_trains_resumes_evaluates_predicts_and_reloads(emulator, tm
 
   from train.rundir import load_run
   run = load_run(workdir)
-  assert run.step == 20 and run.tokenizer.vocab_size == run.model_config.vocab_size
+  assert run.step == 6 and run.tokenizer.vocab_size == run.model_config.vocab_size
   assert run.predict(['alpha beta', 'gamma']) == prediction['outputs']
 
 

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import support
 
 SCRIPT = os.path.join(support.REPO, 'scripts', 'fault_soak.py')
@@ -41,7 +43,9 @@ def test_the_plan_aims_at_every_phase_and_ends_in_the_final_evaluation():
 
 
 def test_five_kills_hit_every_phase_and_are_survived_bit_for_bit(tmp_path):
-  result = soak(f'--workdir={tmp_path}/soak', '--kills=5', '--seed=0')
+  # One layer: each of the seven launch.py processes compiles and runs a smaller program; the phases,
+  # kills and resumes are the same.
+  result = soak(f'--workdir={tmp_path}/soak', '--kills=5', '--seed=0', '--config.model.num_layers=1')
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   summary = json.loads(result.stdout.strip().splitlines()[-1])
   assert (summary['kills_sent'], summary['kills_survived'], summary['failures']) == (5, 5, [])
@@ -69,20 +73,26 @@ def test_five_kills_hit_every_phase_and_are_survived_bit_for_bit(tmp_path):
 
 
 def test_bad_flags_are_one_error_line(tmp_path):
+  # parse_args refuses each flag before main() starts anything: the cases in-process, one through the
+  # script for its exit status and its one `error:` line.
+  fault_soak = support.load_file('scripts/fault_soak.py')
   cases = {('--kills=0',): '--kills=0', ('--kills=4',): 'give --kills=5 or more', ('--processes=3',): '--processes=3',
            ('--emulator',): '--emulator',
            ('--config.train.steps',): '--config.train.steps', ('--unknown=1',): '--unknown=1',
            ('--kills=many',): 'many', ('--config.train.eval_every=0',): '--config.train.eval_every=0'}
   for extra, named in cases.items():
-    result = soak(f'--workdir={tmp_path}/new', *extra, timeout=60)
-    assert result.returncode == 1 and result.stdout == '', (extra, result.stdout, result.stderr)
-    [line] = result.stderr.splitlines()
-    assert line.startswith('error: ') and named in line, line
+    with pytest.raises(fault_soak.SoakInputError) as error:
+      fault_soak.parse_args([f'--workdir={tmp_path}/new', *extra])
+    assert named in str(error.value) and '\n' not in str(error.value), (extra, str(error.value))
+  result = soak(f'--workdir={tmp_path}/new', '--kills=4', timeout=60)
+  assert result.returncode == 1 and result.stdout == '', (result.stdout, result.stderr)
+  [line] = result.stderr.splitlines()
+  assert line.startswith('error: ') and 'give --kills=5 or more' in line, line
   assert not os.path.exists(tmp_path / 'new')  # refused before anything was written
   (tmp_path / 'used').mkdir()
   (tmp_path / 'used' / 'file').write_text('x')
-  result = soak(f'--workdir={tmp_path}/used', timeout=60)
-  assert result.returncode == 1 and result.stderr.startswith('error: ') and 'not empty' in result.stderr
+  with pytest.raises(fault_soak.SoakInputError, match='not empty'):
+    fault_soak.parse_args([f'--workdir={tmp_path}/used'])
 
 
 def test_result_lines_compare_with_the_files_they_name_relative_to_their_runs():

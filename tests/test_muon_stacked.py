@@ -55,19 +55,34 @@ def random_like(tree, seed, scale):
 
 
 def run_steps(tx, params):
-  """[the updates of each of STEPS steps], the final state: `tx` on the same random gradients."""
+  """[the updates of each of STEPS steps], the final state: `tx` on the same random gradients. The steps
+  are a scan over one compiled update (unrolled, each step would be compiled again)."""
   grads = [random_like(params, seed, 1.0) for seed in range(1, STEPS + 1)]
 
   @jax.jit
   def run(params, grads):
-    state, updates = tx.init(params), []
-    for g in grads:
+    def step(carry, g):
+      params, state = carry
       update, state = tx.update(g, state, params)
-      params = optax.apply_updates(params, update)
-      updates.append(update)
+      return (optax.apply_updates(params, update), state), update
+
+    (_, state), updates = jax.lax.scan(step, (params, tx.init(params)), grads)
     return updates, state
 
-  return run(params, grads)
+  updates, state = run(params, jax.tree.map(lambda *g: np.stack(g), *grads))
+  return [jax.tree.map(lambda x, i=i: x[i], updates) for i in range(STEPS)], state
+
+
+_REFERENCE_STEPS = {}
+
+
+def reference_steps(scan_layers, **values):
+  """run_steps of Optax's per-matrix muon on gpt_params(scan_layers), computed once per configuration
+  (several tests compare against the same one)."""
+  key = (scan_layers, tuple(sorted(values.items())))
+  if key not in _REFERENCE_STEPS:
+    _REFERENCE_STEPS[key] = run_steps(per_matrix_muon(train_config(**values)), gpt_params(scan_layers))
+  return _REFERENCE_STEPS[key]
 
 
 def terms(params):
@@ -97,7 +112,8 @@ def dot_equations(jaxpr):
 def test_the_stacks_give_optaxs_per_matrix_updates(scan_layers, rms_scale):
   params, config = gpt_params(scan_layers), train_config(muon_rms_scale=rms_scale)
   tx, _ = optim.make_optimizer(config)
-  (ours, our_state), (theirs, their_state) = run_steps(tx, params), run_steps(per_matrix_muon(config), params)
+  ours, our_state = run_steps(tx, params)
+  theirs, their_state = reference_steps(scan_layers, muon_rms_scale=rms_scale)
   for step in range(STEPS):
     assert_trees_close(ours[step], theirs[step], terms=terms(params), err_msg=f'step {step + 1}: ')
   # The state checkpoints hold: Optax's per-parameter layout, the same momentum.
@@ -122,7 +138,7 @@ def test_a_stack_unstacked_in_the_wrong_order_fails(monkeypatch):
   """Swapping two matrices of the [16, 16] stack when unstacking (a query's update given to a key)
   moves the updates far past the tolerance."""
   params, config = gpt_params(scan_layers=False), train_config()
-  theirs, _ = run_steps(per_matrix_muon(config), params)
+  theirs, _ = reference_steps(False, muon_rms_scale=0.2)
   unstacked_values = optim.MatrixStacks._unstacked_values
 
   def swapped(self, stacked):

@@ -14,6 +14,7 @@ import re
 import signal
 import threading
 import time
+import types
 
 import matplotlib.image
 import optuna
@@ -37,22 +38,23 @@ def get_sweep():
   }}
 '''
 GRID_TRIALS = ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1', '02-width=16', '03-num_heads=3']
-# Trial 1 is long enough to be killed midway, and is never compared with trial 0 (its evaluations
-# come at other steps); trial 2 (a learning rate that learns nothing) is pruned at its first
-# evaluation by its worker, against trial 0 (n_startup_trials=1), long before its last step.
+# Trial 1 is long enough to be killed midway (90 steps after its first checkpoint), and is never
+# compared with trial 0 (its evaluations come at other steps); trial 2 (a learning rate that learns
+# nothing) is pruned at its first evaluation by its worker, against trial 0's one evaluation
+# (n_startup_trials=1), long before its last step (the steps after it are never run).
 KILL_FILE = '''
 def get_sweep():
   return {{
       'config': 'configs/gpt.py:tiny',
-      'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'model.num_layers': 1, 'train.steps': 30,
+      'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'model.num_layers': 1, 'train.steps': 10,
                     'train.eval_every': 10, 'train.checkpoint_every': 10, 'train.eval_steps': 1,
                     'train.log_every': 10}},
-      'trials': [{{'train.lr': 0.01}}, {{'train.lr': 0.01, 'train.steps': 200, 'train.eval_every': 25}},
+      'trials': [{{'train.lr': 0.01}}, {{'train.lr': 0.01, 'train.steps': 100, 'train.eval_every': 25}},
                  {{'train.lr': 1e-7, 'train.steps': 200}}],
       'pruner': {{'name': 'median', 'n_startup_trials': 1}},
   }}
 '''
-KILLED, PRUNED = '01-lr=0.01-steps=200-eval_every=25', '02-lr=1e-07-steps=200'
+KILLED, PRUNED = '01-lr=0.01-steps=100-eval_every=25', '02-lr=1e-07-steps=200'
 
 
 def sweep_process(sweep_file: str, workdir: str, *args: str, start_new_session: bool = False):
@@ -223,8 +225,8 @@ def test_a_killed_study_resumes_without_repeating_finished_trials(killed_and_rer
   assert open(os.path.join(workdir, '00-lr=0.01', 'metrics.jsonl')).read() == before['00-lr=0.01']
   log = open(os.path.join(workdir, 'logs', f'{KILLED}.log')).read()
   resumed = int(re.search(r'Resumed from the checkpoint at step (\d+)', log).group(1))
-  assert 10 <= resumed < 200  # the interrupted trial went on from its checkpoint
-  assert [(r['status'], r['step']) for r in read_rows(workdir)] == [('ok', '30'), ('ok', '200'), ('pruned', '10')]
+  assert 10 <= resumed < 100  # the interrupted trial went on from its checkpoint
+  assert [(r['status'], r['step']) for r in read_rows(workdir)] == [('ok', '10'), ('ok', '100'), ('pruned', '10')]
   retry = [t for t in load_study(workdir, postgres.url).get_trials() if t.user_attrs.get('slot') == 1][-1]
   assert RetryHeartbeatStaleTrialCallback.retried_trial_number(retry) == 1
   assert retry.state == TrialState.COMPLETE
@@ -255,7 +257,7 @@ def test_a_trial_pruned_by_its_worker_stops_early_and_its_checkpoint_reloads(kil
 
 def test_sigterm_stops_the_sweep_with_its_trial_saved_and_queued_again(corpus, cache, tmp_path):
   (tmp_path / 'one.py').write_text(KILL_FILE.format(source=corpus, cache=cache).replace(
-      "'trials': [{'train.lr': 0.01}, {'train.lr': 0.01, 'train.steps': 200, 'train.eval_every': 25},\n"
+      "'trials': [{'train.lr': 0.01}, {'train.lr': 0.01, 'train.steps': 100, 'train.eval_every': 25},\n"
       "                 {'train.lr': 1e-7, 'train.steps': 200}]", "'trials': [{'train.lr': 0.01, 'train.steps': 200}]"))
   workdir = str(tmp_path / 'sweep')
   sweep = sweep_process(str(tmp_path / 'one.py'), workdir)
@@ -424,12 +426,21 @@ def test_bad_input_stops_the_sweep_command_with_one_line_before_trials(tmp_path)
       (good.replace("'n_trials': 2", "'n_trials': 2, 'overrides': {'train.steps': 'abc'}"), [],
        "The sweep gives its trials --config.train.steps=abc, which configs/gpt.py:tiny cannot take"),
   ]
+  # Each is refused by what launch.py --sweep calls before any trial: in-process, the first through the command.
+  import launch
   for text, args, message in cases:
     path.write_text(text)
-    result = sweep_process(str(path), str(tmp_path / 'run'), *args)
-    stdout, stderr = result.communicate(timeout=120)
-    assert result.returncode == 1 and stderr.count('\n') == 1 and message in stderr, stderr
-    assert not os.path.exists(tmp_path / 'run') and not started(stdout)
+    flags = types.SimpleNamespace(sweep=str(path), workdir=str(tmp_path / 'run'), sweep_dry_run=False, sweep_workers=1,
+                                  sweep_devices=None, sweep_heartbeat=30,
+                                  sweep_storage=args[0].split('=', 1)[1] if args else None)
+    with pytest.raises(launch.UserError, match=re.escape(message)) as error:
+      runner.run_sweep_from_flags(flags, [], check_overrides=launch.check_sweep_overrides)
+    assert '\n' not in str(error.value) and not os.path.exists(tmp_path / 'run')
+  path.write_text(cases[0][0])
+  result = sweep_process(str(path), str(tmp_path / 'run'))
+  stdout, stderr = result.communicate(timeout=120)
+  assert result.returncode == 1 and stderr.count('\n') == 1 and cases[0][2] in stderr, stderr
+  assert not os.path.exists(tmp_path / 'run') and not started(stdout)
   with pytest.raises(studies.SweepError, match='--sweep_storage=postgresql://u:\\*\\*\\*@'):
     studies.open_storage('postgresql://u:secret@127.0.0.1:1/db')
   # A metric the trials do not log stops the sweep at the first trial that finishes, naming theirs.

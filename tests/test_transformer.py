@@ -101,9 +101,10 @@ def test_the_pictures_batched_padded_weights_are_each_sentences_own():
   from models.attention import record_attention_weights
   from train.tasks.transformer import decoder_attention_weights
   model = tiny(2)
-  source, target = batch(2, rows=3, source_len=7, target_len=9)
-  lengths = [9, 4, 6]
-  target = target.at[1, 4:].set(PAD).at[2, 6:].set(PAD)
+  # A full row and a padded one (source and target): each unpadded forward runs op by op, compiling every op.
+  source, target = batch(2, rows=2, source_len=7, target_len=9)
+  lengths = [9, 4]
+  target = target.at[1, 4:].set(PAD)
   padded = decoder_attention_weights(model, source, target)
   for row, length in enumerate(lengths):
     real = int((source[row] != PAD).sum())
@@ -364,16 +365,23 @@ def test_the_task_chooses_packed_length_bucketed_or_shuffled_batches():
   assert plan() == batching.Shuffled()
 
 
-def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """One 4-step packed run on the number-words corpus, a checkpoint every 2 steps, its final evaluation
+  with BLEU (greedy and beam) and pictures: (config, workdir, results); read by the tests below."""
+  from train import trainer
+  tmp_path = tmp_path_factory.mktemp('transformer_run')
+  config = tiny_config(tmp_path)
+  config.train.update(steps=4, eval_every=4, checkpoint_every=2, log_every=1, eval_steps=1)
+  workdir = str(tmp_path / 'run')
+  return config, workdir, trainer.train_and_evaluate(config, workdir)
+
+
+def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(trained, tmp_path):
   import support
   from train.rundir import load_run
   from train import trainer
-  config = tiny_config(tmp_path)
-  config.train.update(steps=4, eval_every=4, checkpoint_every=2, log_every=1, eval_steps=1)
-  config.decode.beam_size = 1
-  config.pictures.count = 0
-  straight = str(tmp_path / 'straight')
-  trainer.train_and_evaluate(config, straight)
+  config, straight, _ = trained
   resumed = support.copy_run_back_to(straight, 2, str(tmp_path / 'resumed'))  # the packer's position too
   trainer.train_and_evaluate(config, resumed)
   a, b = (nnx.state(load_run(workdir).model, nnx.Param) for workdir in (straight, resumed))
@@ -393,15 +401,11 @@ def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(tmp_path):
   assert_close(first['train/real_tokens_per_s'] / first['train/tokens_per_s'], real_share, terms=2)  # two rates' ratio
 
 
-def test_train_evaluate_predict_on_a_tsv_corpus(tmp_path):
+def test_train_evaluate_predict_on_a_tsv_corpus(trained):
   import json
   import os
-  from train import trainer
   from train.rundir import load_run
-  config = tiny_config(tmp_path)
-  config.train.update(steps=4, eval_every=4, checkpoint_every=4, log_every=2)
-  workdir = str(tmp_path / 'run')
-  results = trainer.train_and_evaluate(config, workdir)
+  config, workdir, results = trained
   assert results['step'] == config.train.steps
   for key in ('test/bleu', 'test/bleu_greedy', 'test/accuracy', 'eval/loss'):
     assert np.isfinite(results[key]), key
