@@ -28,7 +28,10 @@ def corpus(tmp_path_factory):
 
 
 def tiny(corpus, **overrides):
-  return support.tiny_gpt_config(corpus, **{'train.log_every': 1, 'train.async_checkpoints': False, **overrides})
+  # One block: what these tests check (stops, checkpoints, locks, metrics) does not depend on the depth, and each
+  # training traces and compiles its model again.
+  return support.tiny_gpt_config(corpus, **{'train.log_every': 1, 'train.async_checkpoints': False,
+                                            'model.num_layers': 1, **overrides})
 
 
 def metrics(workdir):
@@ -116,7 +119,7 @@ def test_a_second_training_is_refused_and_a_stale_lock_is_taken_over(corpus, tmp
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
   workdir = str(tmp_path / 'run')
   args = ['--config=configs/gpt.py:tiny', f'--workdir={workdir}', f'--config.data.source={corpus}',
-          '--config.train.steps=2000', '--config.train.log_every=1']
+          '--config.train.steps=2000', '--config.train.log_every=1', '--config.model.num_layers=1']
   process = support.launch(args, background=True, start_new_session=True)
   deadline = time.time() + 120
   while time.time() < deadline and not (os.path.exists(f'{workdir}/metrics.jsonl') and len(metrics(workdir)) >= 5):
@@ -156,24 +159,24 @@ def test_orphan_tokenizer_is_rebuilt_and_a_resume_must_keep_its_tokenizer(corpus
 
 def test_a_broken_latest_checkpoint_is_skipped_and_metrics_are_not_repeated(corpus, tmp_path, capsys):
   workdir = str(tmp_path / 'run')
-  config = tiny(corpus, **{'train.steps': 20, 'train.eval_every': 10, 'train.checkpoint_every': 10})
+  config = tiny(corpus, **{'train.steps': 4, 'train.eval_every': 2, 'train.checkpoint_every': 2})
   train_and_evaluate(config, workdir)
-  for path in glob.glob(f'{workdir}/checkpoints/20/model/**/*', recursive=True):
+  for path in glob.glob(f'{workdir}/checkpoints/4/model/**/*', recursive=True):
     if os.path.isfile(path):
       with open(path, 'r+b') as f:  # an upload cut short
         f.truncate(os.path.getsize(path) // 2)
-  config.train.steps = 30
+  config.train.steps = 6
   results = train_and_evaluate(config, workdir)
   out = capsys.readouterr().out
-  assert 'Skipped the checkpoint at step 20' in out and 'Resumed from the checkpoint at step 10' in out
-  assert os.path.isdir(f'{workdir}/{ckpt.BROKEN_DIR}/20') and results['step'] == 30
+  assert 'Skipped the checkpoint at step 4' in out and 'Resumed from the checkpoint at step 2' in out
+  assert os.path.isdir(f'{workdir}/{ckpt.BROKEN_DIR}/4') and results['step'] == 6
   train_steps = [m['step'] for m in metrics(workdir) if 'train/loss' in m]
-  assert train_steps == list(range(1, 31))  # steps 11-20 of the first run were dropped, not repeated
-  # TensorBoard: the resumed writer starts with a START session log at step 11, which tells
-  # TensorBoard to drop every earlier event from step 11 on (its purge rule).
+  assert train_steps == list(range(1, 7))  # steps 3-4 of the first run were dropped, not repeated
+  # TensorBoard: the resumed writer starts with a START session log at step 3, which tells
+  # TensorBoard to drop every earlier event from step 3 on (its purge rule).
   starts = [e.step for e in tensorboard_events(f'{workdir}/tensorboard')
             if e.HasField('session_log') and e.session_log.status == e.session_log.START]
-  assert starts == [11], starts
+  assert starts == [3], starts
 
 
 def test_a_full_disk_during_a_checkpoint_is_one_error_and_the_rerun_resumes_from_the_last_intact_step(
@@ -311,8 +314,8 @@ def test_evaluation_scores_every_example_of_a_split_that_does_not_fill_its_batch
     total, count = (float(x) for x in expected[name])
     assert count == 56 * 32
     # One batch of 56 windows against one of 64 with 8 weight-0 fillers: the same tokens summed in
-    # another order (the tiny GPT's reductions, then the 56 x 32 tokens).
-    terms = transformer_terms(2, 32, 4 * 32, 32, vocab=32, positions=56 * 32)
+    # another order (the one-block tiny GPT's reductions, then the 56 x 32 tokens).
+    terms = transformer_terms(1, 32, 4 * 32, 32, vocab=32, positions=56 * 32)
     assert_close(results[f'eval/{name}'], total / count, terms=terms)
     assert_close(logged(workdir, f'eval/{name}', 1), total / count, terms=terms)
 

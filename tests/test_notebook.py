@@ -14,11 +14,13 @@ NOTEBOOK = os.path.join(support.REPO, 'notebooks', 'reload_and_inspect.ipynb')
 
 @pytest.fixture(scope='module')
 def tiny_run(tmp_path_factory):
+  # One block: the notebook's kernel traces, decodes and runs eagerly (op by op) every layer; its last layer,
+  # the one the heatmaps show, is there all the same.
   from train.trainer import train_and_evaluate
   root = tmp_path_factory.mktemp('notebook')
   config = support.tiny_gpt_config(support.write_corpus(str(root / 'corpus'), files=3, lines=40),
                                    **{'train.steps': 4, 'train.eval_every': 4, 'train.checkpoint_every': 4,
-                                      'decode.max_new_tokens': 6})
+                                      'decode.max_new_tokens': 6, 'model.num_layers': 1})
   train_and_evaluate(config, str(root / 'run'))
   return str(root / 'run')
 

@@ -73,41 +73,42 @@ def clock(monkeypatch):
 
 
 def test_a_wall_clock_wsd_cooldown_ends_the_run_cooled_down_and_resumes_mid_cooldown(corpus, tmp_path, clock, capsys):
-  # 30 s of budget, far from train.steps: the cooldown starts with 25% (7.5 s) left, after step 23, and
-  # plans the 7 steps that fit at the measured 1 s per step, the last (step 30, count 29) at the end lr.
+  # 15 s of budget, far from train.steps: the cooldown starts with 25% (3.75 s) left, after step 12, and
+  # plans the 3 steps that fit at the measured 1 s per step, the last (step 15, count 14) at the end lr.
+  # Three cooldown rates (2/3, 1/3, 0 of the peak) and a checkpoint (step 13) inside them to resume from.
   config = tiny(corpus, **{'model.scan_layers': True, 'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2,
                            'train.optimizer': 'muon', 'train.schedule': 'wsd',
-                           'train.steps': 100, 'train.max_minutes': 0.5, 'train.decay_fraction': 0.25,
+                           'train.steps': 100, 'train.max_minutes': 0.25, 'train.decay_fraction': 0.25,
                            'train.decay_shape': 'linear', 'train.end_lr_fraction': 0.0, 'train.warmup_steps': 2,
                            'train.eval_every': 5, 'train.checkpoint_every': 13, 'train.target': 'eval/loss<=0.01'})
   workdir = str(tmp_path / 'straight')
   results = train_and_evaluate(config, workdir)
   out = capsys.readouterr().out
-  assert results['step'] == 30 and 'the wall-clock cooldown ended' in results['stopped'], results
+  assert results['step'] == 15 and 'the wall-clock cooldown ended' in results['stopped'], results
   assert results['train/compiles'] == 1  # the cooldown's start is a value of the optimizer state
-  assert "Cooldown from step 23 to step 30" in out
+  assert "Cooldown from step 12 to step 15" in out
   assert 'Muon takes 12 matrices' in out  # 2 layers x 6 kernels, stacked by scan_layers
-  assert (saved(workdir, 30)['data']['progress']['cooldown_start'], saved(workdir, 30)['data']['progress'][
-      'cooldown_steps']) == (22, 7)  # optim.wsd_schedule's start: count 22 at progress 0, count 29 at 1
+  assert (saved(workdir, 15)['data']['progress']['cooldown_start'], saved(workdir, 15)['data']['progress'][
+      'cooldown_steps']) == (11, 3)  # optim.wsd_schedule's start: count 11 at progress 0, count 14 at 1
   lr = {m['step']: m['train/lr'] for m in metrics(workdir) if 'train/lr' in m}
   peak = config.train.lr
-  for step in range(21, 31):  # step s logs the lr of its update, count s - 1
+  for step in range(6, 16):  # step s logs the lr of its update, count s - 1
     count = step - 1
-    expected = peak if count < 23 else peak * (1 - (count - 22) / 7)
+    expected = peak if count < 12 else peak * (1 - (count - 11) / 3)
     assert_close(lr[step], expected, terms=1, scale=peak, err_msg=str(step))
   assert results['target/met'] is False and 'target/step' not in results
 
-  copy = resumed_from(workdir, 26, str(tmp_path / 'resumed'))  # mid-cooldown
+  copy = resumed_from(workdir, 13, str(tmp_path / 'resumed'))  # mid-cooldown
   again = train_and_evaluate(config, copy)
-  assert 'Resumed from the checkpoint at step 26' in capsys.readouterr().out
-  assert again['step'] == 30 and again['eval/loss'] == results['eval/loss'] and again['train/compiles'] == 1
-  straight, resumed = saved(workdir, 30), saved(copy, 30)
+  assert 'Resumed from the checkpoint at step 13' in capsys.readouterr().out
+  assert again['step'] == 15 and again['eval/loss'] == results['eval/loss'] and again['train/compiles'] == 1
+  straight, resumed = saved(workdir, 15), saved(copy, 15)
   assert_bit_identical(straight['model'], resumed['model'])
   assert_bit_identical(straight['optimizer'], resumed['optimizer'])  # Muon's momentum, its AdamW's moments, the plan
 
 
 def test_schedule_free_evaluates_and_saves_its_average_and_resumes_bit_for_bit(corpus, tmp_path):
-  config = tiny(corpus, **{'mesh.data': 4, 'mesh.fsdp': 2, 'train.optimizer': 'schedule_free_adamw',
+  config = tiny(corpus, **{'mesh.data': 4, 'mesh.fsdp': 2, 'train.optimizer': 'schedule_free_adamw', 'model.num_layers': 1,
                            'train.schedule': 'constant',
                            'train.warmup_steps': 2, 'train.steps': 6, 'train.eval_every': 3,
                            'train.checkpoint_every': 4, 'train.eval_steps': 0, 'train.final_eval_from': 'last',
