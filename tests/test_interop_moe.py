@@ -1,6 +1,6 @@
 """Mixtral and Qwen3-MoE and Hugging Face: random MixtralForCausalLM and Qwen3MoeForCausalLM
-checkpoints (every parameter random, norms and routers included) imported through launch.py
-without --config give transformers' logits and its greedy generation token for token; their export
+checkpoints (every parameter random, norms and routers included) imported (the Mixtral through
+launch.py without --config) give transformers' logits and its greedy generation token for token; their export
 rewrites every tensor byte for byte and loads in AutoModelForCausalLM; a run with experts trained
 here (scanned, FSDP-sharded) exports with transformers' logits; a GPT with experts that neither
 class computes is refused in one line before anything is written."""
@@ -76,10 +76,18 @@ def hf_moe(request, tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def imported_run(hf_moe, tmp_path_factory):
+  """The run imported from `hf_moe`: the Mixtral through launch.py without --config (the config its
+  model_type names), the Qwen3-MoE in-process by what launch.py calls with that config (the same
+  gpt:moe preset), one launch.py process fewer."""
+  from configs import gpt
+  from train.trainer import import_hf_run
   model_type, directory, _ = hf_moe
   workdir = str(tmp_path_factory.mktemp(f'imported_{model_type}') / 'run')
-  result = support.launch(['--mode=import_hf', f'--hf_dir={directory}', f'--workdir={workdir}'])
-  assert result.returncode == 0, result.stderr[-2000:]
+  if model_type == 'mixtral':
+    result = support.launch(['--mode=import_hf', f'--hf_dir={directory}', f'--workdir={workdir}'])
+    assert result.returncode == 0, result.stderr[-2000:]
+  else:
+    import_hf_run(gpt.get_config(gpt.HF_MODEL_TYPES[model_type]), directory, workdir)
   return workdir
 
 
@@ -95,7 +103,7 @@ def test_imported_moe_matches_transformers_logits_and_greedy_generation(hf_moe, 
   with torch.no_grad():
     theirs = hf_model(torch.tensor(tokens)).logits.numpy()
   ours = support.real_logits(run.model(jnp.asarray(tokens))[0], vocab)
-  print(f'\n{ARCHITECTURES[model_type]} logits (imported via launch.py): max |ours - transformers| = '
+  print(f'\n{ARCHITECTURES[model_type]} logits (imported): max |ours - transformers| = '
         f'{max_difference(ours, theirs):.2e}')
   assert_close(ours, theirs, terms=TERMS)
   prompts = tokens[:, :7]

@@ -182,8 +182,8 @@ def test_gradients_reach_the_router_and_every_expert_as_in_the_dense_formulation
 
   dense = lambda params: dense_formulation(params, x, 2, gated, 'silu')
   loss = lambda forward: lambda params: jnp.sum((forward(params) - target) ** 2)
-  grouped_grads = jax.grad(loss(grouped))(params)
-  dense_grads = jax.grad(loss(dense))(params)
+  grouped_grads = jax.jit(jax.grad(loss(grouped)))(params)  # compiled: one program, not op by op
+  dense_grads = jax.jit(jax.grad(loss(dense)))(params)
   for path, grad in jax.tree.leaves_with_path(grouped_grads):
     assert float(jnp.abs(grad).max()) > 0, path
   assert_trees_close(grouped_grads, dense_grads, terms=2 * LAYER_TERMS + 10 + N)  # and the sums over T, N
@@ -260,13 +260,14 @@ def test_cached_greedy_decoding_of_an_moe_gpt_equals_an_argmax_loop_without_cach
   prompt, new = [5, 6, 7, 8], 6
   out, _ = generate(model, jnp.asarray([prompt]), jnp.ones((1, 4), bool), jax.random.key(0), max_new_tokens=new,
                     temperature=0.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0)
-  # Without a cache the whole prefix runs again for every token. (A capacity is per forward pass: the
-  # prefix's tokens compete for it as they do in the cached prompt pass, and 2.0 x the even share of
-  # a 4-expert top-2 layer is all tokens, so nothing is dropped either way.)
-  sequence = list(prompt)
-  for _ in range(new):
-    sequence.append(int(jnp.argmax(full_forward(model, jnp.asarray([sequence]))[0, -1])))
-  assert list(np.asarray(out)[0]) == sequence[len(prompt):]
+  generated = list(np.asarray(out)[0])
+  # Without a cache: the argmax loop, in one causal pass over the prompt and the generated tokens (one
+  # program instead of one per length): position P - 1 + i sees exactly the prefix the loop's step i
+  # would run again, so the cached tokens are greedy iff each equals the argmax before it. (A capacity
+  # is per forward pass: 2.0 x the even share of a 4-expert top-2 layer is all tokens, so nothing is
+  # dropped in either pass.)
+  logits = full_forward(model, jnp.asarray([prompt + generated[:-1]]))[0]
+  assert list(np.asarray(jnp.argmax(logits[len(prompt) - 1:], axis=-1))) == generated
 
 
 def test_a_tiny_moe_gpt_trains_through_the_trainer_and_logs_its_routing(tmp_path):
@@ -307,12 +308,13 @@ def test_the_balancing_losses_join_the_minimised_loss_with_their_coefficients():
   task = gpt_task.Task(config, Prepared(None, model_config))
   model = task.build_model(nnx.Rngs(0))
   batch = {'tokens': np.asarray(tokens(batch=2, length=10))}
-  loss, metrics = task.loss(model, batch, deterministic=False)
+  compiled_loss = nnx.jit(task.loss, static_argnames='deterministic')  # one program each, not op by op
+  loss, metrics = compiled_loss(model, batch, deterministic=False)
   cross_entropy = metrics['loss'][0] / metrics['loss'][1]
   balancing = metrics['moe/load_balancing_loss'][0]
   z_loss = metrics['moe/z_loss'][0]
   assert float(loss) == pytest.approx(float(cross_entropy + 0.5 * balancing + 0.25 * z_loss), rel=1e-6)
-  eval_loss, eval_metrics = task.loss(model, batch, deterministic=True)
+  eval_loss, eval_metrics = compiled_loss(model, batch, deterministic=True)
   assert float(eval_loss) == pytest.approx(float(cross_entropy), rel=1e-6) and 'moe/z_loss' not in eval_metrics
 
 
