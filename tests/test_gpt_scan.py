@@ -15,7 +15,7 @@ from train.losses import lm_loss
 
 pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
 
-CONFIG = GPT2Config(vocab_size=61, max_len=32, num_layers=3, num_heads=2, width=16, dropout=0.0)
+CONFIG = GPT2Config(vocab_size=61, max_len=32, num_layers=2, num_heads=2, width=16, dropout=0.0)
 # Logits, the loss and its gradients over `tokens()`'s 2 x 11 positions.
 TERMS = transformer_terms(CONFIG.num_layers, CONFIG.width, CONFIG.mlp_width, 12, vocab=CONFIG.vocab_size, positions=22)
 
@@ -52,7 +52,7 @@ def reference_loss_and_grads():
 
 def test_scanned_and_unscanned_give_the_same_logits_and_gradients():
   plain, scanned = twin_models()
-  assert nnx.state(scanned.blocks, nnx.Param)['self_attention']['query']['kernel'].shape == (3, 16, 16)
+  assert nnx.state(scanned.blocks, nnx.Param)['self_attention']['query']['kernel'].shape == (2, 16, 16)
   count = lambda model: sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert count(scanned) == count(plain)
   x = tokens()
@@ -60,7 +60,7 @@ def test_scanned_and_unscanned_give_the_same_logits_and_gradients():
   assert_close(forward(scanned, x), forward(plain, x), terms=TERMS)
   (plain_loss, plain_grads), (scan_loss, scan_grads) = reference_loss_and_grads(), loss_and_grads(scanned, x)
   assert_close(scan_loss, plain_loss, terms=TERMS)
-  assert_close(scan_grads['blocks']['mlp']['up']['kernel'][2], plain_grads['blocks'][2]['mlp']['up']['kernel'],
+  assert_close(scan_grads['blocks']['mlp']['up']['kernel'][1], plain_grads['blocks'][1]['mlp']['up']['kernel'],
                terms=TERMS)
   assert_close(scan_grads['token_embedding']['embedding'], plain_grads['token_embedding']['embedding'], terms=TERMS)
 
@@ -84,7 +84,7 @@ def test_cached_greedy_decoding_matches_between_layouts():
                                  top_p=1.0, eos_id=None, pad_id=0)[0]) for m in (plain, scanned)]
   np.testing.assert_array_equal(outputs[0], outputs[1])
   cache = scanned.init_cache(2, 13)
-  assert cache['self']['k'].shape == (3, 2, 2, 13, 8)
+  assert cache['self']['k'].shape == (2, 2, 2, 13, 8)
 
 
 @pytest.mark.parametrize('remat', ['dots', 'full'])
@@ -109,10 +109,11 @@ def hlo_size(num_layers: int, scan: bool) -> int:
 
 
 def test_scanned_program_size_does_not_grow_with_depth():
-  scanned = hlo_size(2, True), hlo_size(6, True)
-  unscanned = hlo_size(2, False), hlo_size(6, False)
+  scanned = hlo_size(2, True), hlo_size(4, True)
+  unscanned = hlo_size(2, False), hlo_size(4, False)
   assert scanned[1] <= scanned[0] * 1.02, scanned
-  assert unscanned[1] > unscanned[0] * 2, unscanned
+  # Lines = the rest + layers x a block's: x1.5 from 2 to 4 layers means a block outweighs half the rest.
+  assert unscanned[1] > unscanned[0] * 1.5, unscanned
 
 
 def test_scanned_remat_gpt_trains_sharded(tmp_path):

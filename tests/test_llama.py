@@ -36,6 +36,10 @@ TINY_TERMS = transformer_terms(2, 32, 40, 20)
 HF_TERMS = transformer_terms(2, 32, 48, 20)
 
 
+# One compilation per model instead of one per op (eager execution).
+logits_of = nnx.jit(lambda model, tokens: model(tokens)[0])
+
+
 def max_difference(ours, theirs) -> float:
   return float(np.max(np.abs(np.asarray(ours, np.float64) - np.asarray(theirs, np.float64))))
 
@@ -165,8 +169,9 @@ def test_cached_greedy_decoding_and_packing_agree_with_the_plain_forward():
 
 def test_presets_have_the_published_parameter_counts():
   from test_gpt import abstract_params
-  assert abstract_params('smollm-135m') == 134_515_008  # HuggingFaceTB/SmolLM-135M
-  assert abstract_params('llama-3.2-1b') == 1_235_814_400  # meta-llama/Llama-3.2-1B
+  # Stacked blocks (scan_layers) hold the same parameters and build in one trace instead of one per layer.
+  assert abstract_params('smollm-135m', scan_layers=True) == 134_515_008  # HuggingFaceTB/SmolLM-135M
+  assert abstract_params('llama-3.2-1b', scan_layers=True) == 1_235_814_400  # meta-llama/Llama-3.2-1B
   # The CPU `llama` preset matches the GPT-2 block of the `default` one in size (BPE vocabulary 2,048);
   # `default`'s QK-norm adds a 64-wide query and key scale per layer: 4 x 2 x 64 = 512.
   assert abstract_params('llama', vocab_size=2048) == 3_746_048
@@ -253,7 +258,7 @@ def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_lla
   tokens = np.random.default_rng(0).integers(0, vocab, (2, 20))
   with torch.no_grad():
     theirs = hf_model(torch.tensor(tokens)).logits.numpy()
-  ours, _ = run.model(jnp.asarray(tokens))
+  ours = logits_of(run.model, jnp.asarray(tokens))
   difference = max_difference(support.real_logits(ours, vocab), theirs)
   print(f'\nLlama logits (imported via launch.py): max |ours - transformers| = {difference:.2e}')
   assert_close(support.real_logits(ours, vocab), theirs, terms=HF_TERMS)
@@ -314,7 +319,7 @@ def test_trained_scanned_sharded_llama_exports_to_transformers(tmp_path):
   tokens = np.random.default_rng(0).integers(0, vocab, (2, 24))
   with torch.no_grad():
     theirs = model(torch.tensor(tokens)).logits.numpy()
-  ours = support.real_logits(run.model(jnp.asarray(tokens))[0], vocab)
+  ours = support.real_logits(logits_of(run.model, jnp.asarray(tokens)), vocab)
   print(f'\nLlama logits (trained here, scan_layers, FSDP-sharded): max |ours - transformers| = '
         f'{max_difference(ours, theirs):.2e}')
   c = run.model.config

@@ -9,12 +9,17 @@ import numpy as np
 import pytest
 
 import support
-from numerics import assert_close
+from numerics import assert_close, transformer_terms
 
-STEP_TERMS = support.TINY_GPT_STEP_TERMS  # the reductions behind one tiny GPT step (tests/numerics.py)
+STEPS = 4
+# The tiny GPT with one block: the processes' collectives are the same for every block, and each of the
+# three processes compiles a smaller program. STEP_TERMS: the reductions behind one of its steps
+# (support.TINY_GPT_STEP_TERMS with one block; tests/numerics.py).
+STEP_TERMS = transformer_terms(1, 32, 4 * 32, 32, vocab=32, positions=8 * 32)
 
-OVERRIDES = {'train.steps': 6, 'train.eval_every': 6, 'train.checkpoint_every': 6, 'train.log_every': 1,
-             'train.eval_steps': 2, 'mesh.data': 4, 'mesh.fsdp': 2, 'train.async_checkpoints': False,
+OVERRIDES = {'model.num_layers': 1, 'train.steps': STEPS, 'train.eval_every': STEPS,
+             'train.checkpoint_every': STEPS, 'train.log_every': 1, 'train.eval_steps': 1, 'mesh.data': 4,
+             'mesh.fsdp': 2, 'train.async_checkpoints': False,
              'data.cache_shard_mb': 0.001}  # ~1 KB token-cache shards: each process builds several
 
 
@@ -46,10 +51,10 @@ def runs(tmp_path_factory):
 def test_two_processes_train_the_same_losses_as_one(runs):
   single_dir, single, multi_dir, multi = runs
   single_losses, multi_losses = train_losses(single_dir), train_losses(multi_dir)
-  assert sorted(multi_losses) == list(range(1, 7))
-  for step in range(1, 7):
+  assert sorted(multi_losses) == list(range(1, STEPS + 1))
+  for step in range(1, STEPS + 1):
     assert_close(multi_losses[step], single_losses[step], terms=step * STEP_TERMS)
-  assert_close(multi['eval/loss'], single['eval/loss'], terms=7 * STEP_TERMS)
+  assert_close(multi['eval/loss'], single['eval/loss'], terms=(STEPS + 1) * STEP_TERMS)
 
 
 def test_two_process_checkpoint_restores_in_one_process(runs):
@@ -57,7 +62,7 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
   evaluation = support.launch(['--mode=eval', f'--workdir={multi_dir}'], devices=1)
   assert evaluation.returncode == 0, evaluation.stderr[-3000:]
   result = support.last_json(evaluation.stdout)
-  assert result['step'] == 6
+  assert result['step'] == STEPS
   assert_close(result['eval/loss'], multi['eval/loss'], terms=STEP_TERMS)
 
 

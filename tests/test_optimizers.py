@@ -35,9 +35,10 @@ def train_config(**values):
 
 
 @functools.cache
-def gpt_params(scan_layers=False, width=8):
-  """A 2-layer GPT's parameters (an nnx.State), random, made without running JAX."""
-  config = GPT2Config(vocab_size=11, max_len=8, num_layers=2, num_heads=2, width=width, scan_layers=scan_layers)
+def gpt_params(scan_layers=False, width=8, num_layers=2):
+  """A GPT's parameters (an nnx.State), random, made without running JAX."""
+  config = GPT2Config(vocab_size=11, max_len=8, num_layers=num_layers, num_heads=2, width=width,
+                      scan_layers=scan_layers)
   abstract = nnx.state(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))), nnx.Param)
   return random_like(abstract, 0)
 
@@ -162,7 +163,7 @@ def test_the_split_in_every_family(family):
 
 
 def test_schedule_free_is_optaxs_with_adamws_decay_mask():
-  params = gpt_params()
+  params = gpt_params(num_layers=1)  # each kind of parameter once: decayed kernels, undecayed biases and norms
   config = train_config(optimizer='schedule_free_adamw', warmup_steps=2, grad_clip=0.0)
   tx, logged_lr = optim.make_optimizer(config)
   decayed = optax.contrib.schedule_free_adamw(0.01, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
@@ -184,7 +185,8 @@ def test_schedule_free_is_optaxs_with_adamws_decay_mask():
 
 
 def test_one_step_of_adamw_adam_lion_and_adafactor_is_optaxs_own():
-  params = gpt_params(width=128)  # Adafactor factors the dimensions of 128 or more
+  # Adafactor factors the dimensions of 128 or more; one block holds each kind of parameter (the updates are per leaf).
+  params = gpt_params(width=128, num_layers=1)
   by_hand = {
       'adamw': optax.adamw(0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=optim.decay_mask),
       'adam': optax.adam(0.01, b1=0.9, b2=0.95, eps=1e-8),
