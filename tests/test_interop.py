@@ -289,7 +289,8 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path):
 
 def test_export_errors_through_launch_are_one_line(gpt_run, tmp_path):
   from configs import rnn_lm
-  from train.rundir import save_config
+  from errors import UserError
+  from train.rundir import check_hf_export, read_config, save_config
   taken = tmp_path / 'taken'
   taken.mkdir()
   (taken / 'notes.txt').write_text('keep me')
@@ -299,13 +300,13 @@ def test_export_errors_through_launch_are_one_line(gpt_run, tmp_path):
                                                 f'pass a new --hf_dir (or delete that directory first).']
   assert os.listdir(taken) == ['notes.txt'] and sorted(os.listdir(tmp_path)) == ['taken']
 
-  # The family is checked from the run's config.json, before its checkpoint would load.
+  # The family is checked from the run's config.json, before its checkpoint would load: what launch.py's
+  # export_hf runs first, in this process (its UserError is launch.py's `error:` line, as above).
   rnn_run = tmp_path / 'rnn'
   rnn_run.mkdir()
   save_config(rnn_lm.get_config('tiny'), str(rnn_run))
-  result = support.launch(['--mode=export_hf', f'--workdir={rnn_run}', f'--hf_dir={tmp_path / "out"}'])
-  assert result.returncode == 1
-  assert result.stderr.strip().splitlines() == [
-      "error: A 'rnn_lm' run has no Hugging Face counterpart: export_hf writes runs of the families ('bert', 'gpt'); "
-      "pass the --workdir of one of those."]
+  with pytest.raises(UserError) as error:
+    check_hf_export(read_config(str(rnn_run)).family, str(tmp_path / 'out'))
+  assert str(error.value) == ("A 'rnn_lm' run has no Hugging Face counterpart: export_hf writes runs of the families "
+                              "('bert', 'gpt'); pass the --workdir of one of those.")
   assert not os.path.exists(tmp_path / 'out')

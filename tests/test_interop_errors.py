@@ -5,7 +5,9 @@ an option this GPT lacks: a sliding window, Qwen3-MoE's mlp_only_layers), the we
 damaged, tensors missing, extra or of the wrong shape), the tokenizer (missing, not loading, not a
 BERT vocabulary).
 
-The directories are written by our own exporters (no torch needed) and then broken one way each."""
+The directories are written by our own exporters (no torch needed) and then broken one way each.
+Each case runs in this process what launch.py runs for it after parsing its flags (`import_hf_as_launch_does`);
+one case goes through a real launch.py process for the exit status and the stderr it prints."""
 import json
 import os
 import re
@@ -189,17 +191,53 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize('case', list(CASES))
-def test_a_bad_hf_directory_is_one_error_line_and_no_workdir(hf_dirs, tmp_path, case):
+def import_hf_as_launch_does(hf_dir: str, workdir: str) -> None:
+  """`launch.py --mode=import_hf --hf_dir=<hf_dir> --workdir=<workdir>` without --config, in this process:
+  the config its config.json's model_type names (launch.config_spec), the family check, the import.
+  A user's mistake raises errors.UserError, whose message launch.py prints as its one `error:` line."""
+  import launch
+  from train.trainer import import_hf_run
+  config = launch.load_config(launch.hf_import_configs().get(launch.hf_model_type(hf_dir), 'configs/default.py'))
+  launch.check_import_family(hf_dir, config.family)
+  import_hf_run(config, hf_dir, workdir)
+
+
+def broken_copy(hf_dirs, tmp_path, case) -> tuple[str, str]:
+  """(a copy of the case's directory, broken as the case says; the error line launch.py must print for it)."""
   model_type, breaks, message = CASES[case]
-  directory, workdir = str(tmp_path / 'hf'), tmp_path / 'run'
+  directory = str(tmp_path / 'hf')
   shutil.copytree(hf_dirs[model_type], directory)
   vocab = json.load(open(f'{directory}/config.json'))['vocab_size']
   breaks(directory)
+  return directory, 'error: ' + message.format(d=directory, vocab=vocab, vocab1=vocab + 1)
+
+
+def assert_matches(line: str, expected: str) -> None:
+  """`line` is `expected`, each '...' of it standing for any text."""
+  assert re.fullmatch('.+'.join(map(re.escape, expected.split('...'))), line), (line, expected)
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_a_bad_hf_directory_is_one_error_and_no_workdir(hf_dirs, tmp_path, case, capfd):
+  from errors import UserError
+  directory, expected = broken_copy(hf_dirs, tmp_path, case)
+  workdir = tmp_path / 'run'
+  capfd.readouterr()
+  with pytest.raises(UserError) as error:
+    import_hf_as_launch_does(directory, str(workdir))
+  assert_matches(f'error: {error.value}', expected)
+  assert capfd.readouterr().err == ''  # nothing else on stderr beside launch.py's line
+  assert not workdir.exists()
+
+
+def test_a_bad_hf_directory_ends_launch_with_one_line_and_exit_status_1(hf_dirs, tmp_path):
+  """Through launch.py: a tensor of another shape is found after the config, the tokenizer and the
+  weights file are read, so any other line those print would be on stderr too."""
+  directory, expected = broken_copy(hf_dirs, tmp_path, 'a tensor of another shape')
+  workdir = tmp_path / 'run'
   result = support.launch(['--mode=import_hf', f'--hf_dir={directory}', f'--workdir={workdir}'])
   assert result.returncode == 1, result.stderr[-2000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1, result.stderr[-2000:]
-  expected = 'error: ' + message.format(d=directory, vocab=vocab, vocab1=vocab + 1)
-  assert re.fullmatch('.+'.join(map(re.escape, expected.split('...'))), lines[0]), (lines[0], expected)
+  assert_matches(lines[0], expected)
   assert not workdir.exists()
