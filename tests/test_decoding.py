@@ -170,8 +170,6 @@ def search(model, cache, limits, beam_size, max_len):
 @pytest.mark.parametrize('family', ['seq2seq', 'transformer'])
 def test_one_beam_is_greedy(family):
   max_len = 9
-  # Defined once: a new function each seed would be traced and compiled again.
-  transformer_cache = nnx.jit(lambda m, s: m.init_cache(s, m.encode(s), max_len))
   for seed in range(3):
     if family == 'seq2seq':
       model = tiny_seq2seq(seed)
@@ -180,7 +178,7 @@ def test_one_beam_is_greedy(family):
     else:
       model = tiny_transformer(seed)
       source, lengths = ragged_source(TRANSFORMER.vocab_size, seed=seed)
-      cache = transformer_cache(model, source)
+      cache = nnx.jit(lambda m, s: m.init_cache(s, m.encode(s), max_len))(model, source)  # one compilation
     limits = jnp.asarray(limits_for(lengths, 1.0, 2, max_len))
     greedy, greedy_logprob = search(model, cache, limits, 0, max_len)
     beam, beam_logprob = search(model, cache, limits, 1, max_len)
