@@ -99,9 +99,11 @@ def test_config_trains_through_the_trainer_and_draws_the_picture(tmp_path):
   config = get_config()
   config.train.batch_size = 40  # divisible by the 8 test devices
   config.train.eval_batch_size = 40
-  config.train.steps = 150
-  config.train.eval_every = 150
-  config.train.checkpoint_every = 150
+  # 60 of the preset's 200 steps: enough for Adam (lr 0.3) to bring w into the optimum's neighbourhood
+  # checked here; test_learned_width_beats_fixed_kernel checks the converged optimum itself.
+  config.train.steps = 60
+  config.train.eval_every = 60
+  config.train.checkpoint_every = 60
   results = train_and_evaluate(config, str(tmp_path))
   assert 4.0 < results['width'] < 6.0  # the leave-one-out optimum of seed 0 is w = 4.93
   assert results['test/mse_parametric'] < 0.3 * results['test/mse_nonparametric']

@@ -77,10 +77,15 @@ def test_a_document_in_a_packed_window_has_the_logits_it_has_alone(attention, po
   task = gpt_task(tokenizer, **overrides)
   model = task.build_model(nnx.Rngs(0))
   tokens, spans = packed_row(tokenizer)
-  packed, _ = model(**task.model_inputs(tokens))
-  unmasked, _ = model(tokens)
-  for start, end in spans:
-    alone, _ = model(tokens[:, start:end])  # the einsum path: lengths that are not whole splash blocks
+
+  @nnx.jit  # one program: run eagerly, each of the model's ~100 ops compiles on its own for each shape
+  def logits(model):
+    # alone: the einsum path, lengths that are not whole splash blocks
+    return (model(**task.model_inputs(tokens))[0], model(tokens)[0],
+            [model(tokens[:, start:end])[0] for start, end in spans])
+
+  packed, unmasked, alone_logits = logits(model)
+  for (start, end), alone in zip(spans, alone_logits):
     got, want = support.real_logits(packed, tokenizer.vocab_size)[:, start:end], support.real_logits(
         alone, tokenizer.vocab_size)
     assert_close(got, want, terms=TERMS, err_msg=f'segment [{start}, {end})')
@@ -99,9 +104,15 @@ def test_the_training_loss_is_each_documents_loss_alone(chunk):
   model = task.build_model(nnx.Rngs(1))
   inputs, spans = packed_row(tokenizer)
   window = jnp.concatenate([inputs, jnp.asarray([[tokenizer.eos_id]])], axis=1)  # the target after the last input
-  packed, _ = task.loss(model, {'tokens': window}, deterministic=True)
-  alone = sum((end - start) * task.loss(model, {'tokens': window[:, start:end + 1]}, deterministic=True)[0]
-              for start, end in spans) / SEQ_LEN
-  assert_close(packed, alone, terms=TERMS + SEQ_LEN)
   unmasked = gpt_task(tokenizer, **{'train.loss_chunk_tokens': chunk, 'data.document_masking': False})
-  assert abs(float(unmasked.loss(model, {'tokens': window}, deterministic=True)[0] - alone)) > 1e-4
+
+  @nnx.jit  # one program instead of each op compiled on its own for each shape
+  def losses(model):
+    alone = sum((end - start) * task.loss(model, {'tokens': window[:, start:end + 1]}, deterministic=True)[0]
+                for start, end in spans) / SEQ_LEN
+    return (task.loss(model, {'tokens': window}, deterministic=True)[0], alone,
+            unmasked.loss(model, {'tokens': window}, deterministic=True)[0])
+
+  packed, alone, without_masking = losses(model)
+  assert_close(packed, alone, terms=TERMS + SEQ_LEN)
+  assert abs(float(without_masking - alone)) > 1e-4
