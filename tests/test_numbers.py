@@ -68,11 +68,12 @@ def test_a_planted_number_is_caught_and_what_is_not_measured_is_not():
       'recipe reaches it in 0.58x', 'against 901.3 s) at 12.345 bits per byte', '3.25x faster, 99.6% exact, 1 min 21 s']
 
 
-def test_the_readme_numbers_would_fail_without_their_rows(tmp_path):
-  """The README's prose measured against an empty measurements/: every measured number it shows is caught."""
-  assert GEN.unheld_numbers(read('README.md'), GEN.held_values(tmp_path)) == [
-      context for _, context in GEN.measured_numbers(read('README.md'))]
-  assert GEN.measured_numbers(read('README.md'))
+def test_the_pages_numbers_would_fail_without_their_rows(tmp_path):
+  """Each page's prose measured against an empty measurements/: every measured number it shows is caught."""
+  shown = {page: GEN.measured_numbers(read(page)) for page in PAGES}
+  assert any(shown.values())
+  for page, numbers in shown.items():
+    assert GEN.unheld_numbers(read(page), GEN.held_values(tmp_path)) == [context for _, context in numbers], page
 
 
 def write_csv(path, rows):
