@@ -1,12 +1,15 @@
 """LoRA against full fine-tuning of one trained GPT run on another text: each arm a `launch.py` run
 from `--base` (`config.init_from`) with the same data, steps, optimizer, schedule and evaluations.
 
-  python scripts/lora_vs_full.py --base=RUN --text='/tmp/gettext_en/*.txt' [--steps=120] [--lr=2e-3] [--set=a.b=1,...]
+  python scripts/lora_vs_full.py --base=RUN --text='/tmp/gettext_en/*.txt' [--steps=120] [--lr=2e-3] [--lora_lr=2e-2]
+      [--set=a.b=1,...]
 
 Arms, in this order: full (every weight trained), lora-qv (rank --rank on q and v, the LoRA paper's
 default), lora-all (rank --rank on every projection: q, k, v, o, up, down). All use AdamW (Muon, the `default` preset's
-optimizer, orthogonalises whole weight matrices and is refused for adapters), the preset's wsd
-schedule over --steps, `train.eval_every=--eval_every` with `train.eval_steps=--eval_steps`.
+optimizer, orthogonalises whole weight matrices and is refused for adapters) at --lr for the full arm
+and --lora_lr for the adapters (by default 10x --lr: the ratio of the best LoRA to the best full
+fine-tuning learning rate that Schulman et al., "LoRA Without Regret", Thinking Machines 2025, found
+across ranks with the adapters scaled by alpha / rank), the preset's wsd schedule over --steps, `train.eval_every=--eval_every` with `train.eval_steps=--eval_steps`.
 Reported per arm: the validation loss at each evaluation (curves.csv: step, seconds, loss), the
 loss at the last step, the loss at the same seconds (each arm's curve at the smallest of the arms'
 last-evaluation seconds, linearly interpolated), trained parameters and optimizer-state bytes (the
@@ -35,7 +38,8 @@ STATE_LINE = re.compile(r'Training state: ([\d,]+) trained parameters \(([\d,.]+
 def run_arm(args, arm: str) -> dict:
   workdir = os.path.join(args.out, arm)
   overrides = {'init_from': os.path.abspath(args.base), 'data.source': f'text:{args.text}', 'compile_cache': '',
-               'train.optimizer': 'adamw', 'train.lr': args.lr, 'train.steps': args.steps,
+               'train.optimizer': 'adamw', 'train.lr': args.lr if arm == 'full' else args.lora_lr,
+               'train.steps': args.steps,
                'train.eval_every': args.eval_every, 'train.eval_steps': args.eval_steps,
                'train.checkpoint_every': 100000, 'decode.num_samples': 0,
                **dict(item.split('=', 1) for item in args.set.split(',') if item), **ARMS[arm]}
@@ -60,7 +64,7 @@ def run_arm(args, arm: str) -> dict:
   last = max((d for d in os.listdir(checkpoints) if d.isdigit()), key=int)
   checkpoint_bytes = sum(os.path.getsize(os.path.join(root, name))
                          for root, _, names in os.walk(os.path.join(checkpoints, last)) for name in names)
-  return {'arm': arm, 'trained_parameters': int(number(1)), 'optimizer_state_mib': number(6),
+  return {'arm': arm, 'lr': overrides['train.lr'], 'trained_parameters': int(number(1)), 'optimizer_state_mib': number(6),
           'checkpoint_bytes': checkpoint_bytes, 'median_tokens_per_s': round(statistics.median(rates), 1),
           'last_step': curve[-1][0], 'last_loss': curve[-1][2], 'last_seconds': curve[-1][1], 'curve': curve,
           'result': json.loads(text.strip().splitlines()[-1])}
@@ -84,12 +88,14 @@ def main(argv=None):
   parser.add_argument('--config', default='configs/gpt.py:default')
   parser.add_argument('--steps', type=int, default=120)
   parser.add_argument('--lr', type=float, default=2e-3)
+  parser.add_argument('--lora_lr', type=float, default=None, help='the LoRA arms\' learning rate (default 10 x --lr)')
   parser.add_argument('--rank', type=int, default=8)
   parser.add_argument('--eval_every', type=int, default=20)
   parser.add_argument('--eval_steps', type=int, default=8)
   parser.add_argument('--set', default='', help='further overrides of every arm: a.b=1,c.d=x')
   parser.add_argument('--out', default='runs/lora-vs-full')
   args = parser.parse_args(argv)
+  args.lora_lr = 10 * args.lr if args.lora_lr is None else args.lora_lr
   os.makedirs(args.out, exist_ok=True)
   results = [run_arm(args, arm) for arm in ARMS]
   same_seconds = min(r['last_seconds'] for r in results)
