@@ -212,7 +212,7 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'pip install -r requirements.txt && python launch.py': Ci('README command 1'),
     'python launch.py': Ci('README command 1'),
     'pip install -r requirements-dev.txt && python -m pytest -q': Ci('test suite'),
-    'ATTENTION_LINEAGE_TEST_COMPILER=default python -m pytest ...': Ci('numerics, default compiler'),
+    'ATTENTION_LINEAGE_TEST_COMPILER=default python -m pytest ...': Ci('numerics, AVX2 and default compiler'),
     'python -m pytest -q -n 0 tests/test_x.py': Synopsis(),
     'pip install wandb==0.31.0': Ci('install requirements-dev.txt'),  # requirements-dev.txt's pin
     'pip install -r requirements-docs.txt': Ci('install requirements-docs.txt'),
