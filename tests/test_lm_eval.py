@@ -359,7 +359,17 @@ def test_tasks_scored_during_training_equal_lm_eval_of_the_same_checkpoint(train
   assert separate['results']['python_choice']['sample_len'] == 3
   logged = task_metrics(separate['results'])
   assert sorted(logged) == LOGGED
-  np.testing.assert_allclose([scored[20][name] for name in LOGGED], [logged[name] for name in LOGGED], rtol=1e-5)
+  # The live 8-device model and the reloaded one sum in other orders: the continuous metrics agree to 1e-5.
+  # An accuracy is an argmax over a document's choices, and the tiny model's choices come within that of
+  # each other: under XLA's AVX2 code generation with its default compiler settings one of the 3 documents
+  # flipped. So each accuracy may differ by one document (the choices' log-likelihoods themselves are
+  # checked request by request against the hf backend above).
+  accuracies = [name for name in LOGGED if name.startswith('tasks/python_choice/')]
+  continuous = [name for name in LOGGED if name not in accuracies]
+  np.testing.assert_allclose([scored[20][name] for name in continuous], [logged[name] for name in continuous],
+                             rtol=1e-5)
+  np.testing.assert_allclose([scored[20][name] for name in accuracies], [logged[name] for name in accuracies],
+                             atol=1 / 3 + 1e-9)
 
 
 def test_tasks_during_training_refuse_bad_input_before_the_workdir(task_corpus, tmp_path):
