@@ -12,7 +12,11 @@ inline `python ...` / `pip ...` / `mkdocs ...` span) is in `SHOWN` with one of:
                   'accelerator', a 'network' (a download, a bucket) or 'minutes' (more than a few on 2 CPU
                   cores: the page gives how long it took on a named machine, e.g. '~4 min on 2 cores of an
                   AMD EPYC'; the machine may be named once in the command's section);
-  Synopsis()      a usage pattern with placeholders (`<family>`, `[...]`), not a command.
+  Synopsis()      a usage pattern with placeholders (`<family>`, `[...]`), not a command;
+  SameAs(command) the launch `command` (run as written by a CI step) under another --workdir name, or with
+                  a --config that gives the same config (`python launch.py --config=configs/transformer.py:default`
+                  is `python launch.py`): CI does not train the same run twice; the test resolves both command
+                  lines' configs and finds them equal.
 
 tests/test_shown_commands.py fails on a command shown but not in `SHOWN` (or the reverse), a Needs
 whose page does not say so, a ByTest naming no test or a test that does not run the command's family and
@@ -49,6 +53,11 @@ class Needs:
 @dataclasses.dataclass(frozen=True)
 class Synopsis:
   pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SameAs:
+  command: str  # a command of SHOWN that a CI step runs as written
 
 
 # What each need's mark looks like on a page (its line's comment, its block, or the paragraph before or after).
@@ -207,7 +216,7 @@ LORA_EXPORT = ByTest('tests/test_lora.py::'
 # A BERT LoRA classifier run and its exports (the base run's, the PEFT adapter, merged).
 BERT_LORA = ByTest('tests/test_lora.py::test_a_bert_classifier_trains_adapters_and_its_new_head_and_exports_both_ways')
 
-SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
+SHOWN: dict[str, Ci | ByTest | Needs | Synopsis | SameAs] = {
     # ----------------------------------------------------------------------- the two commands, the docs
     'pip install -r requirements.txt && python launch.py': Ci('README command 1'),
     'python launch.py': Ci('README command 1'),
@@ -226,14 +235,18 @@ SHOWN: dict[str, Ci | ByTest | Needs | Synopsis] = {
     'python launch.py --config=configs/attention_pooling.py': RUN,
     'python3 -m venv .venv && source .venv/bin/activate': RUN,
     # docs/tutorial.md, in its order: the main job into a named workdir, then eval and predict on it
-    'python launch.py --workdir=runs/first-hour': RUN,
-    'python launch.py --mode=eval --workdir=runs/first-hour': RUN,
-    "echo 'three hundred and twelve' | python launch.py --mode=predict --workdir=runs/first-hour --input=-": RUN,
+    # (the main job, its --mode=eval and its predict as README command 1's step runs them, under another name)
+    'python launch.py --workdir=runs/first-hour': SameAs('python launch.py'),
+    'python launch.py --mode=eval --workdir=runs/first-hour':
+        SameAs('python launch.py --mode=eval --workdir=runs/transformer-default-...'),
+    "echo 'three hundred and twelve' | python launch.py --mode=predict --workdir=runs/first-hour --input=-":
+        SameAs("echo 'three hundred and twelve' | python launch.py --mode=predict --workdir=runs/transformer-default-... "
+               '--input=-'),
     'python launch.py --config=configs/transformer.py:tiny --config.data.source=tsv:/tmp/gettext/train.tsv '
     '--workdir=runs/my-pairs': RUN,  # on the corpus make_gettext_corpus.py wrote above
     "python launch.py --config=configs/gpt.py:tiny --config.data.source='text:docs/*.md' --workdir=runs/my-text": RUN,
     "echo '## Install' | python launch.py --mode=predict --workdir=runs/my-text --input=-": RUN,
-    'python launch.py --config=configs/transformer.py:default': RUN,
+    'python launch.py --config=configs/transformer.py:default': SameAs('python launch.py'),  # configs/default.py
     'python launch.py --sweep=configs/sweeps/gpt_tiny_random.py --sweep_dry_run': RUN,
     'python launch.py --config=configs/rnn_lm.py': RUN,
     'python launch.py --config=configs/rnn_lm.py:random': RUN,

@@ -2,15 +2,17 @@
 here (tests/shown_commands.py says which, command by command)."""
 import ast
 import functools
+import importlib
 import os
 import re
+import shlex
 import textwrap
 
 import pytest
 
 import shown_commands
 import support
-from shown_commands import SHOWN, UNMEASURED, Ci, Needs, Shown, Synopsis, ByTest
+from shown_commands import SHOWN, UNMEASURED, ByTest, Ci, Needs, SameAs, Shown, Synopsis
 
 REPO = shown_commands.REPO
 CI_RUN = open(os.path.join(REPO, '.ci', 'run')).read()
@@ -208,6 +210,43 @@ def test_a_test_of_another_family_or_mode_does_not_check_a_command():
   assert what_a_test_misses(predict.format('gpt').replace('predict', 'eval'), gpt_predict) == ['--mode=eval']
   in_process = 'tests/test_transformer.py::test_train_evaluate_predict_on_a_tsv_corpus'  # load_run(...).predict
   assert what_a_test_misses(predict.format('transformer'), in_process) == ['--mode=predict', 'stdin (--input=-)']
+
+
+def launch_run(text: str) -> tuple[str, dict, list[str]]:
+  """(what a shown launch command pipes into launch.py, the config it trains or reads as a dict ({} for a mode
+  that rebuilds the run from its workdir), its other flags) with its --workdir left out."""
+  piped, _, command = text.rpartition('|')
+  words = shlex.split(command)
+  assert words[:2] == ['python', 'launch.py'], text
+  flags = [word for word in words[2:] if not word.startswith('--workdir=')]
+  spec = next((word.split('=', 1)[1] for word in flags if word.startswith('--config=')), None)
+  mode = next((word.split('=', 1)[1] for word in flags if word.startswith('--mode=')), 'train')
+  if spec is None and mode == 'train':
+    spec = 'configs/default.py'
+  config = {}
+  if spec is not None:
+    path, colon, preset = spec.partition(':')
+    module = importlib.import_module(path[:-len('.py')].replace('/', '.'))
+    config = (module.get_config(preset) if colon else module.get_config()).to_dict()
+  return piped.strip(), config, [word for word in flags if not word.startswith('--config=')]
+
+
+@pytest.mark.parametrize('text', [t for t, how in SHOWN.items() if isinstance(how, SameAs)])
+def test_a_command_like_one_ci_runs_is_that_run_under_another_name(text):
+  same = SHOWN[text].command
+  assert isinstance(SHOWN.get(same), Ci), f'{text!r} is SameAs {same!r}, which no CI step runs as written'
+  assert launch_run(text) == launch_run(same), f'{text!r} is not {same!r} under another --workdir or --config name'
+
+
+def test_same_as_tells_a_renamed_run_from_another_run():
+  assert launch_run('python launch.py --config=configs/transformer.py:default --workdir=runs/a') == launch_run(
+      'python launch.py')
+  assert launch_run('python launch.py --config=configs/transformer.py:tiny') != launch_run('python launch.py')
+  assert launch_run('python launch.py --config.train.steps=5') != launch_run('python launch.py')
+  assert launch_run("echo 'x' | python launch.py --mode=predict --workdir=runs/b --input=-") == launch_run(
+      "echo 'x' | python launch.py --mode=predict --workdir=runs/a --input=-")
+  assert launch_run("echo 'y' | python launch.py --mode=predict --workdir=runs/b --input=-") != launch_run(
+      "echo 'x' | python launch.py --mode=predict --workdir=runs/a --input=-")
 
 
 @pytest.mark.parametrize('text', [t for t, how in SHOWN.items() if isinstance(how, Synopsis)])
