@@ -120,9 +120,11 @@ def test_a_second_training_is_refused_and_a_stale_lock_is_taken_over(corpus, tmp
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
   workdir = str(tmp_path / 'run')
+  # On 8 devices with tiny()'s model and schedule: the programs this file's trainings compiled (the cache's).
   args = ['--config=configs/gpt.py:tiny', f'--workdir={workdir}', f'--config.data.source={corpus}',
-          '--config.train.steps=2000', '--config.train.log_every=1', '--config.model.num_layers=1']
-  process = support.launch(args, background=True, start_new_session=True)
+          '--config.train.steps=2000', '--config.train.log_every=1', '--config.model.num_layers=1',
+          '--config.train.schedule=constant']
+  process = support.launch(args, devices=8, background=True, start_new_session=True)
   deadline = time.time() + 120
   while time.time() < deadline and not (os.path.exists(f'{workdir}/metrics.jsonl') and len(metrics(workdir)) >= 5):
     time.sleep(0.05)
