@@ -283,3 +283,23 @@ def scripted_clock(**clock_args):
       _, self.progress.eval_seconds = self.measure(lambda: setattr(self, 'now', self.now + seconds))
 
   return ScriptedClock(loop.Progress(), 0.0, **clock_args)
+
+
+def slow_train_steps(monkeypatch, seconds: float) -> None:
+  """Each training step of the runs that follow waits `seconds` before it runs, as the step of a larger
+  model would take that long (train/loop.py's step is train/steps.py's `jit_train_step`; its
+  compilation and its count are the real ones). A real-clock test then fills its budget with a few
+  dozen steps, mostly waiting, instead of a tiny model's hundreds of steps burning the CPU."""
+  import time
+  from train import steps
+  jit_train_step = steps.jit_train_step
+
+  def slowed_train_step(*args, **kwargs):
+    train_step = jit_train_step(*args, **kwargs)
+
+    def slow(state, batch):
+      time.sleep(seconds)
+      return train_step(state, batch)
+    return slow
+
+  monkeypatch.setattr(steps, 'jit_train_step', slowed_train_step)

@@ -110,16 +110,21 @@ def saved_progress(workdir: str, step: int) -> dict:
   return manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']['progress']
 
 
-def test_the_result_of_a_run_that_evaluates_nothing_before_its_end_comes_within_the_budget(tmp_path, capsys):
+def test_the_result_of_a_run_that_evaluates_nothing_before_its_end_comes_within_the_budget(tmp_path, capsys,
+                                                                                          monkeypatch):
   # A translation run whose closing work is large beside its budget: no evaluation during training, the whole
   # validation and test splits scored at the end and 16 of the 100 test pairs decoded with greedy and beam
   # search (2 batches, beam 8). Before, the reserve was 0 until an evaluation: such a run returned past its
   # budget by its whole closing work. The budget leaves room for a slow CPU shared by three workers: there
   # the start-up (data, compilation) took 20 s of a 30 s budget, and 48 decoded pairs (8 s) no longer fit.
+  # Each step waits 0.2 s first (support.slow_train_steps): the budget's stop, reserve and result come as
+  # they do for a model whose steps take that long, in ~80 steps where the tiny model's ~500 (~70 ms of CPU
+  # each on 8 devices) used the cores the budget's whole time.
   # Tolerance: 4 s, for the step during which the budget less its reserve runs out, the closing work's
   # variation from its timing at step 1 (the suite's other workers share the cores), and what is not counted
   # (the teacher-forced test loss's compilation, printing the result, closing the logs).
   minutes, tolerance = 0.6, 4.0
+  support.slow_train_steps(monkeypatch, 0.2)
   config = support.smallest_config('transformer', {
       'data.cache_dir': str(tmp_path / 'cache'), 'data.seq_len': 40, 'train.steps': 1_000_000,
       'train.max_minutes': minutes, 'train.eval_every': 1_000_000, 'train.checkpoint_every': 1_000_000,

@@ -190,6 +190,13 @@ def test_a_resume_mid_cooldown_on_the_real_clock_ends_cooled_down_within_the_bud
       'train.checkpoint_every': 1000, 'train.async_checkpoints': False, 'train.final_eval_examples': 64,
       'decode.prompts': ''})
   workdir = str(tmp_path / 'run')
+  # The run's programs compiled first, outside its budget (a rerun's start-up): under load a cold start-up took
+  # most of the 18 s, leaving the first run too few steps to be preempted mid-cooldown.
+  train_and_evaluate(support.with_overrides(config.copy_and_resolve_references(), {
+      'train.steps': 5, 'train.max_minutes': 0.0}), str(tmp_path / 'compiled'))
+  # Each step waits 0.2 s first (support.slow_train_steps): the cooldown is planned from the steps' measured
+  # time as for a model whose steps take that long, in a few dozen steps instead of hundreds of the tiny model's.
+  support.slow_train_steps(monkeypatch, 0.2)
   # The cooldown starts once 80% of the 18 s is left (or at the first step, after a slow set-up: one warmup
   # step, so never before it ends); a preemption a few checks into it.
   cooling, check = [], budget.Cooldown.check
@@ -204,6 +211,7 @@ def test_a_resume_mid_cooldown_on_the_real_clock_ends_cooled_down_within_the_bud
   first = train_and_evaluate(config, workdir)
   assert first.get('preempted') and first['step'] == cooling[-1], first
   monkeypatch.undo()
+  support.slow_train_steps(monkeypatch, 0.2)
   before = saved_progress(workdir, first['step'])
   assert before['cooldown_start'] is not None and before['seconds'] < 60 * minutes
 

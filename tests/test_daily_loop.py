@@ -29,9 +29,11 @@ def corpus(tmp_path_factory):
 
 def tiny(corpus, **overrides):
   # One block: what these tests check (stops, checkpoints, locks, metrics) does not depend on the depth, and each
-  # training traces and compiles its model again.
+  # training traces and compiles its model again. A constant learning rate after the warmup: the train step
+  # does not depend on train.steps (a cosine decays to its end there), so every training here runs one program
+  # (the persistent compilation cache's), whatever its length.
   return support.tiny_gpt_config(corpus, **{'train.log_every': 1, 'train.async_checkpoints': False,
-                                            'model.num_layers': 1, **overrides})
+                                            'model.num_layers': 1, 'train.schedule': 'constant', **overrides})
 
 
 def metrics(workdir):
@@ -118,9 +120,11 @@ def test_a_second_training_is_refused_and_a_stale_lock_is_taken_over(corpus, tmp
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
   workdir = str(tmp_path / 'run')
+  # On 8 devices with tiny()'s model and schedule: the programs this file's trainings compiled (the cache's).
   args = ['--config=configs/gpt.py:tiny', f'--workdir={workdir}', f'--config.data.source={corpus}',
-          '--config.train.steps=2000', '--config.train.log_every=1', '--config.model.num_layers=1']
-  process = support.launch(args, background=True, start_new_session=True)
+          '--config.train.steps=2000', '--config.train.log_every=1', '--config.model.num_layers=1',
+          '--config.train.schedule=constant']
+  process = support.launch(args, devices=8, background=True, start_new_session=True)
   deadline = time.time() + 120
   while time.time() < deadline and not (os.path.exists(f'{workdir}/metrics.jsonl') and len(metrics(workdir)) >= 5):
     time.sleep(0.05)
@@ -303,13 +307,15 @@ def test_evaluation_scores_every_example_of_a_split_that_does_not_fill_its_batch
   """56 validation windows in one eval batch of 64: the 8 fillers count for nothing, so the
   metrics equal the loss of the 56 windows computed in one unpadded batch."""
   import numpy as np
+  from flax import nnx
   workdir = str(tmp_path / 'run')
   results = train_and_evaluate(tiny(corpus, **{'train.steps': 1, 'train.eval_batch_size': 64}), workdir)
   run = load_run(workdir)
   windows = type(run.task).prepare(run.config, workdir).datasets.eval
   assert len(windows) == 56
   batch = {'tokens': np.stack([windows[i]['tokens'] for i in range(len(windows))])}
-  _, expected = run.task.loss(run.model, batch, deterministic=True)
+  # Jitted: one program instead of each of the model's operations compiled for this batch's shapes.
+  _, expected = nnx.jit(lambda model, batch: run.task.loss(model, batch, deterministic=True))(run.model, batch)
   for name in ('loss', 'accuracy'):
     total, count = (float(x) for x in expected[name])
     assert count == 56 * 32
