@@ -34,10 +34,11 @@ def get_sweep():
       'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'model.num_layers': 1, 'train.steps': 4,
                     'train.eval_every': 2, 'train.checkpoint_every': 4, 'train.eval_steps': 0, 'train.log_every': 2}},
       'grid': {{'train.lr': [0.001, 0.003], 'train.warmup_steps': [1]}},
-      'trials': [{{'model.width': 16}}, {{'model.num_heads': 3}}],  # the last one fails: 3 heads, width 32
+      # A trial of keys of its own (the table's last columns), which fails: 3 heads do not divide a width of 16.
+      'trials': [{{'model.width': 16, 'model.num_heads': 3}}],
   }}
 '''
-GRID_TRIALS = ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1', '02-width=16', '03-num_heads=3']
+GRID_TRIALS = ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1', '02-width=16-num_heads=3']
 # Trial 1 is long enough to be killed midway (90 steps after its first checkpoint), and is never
 # compared with trial 0 (its evaluations come at other steps); trial 2 (a learning rate that learns
 # nothing) is pruned at its first evaluation by its worker, against trial 0's one evaluation
@@ -140,24 +141,25 @@ def test_a_grid_gives_the_trials_and_table_of_before(two_hosts):
   assert [h[0] for h in hosts] == [0, 0], [h[2][-2000:] for h in hosts]
   rows = read_rows(workdir)
   assert [r['trial'] for r in rows] == GRID_TRIALS
-  assert [r['status'] for r in rows] == ['ok', 'ok', 'ok', 'failed'] and rows[0]['train.lr'] == '0.001'
+  assert [r['status'] for r in rows] == ['ok', 'ok', 'failed'] and rows[0]['train.lr'] == '0.001'
   assert list(rows[0])[:6] == ['trial', 'status', 'train.lr', 'train.warmup_steps', 'model.width', 'model.num_heads']
-  for row in rows[:3]:
+  assert (rows[0]['model.width'], rows[2]['model.width'], rows[2]['model.num_heads']) == ('', '16', '3')
+  for row in rows[:2]:
     with open(os.path.join(workdir, row['trial'], 'metrics.jsonl')) as f:
       best_eval = min(m['eval/loss'] for m in map(json.loads, f) if 'eval/loss' in m)
     # The trial's final line: the best checkpoint's loss over the whole validation split (eval_steps=0).
     # The same evaluation program on the same batches (train and final evaluation), as sweep.csv prints it.
     assert_close(float(row['eval/loss']), best_eval, terms=1)
     assert row['step'] == '4', row
-  assert rows[3]['eval/loss'] == '' and 'num_heads=3 does not divide' in rows[3]['error']
+  assert rows[2]['eval/loss'] == '' and 'num_heads=3 does not divide' in rows[2]['error']
   table = open(os.path.join(workdir, 'sweep.md')).read()
-  assert '3 of 4 trials ok' in table and table.count('\n| 0') == 4
-  best = min(rows[:3], key=lambda r: float(r['eval/loss']))['trial']
+  assert '2 of 3 trials ok' in table and table.count('\n| 0') == 3
+  best = min(rows[:2], key=lambda r: float(r['eval/loss']))['trial']
   assert f'`{best}`' in table and f'--workdir={workdir}/{best}' in table  # the best trial's command line
   for plot in ('eval_loss.png', 'history.png', 'importance.png'):
     image = matplotlib.image.imread(os.path.join(workdir, plot))
     assert image.ndim == 3 and image.shape[1] > 300
-  assert 'does not divide' in open(os.path.join(workdir, 'logs', '03-num_heads=3.log')).read()
+  assert 'does not divide' in open(os.path.join(workdir, 'logs', '02-width=16-num_heads=3.log')).read()
 
 
 def test_two_hosts_on_one_study_run_disjoint_trials_and_the_budget_once(two_hosts):
@@ -168,7 +170,7 @@ def test_two_hosts_on_one_study_run_disjoint_trials_and_the_budget_once(two_host
   assert sorted(ran[0] + ran[1]) == GRID_TRIALS
   trials = load_study(workdir).get_trials()
   named = [t for t in trials if 'name' in t.user_attrs]
-  assert sorted(t.user_attrs['slot'] for t in named) == [0, 1, 2, 3]  # each slot once, none retried
+  assert sorted(t.user_attrs['slot'] for t in named) == [0, 1, 2]  # each slot once, none retried
   assert [t.user_attrs['name'] for t in sorted(named, key=lambda t: t.number)] == GRID_TRIALS  # the file's order
   # A trial opened past the budget when both hosts asked for the last slot at once never ran.
   assert all(t.user_attrs.get('over_budget') for t in trials if t not in named)
@@ -284,12 +286,12 @@ def test_dry_run_prints_one_launch_command_per_trial(sweep_file, tmp_path):
                            '--config.train.steps=3'], timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
   commands = result.stdout.strip().splitlines()
-  assert len(commands) == 4 and not os.path.exists(tmp_path / 'dry')
+  assert len(commands) == 3 and not os.path.exists(tmp_path / 'dry')
   assert all('launch.py --config=configs/gpt.py:tiny' in c for c in commands)
   # The command-line override comes after the sweep's own and before the trial's values.
   assert commands[0].index('--config.train.steps=4') < commands[0].index('--config.train.steps=3') < \
       commands[0].index('--config.train.lr=0.001')
-  assert f'--workdir={tmp_path}/dry/03-num_heads=3' in commands[3]
+  assert f'--workdir={tmp_path}/dry/02-width=16-num_heads=3' in commands[2]
 
 
 SPACE = {'train.lr': {'low': 1e-4, 'high': 3e-2, 'log': True}, 'model.num_layers': {'low': 1, 'high': 3},
