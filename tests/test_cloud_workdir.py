@@ -12,7 +12,8 @@ import storage
 import support
 from numerics import assert_close, transformer_terms
 
-# The reductions behind one step of the tiny GPT with one block (support.TINY_GPT_STEP_TERMS with one; tests/numerics.py).
+# The reductions behind one step of the tiny GPT with one block (support.TINY_GPT_STEP_TERMS's, one block;
+# tests/numerics.py).
 STEP_TERMS = transformer_terms(1, 32, 4 * 32, 32, vocab=32, positions=8 * 32)
 
 BUCKET = 'bucket'
