@@ -39,10 +39,11 @@ def get_sweep():
   }}
 '''
 GRID_TRIALS = ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1', '02-width=16-num_heads=3']
-# Trial 1 is long enough to be killed midway (90 steps after its first checkpoint), and is never
+# Trial 1 (LONG) is long enough to be killed midway (40 steps after its first checkpoint), and is never
 # compared with trial 0 (its evaluations come at other steps); trial 2 (a learning rate that learns
 # nothing) is pruned at its first evaluation by its worker, against trial 0's one evaluation
 # (n_startup_trials=1), long before its last step (the steps after it are never run).
+LONG = {'train.lr': 0.01, 'train.steps': 50, 'train.eval_every': 25}
 KILL_FILE = '''
 def get_sweep():
   return {{
@@ -50,12 +51,12 @@ def get_sweep():
       'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'model.num_layers': 1, 'train.steps': 10,
                     'train.eval_every': 10, 'train.checkpoint_every': 10, 'train.eval_steps': 1,
                     'train.log_every': 10}},
-      'trials': [{{'train.lr': 0.01}}, {{'train.lr': 0.01, 'train.steps': 100, 'train.eval_every': 25}},
-                 {{'train.lr': 1e-7, 'train.steps': 200}}],
+      'trials': {trials!r},
       'pruner': {{'name': 'median', 'n_startup_trials': 1}},
   }}
 '''
-KILLED, PRUNED = '01-lr=0.01-steps=100-eval_every=25', '02-lr=1e-07-steps=200'
+KILL_TRIALS = [{'train.lr': 0.01}, LONG, {'train.lr': 1e-7, 'train.steps': 200}]
+KILLED, PRUNED = '01-lr=0.01-steps=50-eval_every=25', '02-lr=1e-07-steps=200'
 
 
 def sweep_process(sweep_file: str, workdir: str, *args: str, start_new_session: bool = False):
@@ -118,7 +119,7 @@ def killed_and_rerun(corpus, cache, postgres, tmp_path_factory):
   trains, then rerun by two hosts at once: one takes trial 2, the other (once trial 1's heartbeat
   is stale) its retry."""
   root = tmp_path_factory.mktemp('killed')
-  (root / 'kill.py').write_text(KILL_FILE.format(source=corpus, cache=cache))
+  (root / 'kill.py').write_text(KILL_FILE.format(source=corpus, cache=cache, trials=KILL_TRIALS))
   workdir, storage = str(root / 'sweep'), f'--sweep_storage={postgres.url}'
   first = sweep_process(str(root / 'kill.py'), workdir, storage, '--sweep_heartbeat=1', start_new_session=True)
   checkpoints = os.path.join(workdir, KILLED, 'checkpoints')
@@ -227,8 +228,8 @@ def test_a_killed_study_resumes_without_repeating_finished_trials(killed_and_rer
   assert open(os.path.join(workdir, '00-lr=0.01', 'metrics.jsonl')).read() == before['00-lr=0.01']
   log = open(os.path.join(workdir, 'logs', f'{KILLED}.log')).read()
   resumed = int(re.search(r'Resumed from the checkpoint at step (\d+)', log).group(1))
-  assert 10 <= resumed < 100  # the interrupted trial went on from its checkpoint
-  assert [(r['status'], r['step']) for r in read_rows(workdir)] == [('ok', '10'), ('ok', '100'), ('pruned', '10')]
+  assert 10 <= resumed < 50  # the interrupted trial went on from its checkpoint
+  assert [(r['status'], r['step']) for r in read_rows(workdir)] == [('ok', '10'), ('ok', '50'), ('pruned', '10')]
   retry = [t for t in load_study(workdir, postgres.url).get_trials() if t.user_attrs.get('slot') == 1][-1]
   assert RetryHeartbeatStaleTrialCallback.retried_trial_number(retry) == 1
   assert retry.state == TrialState.COMPLETE
@@ -258,12 +259,11 @@ def test_a_trial_pruned_by_its_worker_stops_early_and_its_checkpoint_reloads(kil
 
 
 def test_sigterm_stops_the_sweep_with_its_trial_saved_and_queued_again(corpus, cache, tmp_path):
-  (tmp_path / 'one.py').write_text(KILL_FILE.format(source=corpus, cache=cache).replace(
-      "'trials': [{'train.lr': 0.01}, {'train.lr': 0.01, 'train.steps': 100, 'train.eval_every': 25},\n"
-      "                 {'train.lr': 1e-7, 'train.steps': 200}]", "'trials': [{'train.lr': 0.01, 'train.steps': 200}]"))
-  workdir = str(tmp_path / 'sweep')
+  # The killed study's long trial (its programs in the cache already), stopped after its first checkpoint.
+  (tmp_path / 'one.py').write_text(KILL_FILE.format(source=corpus, cache=cache, trials=[LONG]))
+  workdir, name = str(tmp_path / 'sweep'), '00-lr=0.01-steps=50-eval_every=25'
   sweep = sweep_process(str(tmp_path / 'one.py'), workdir)
-  checkpoints = os.path.join(workdir, '00-lr=0.01-steps=200', 'checkpoints')
+  checkpoints = os.path.join(workdir, name, 'checkpoints')
   while not (os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))):
     assert sweep.poll() is None, sweep.communicate()
     time.sleep(0.05)
@@ -271,9 +271,8 @@ def test_sigterm_stops_the_sweep_with_its_trial_saved_and_queued_again(corpus, c
   stdout, stderr = sweep.communicate(timeout=120)
   assert sweep.returncode == 130 and stderr.strip().endswith('Interrupted.'), stderr[-2000:]
   assert 'interrupted' in stdout
-  saved = int(re.search(r'SIGTERM: saved step (\d+)', open(os.path.join(workdir, 'logs', '00-lr=0.01-steps=200.log')
-                                                           ).read()).group(1))
-  assert 10 <= saved < 200 and str(saved) in os.listdir(checkpoints)
+  saved = int(re.search(r'SIGTERM: saved step (\d+)', open(os.path.join(workdir, 'logs', f'{name}.log')).read()).group(1))
+  assert 10 <= saved < 50 and str(saved) in os.listdir(checkpoints)
   first, retry = load_study(workdir).get_trials()
   assert first.state == optuna.trial.TrialState.FAIL and first.user_attrs['interrupted']
   assert retry.state == optuna.trial.TrialState.WAITING
