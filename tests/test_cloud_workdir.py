@@ -10,14 +10,19 @@ import pytest
 
 import storage
 import support
-from numerics import assert_close
+from numerics import assert_close, transformer_terms
 
-STEP_TERMS = support.TINY_GPT_STEP_TERMS  # the reductions behind one tiny GPT step (tests/numerics.py)
+# The reductions behind one step of the tiny GPT with one block (support.TINY_GPT_STEP_TERMS's, one block;
+# tests/numerics.py).
+STEP_TERMS = transformer_terms(1, 32, 4 * 32, 32, vocab=32, positions=8 * 32)
 
 BUCKET = 'bucket'
 # constant: 3 + 3 steps = 6, the 6-step run's schedule; a few steps suffice to compare a resume with a straight run.
-TRAIN = {'mesh.data': 1, 'train.log_every': 1, 'train.eval_every': 3, 'train.checkpoint_every': 3, 'train.steps': 6,
-         'train.schedule': 'constant', 'decode.temperature': 0.0, 'decode.prompts': 'alpha'}
+# One block: the run's files, resume and modes are the same; each of the five launch.py processes compiles (or
+# loads) and traces smaller programs.
+TRAIN = {'mesh.data': 1, 'model.num_layers': 1, 'train.log_every': 1, 'train.eval_every': 3,
+         'train.checkpoint_every': 3, 'train.steps': 6, 'train.schedule': 'constant', 'decode.temperature': 0.0,
+         'decode.prompts': 'alpha'}
 
 
 @pytest.fixture(scope='session')

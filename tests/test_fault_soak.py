@@ -1,12 +1,21 @@
 """scripts/fault_soak.py: its kills are planned so that each phase is hit, the final evaluation last; a
 short soak (5 SIGKILLs of one tiny GPT run, local, one process) hits every phase, survives every kill
 with an end state bit-equal to an uninterrupted run, and each attempt resumes from the newest complete
-checkpoint; a bad flag is one `error:` line."""
+checkpoint; a bad flag is one `error:` line.
+
+The soak runs in this process (the script's `main`), its launch.py processes forked from the suite's
+preloaded server (support.launch; `preloaded_attempts`), then killed, waited for and checked by the
+script's own code: a fresh interpreter each would spend ~2.7 s of CPU importing JAX before its start-up,
+seven times. The script as a user runs it, fresh interpreters read through pipes, is CI's (.ci/run's
+shown commands run its 30-kill soaks)."""
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -42,10 +51,73 @@ def test_the_plan_aims_at_every_phase_and_ends_in_the_final_evaluation():
   assert fault_soak.soak_steps(plan[:-1] * 2 + plan[-1:], 6, 2) == 2 * 27 + 1
 
 
-def test_five_kills_hit_every_phase_and_are_survived_bit_for_bit(tmp_path):
+def in_own_session(pid: int) -> bool:
+  try:
+    return os.getpgid(pid) == pid
+  except ProcessLookupError:  # it ended meanwhile
+    return True
+
+
+def preloaded_attempts(fault_soak):
+  """fault_soak.Attempt with its launch.py forked from the preloaded server (in a session of its own,
+  as the script's Popen starts it, so that the script's `kill` reaches it with os.killpg), its stdout
+  read line by line from the file the server writes."""
+
+  class PreloadedAttempt(fault_soak.Attempt):
+    def __init__(self, args, processes, env, log_path):
+      assert processes == 1 and env == dict(os.environ), 'the soak of this test: one process, this environment'
+      self.started = time.time()
+      self.lines = queue.Queue()
+      self.log = open(log_path, 'w')
+      process = support.launch(args, devices=8, background=True, start_new_session=True)  # conftest's 8 devices
+      while process.poll() is None and not in_own_session(process.pid):  # as Popen's: for the script's killpg
+        time.sleep(0.001)
+      self.processes = [process]
+      self.reader = threading.Thread(target=self._read_file, daemon=True)
+      self.reader.start()
+
+    def _read_file(self) -> None:
+      process, (stdout, stderr) = self.processes[0], self.processes[0].outputs
+      while not os.path.exists(stdout) and process.poll() is None:
+        time.sleep(0.002)
+      partial = ''
+      with open(stdout) if os.path.exists(stdout) else open(os.devnull) as f:
+        while True:
+          ended = process.poll() is not None  # before the read: what it wrote before it ended is read now
+          partial += f.read()
+          *lines, partial = partial.split('\n')
+          for line in lines:
+            self.log.write(line + '\n')
+            self.log.flush()
+            self.lines.put(line)
+          if ended:
+            break
+          if not lines:
+            time.sleep(0.002)
+      if partial:
+        self.log.write(partial + '\n')
+        self.lines.put(partial)
+      if os.path.exists(stderr):  # into the log, after stdout (the script's pipe merges the two)
+        with open(stderr) as f:
+          self.log.write(f.read())
+      self.lines.put(None)  # the end of its output
+
+  return PreloadedAttempt
+
+
+def test_five_kills_hit_every_phase_and_are_survived_bit_for_bit(tmp_path, monkeypatch, capsys):
   # One layer: each of the seven launch.py processes compiles and runs a smaller program; the phases,
   # kills and resumes are the same.
-  result = soak(f'--workdir={tmp_path}/soak', '--kills=5', '--seed=0', '--config.model.num_layers=1')
+  from absl import logging
+  fault_soak = support.load_file('scripts/fault_soak.py')
+  monkeypatch.setattr(fault_soak, 'Attempt', preloaded_attempts(fault_soak))
+  verbosity = logging.get_verbosity()
+  try:
+    status = fault_soak.main([f'--workdir={tmp_path}/soak', '--kills=5', '--seed=0', '--config.model.num_layers=1',
+                              '--attempt_timeout=300'])
+  finally:
+    logging.set_verbosity(verbosity)  # main() quiets absl's logging for Orbax
+  result = subprocess.CompletedProcess(['fault_soak.main'], status, *capsys.readouterr())
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   summary = json.loads(result.stdout.strip().splitlines()[-1])
   assert (summary['kills_sent'], summary['kills_survived'], summary['failures']) == (5, 5, [])

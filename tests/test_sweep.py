@@ -34,14 +34,16 @@ def get_sweep():
       'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'model.num_layers': 1, 'train.steps': 4,
                     'train.eval_every': 2, 'train.checkpoint_every': 4, 'train.eval_steps': 0, 'train.log_every': 2}},
       'grid': {{'train.lr': [0.001, 0.003], 'train.warmup_steps': [1]}},
-      'trials': [{{'model.width': 16}}, {{'model.num_heads': 3}}],  # the last one fails: 3 heads, width 32
+      # A trial of keys of its own (the table's last columns), which fails: 3 heads do not divide a width of 16.
+      'trials': [{{'model.width': 16, 'model.num_heads': 3}}],
   }}
 '''
-GRID_TRIALS = ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1', '02-width=16', '03-num_heads=3']
-# Trial 1 is long enough to be killed midway (90 steps after its first checkpoint), and is never
+GRID_TRIALS = ['00-lr=0.001-warmup_steps=1', '01-lr=0.003-warmup_steps=1', '02-width=16-num_heads=3']
+# Trial 1 (LONG) is long enough to be killed midway (40 steps after its first checkpoint), and is never
 # compared with trial 0 (its evaluations come at other steps); trial 2 (a learning rate that learns
 # nothing) is pruned at its first evaluation by its worker, against trial 0's one evaluation
 # (n_startup_trials=1), long before its last step (the steps after it are never run).
+LONG = {'train.lr': 0.01, 'train.steps': 50, 'train.eval_every': 25}
 KILL_FILE = '''
 def get_sweep():
   return {{
@@ -49,12 +51,12 @@ def get_sweep():
       'overrides': {{'data.source': {source!r}, 'compile_cache': {cache!r}, 'model.num_layers': 1, 'train.steps': 10,
                     'train.eval_every': 10, 'train.checkpoint_every': 10, 'train.eval_steps': 1,
                     'train.log_every': 10}},
-      'trials': [{{'train.lr': 0.01}}, {{'train.lr': 0.01, 'train.steps': 100, 'train.eval_every': 25}},
-                 {{'train.lr': 1e-7, 'train.steps': 200}}],
+      'trials': {trials!r},
       'pruner': {{'name': 'median', 'n_startup_trials': 1}},
   }}
 '''
-KILLED, PRUNED = '01-lr=0.01-steps=100-eval_every=25', '02-lr=1e-07-steps=200'
+KILL_TRIALS = [{'train.lr': 0.01}, LONG, {'train.lr': 1e-7, 'train.steps': 200}]
+KILLED, PRUNED = '01-lr=0.01-steps=50-eval_every=25', '02-lr=1e-07-steps=200'
 
 
 def sweep_process(sweep_file: str, workdir: str, *args: str, start_new_session: bool = False):
@@ -117,7 +119,7 @@ def killed_and_rerun(corpus, cache, postgres, tmp_path_factory):
   trains, then rerun by two hosts at once: one takes trial 2, the other (once trial 1's heartbeat
   is stale) its retry."""
   root = tmp_path_factory.mktemp('killed')
-  (root / 'kill.py').write_text(KILL_FILE.format(source=corpus, cache=cache))
+  (root / 'kill.py').write_text(KILL_FILE.format(source=corpus, cache=cache, trials=KILL_TRIALS))
   workdir, storage = str(root / 'sweep'), f'--sweep_storage={postgres.url}'
   first = sweep_process(str(root / 'kill.py'), workdir, storage, '--sweep_heartbeat=1', start_new_session=True)
   checkpoints = os.path.join(workdir, KILLED, 'checkpoints')
@@ -140,24 +142,25 @@ def test_a_grid_gives_the_trials_and_table_of_before(two_hosts):
   assert [h[0] for h in hosts] == [0, 0], [h[2][-2000:] for h in hosts]
   rows = read_rows(workdir)
   assert [r['trial'] for r in rows] == GRID_TRIALS
-  assert [r['status'] for r in rows] == ['ok', 'ok', 'ok', 'failed'] and rows[0]['train.lr'] == '0.001'
+  assert [r['status'] for r in rows] == ['ok', 'ok', 'failed'] and rows[0]['train.lr'] == '0.001'
   assert list(rows[0])[:6] == ['trial', 'status', 'train.lr', 'train.warmup_steps', 'model.width', 'model.num_heads']
-  for row in rows[:3]:
+  assert (rows[0]['model.width'], rows[2]['model.width'], rows[2]['model.num_heads']) == ('', '16', '3')
+  for row in rows[:2]:
     with open(os.path.join(workdir, row['trial'], 'metrics.jsonl')) as f:
       best_eval = min(m['eval/loss'] for m in map(json.loads, f) if 'eval/loss' in m)
     # The trial's final line: the best checkpoint's loss over the whole validation split (eval_steps=0).
     # The same evaluation program on the same batches (train and final evaluation), as sweep.csv prints it.
     assert_close(float(row['eval/loss']), best_eval, terms=1)
     assert row['step'] == '4', row
-  assert rows[3]['eval/loss'] == '' and 'num_heads=3 does not divide' in rows[3]['error']
+  assert rows[2]['eval/loss'] == '' and 'num_heads=3 does not divide' in rows[2]['error']
   table = open(os.path.join(workdir, 'sweep.md')).read()
-  assert '3 of 4 trials ok' in table and table.count('\n| 0') == 4
-  best = min(rows[:3], key=lambda r: float(r['eval/loss']))['trial']
+  assert '2 of 3 trials ok' in table and table.count('\n| 0') == 3
+  best = min(rows[:2], key=lambda r: float(r['eval/loss']))['trial']
   assert f'`{best}`' in table and f'--workdir={workdir}/{best}' in table  # the best trial's command line
   for plot in ('eval_loss.png', 'history.png', 'importance.png'):
     image = matplotlib.image.imread(os.path.join(workdir, plot))
     assert image.ndim == 3 and image.shape[1] > 300
-  assert 'does not divide' in open(os.path.join(workdir, 'logs', '03-num_heads=3.log')).read()
+  assert 'does not divide' in open(os.path.join(workdir, 'logs', '02-width=16-num_heads=3.log')).read()
 
 
 def test_two_hosts_on_one_study_run_disjoint_trials_and_the_budget_once(two_hosts):
@@ -168,7 +171,7 @@ def test_two_hosts_on_one_study_run_disjoint_trials_and_the_budget_once(two_host
   assert sorted(ran[0] + ran[1]) == GRID_TRIALS
   trials = load_study(workdir).get_trials()
   named = [t for t in trials if 'name' in t.user_attrs]
-  assert sorted(t.user_attrs['slot'] for t in named) == [0, 1, 2, 3]  # each slot once, none retried
+  assert sorted(t.user_attrs['slot'] for t in named) == [0, 1, 2]  # each slot once, none retried
   assert [t.user_attrs['name'] for t in sorted(named, key=lambda t: t.number)] == GRID_TRIALS  # the file's order
   # A trial opened past the budget when both hosts asked for the last slot at once never ran.
   assert all(t.user_attrs.get('over_budget') for t in trials if t not in named)
@@ -225,8 +228,8 @@ def test_a_killed_study_resumes_without_repeating_finished_trials(killed_and_rer
   assert open(os.path.join(workdir, '00-lr=0.01', 'metrics.jsonl')).read() == before['00-lr=0.01']
   log = open(os.path.join(workdir, 'logs', f'{KILLED}.log')).read()
   resumed = int(re.search(r'Resumed from the checkpoint at step (\d+)', log).group(1))
-  assert 10 <= resumed < 100  # the interrupted trial went on from its checkpoint
-  assert [(r['status'], r['step']) for r in read_rows(workdir)] == [('ok', '10'), ('ok', '100'), ('pruned', '10')]
+  assert 10 <= resumed < 50  # the interrupted trial went on from its checkpoint
+  assert [(r['status'], r['step']) for r in read_rows(workdir)] == [('ok', '10'), ('ok', '50'), ('pruned', '10')]
   retry = [t for t in load_study(workdir, postgres.url).get_trials() if t.user_attrs.get('slot') == 1][-1]
   assert RetryHeartbeatStaleTrialCallback.retried_trial_number(retry) == 1
   assert retry.state == TrialState.COMPLETE
@@ -256,12 +259,11 @@ def test_a_trial_pruned_by_its_worker_stops_early_and_its_checkpoint_reloads(kil
 
 
 def test_sigterm_stops_the_sweep_with_its_trial_saved_and_queued_again(corpus, cache, tmp_path):
-  (tmp_path / 'one.py').write_text(KILL_FILE.format(source=corpus, cache=cache).replace(
-      "'trials': [{'train.lr': 0.01}, {'train.lr': 0.01, 'train.steps': 100, 'train.eval_every': 25},\n"
-      "                 {'train.lr': 1e-7, 'train.steps': 200}]", "'trials': [{'train.lr': 0.01, 'train.steps': 200}]"))
-  workdir = str(tmp_path / 'sweep')
+  # The killed study's long trial (its programs in the cache already), stopped after its first checkpoint.
+  (tmp_path / 'one.py').write_text(KILL_FILE.format(source=corpus, cache=cache, trials=[LONG]))
+  workdir, name = str(tmp_path / 'sweep'), '00-lr=0.01-steps=50-eval_every=25'
   sweep = sweep_process(str(tmp_path / 'one.py'), workdir)
-  checkpoints = os.path.join(workdir, '00-lr=0.01-steps=200', 'checkpoints')
+  checkpoints = os.path.join(workdir, name, 'checkpoints')
   while not (os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))):
     assert sweep.poll() is None, sweep.communicate()
     time.sleep(0.05)
@@ -269,9 +271,8 @@ def test_sigterm_stops_the_sweep_with_its_trial_saved_and_queued_again(corpus, c
   stdout, stderr = sweep.communicate(timeout=120)
   assert sweep.returncode == 130 and stderr.strip().endswith('Interrupted.'), stderr[-2000:]
   assert 'interrupted' in stdout
-  saved = int(re.search(r'SIGTERM: saved step (\d+)', open(os.path.join(workdir, 'logs', '00-lr=0.01-steps=200.log')
-                                                           ).read()).group(1))
-  assert 10 <= saved < 200 and str(saved) in os.listdir(checkpoints)
+  saved = int(re.search(r'SIGTERM: saved step (\d+)', open(os.path.join(workdir, 'logs', f'{name}.log')).read()).group(1))
+  assert 10 <= saved < 50 and str(saved) in os.listdir(checkpoints)
   first, retry = load_study(workdir).get_trials()
   assert first.state == optuna.trial.TrialState.FAIL and first.user_attrs['interrupted']
   assert retry.state == optuna.trial.TrialState.WAITING
@@ -284,12 +285,12 @@ def test_dry_run_prints_one_launch_command_per_trial(sweep_file, tmp_path):
                            '--config.train.steps=3'], timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
   commands = result.stdout.strip().splitlines()
-  assert len(commands) == 4 and not os.path.exists(tmp_path / 'dry')
+  assert len(commands) == 3 and not os.path.exists(tmp_path / 'dry')
   assert all('launch.py --config=configs/gpt.py:tiny' in c for c in commands)
   # The command-line override comes after the sweep's own and before the trial's values.
   assert commands[0].index('--config.train.steps=4') < commands[0].index('--config.train.steps=3') < \
       commands[0].index('--config.train.lr=0.001')
-  assert f'--workdir={tmp_path}/dry/03-num_heads=3' in commands[3]
+  assert f'--workdir={tmp_path}/dry/02-width=16-num_heads=3' in commands[2]
 
 
 SPACE = {'train.lr': {'low': 1e-4, 'high': 3e-2, 'log': True}, 'model.num_layers': {'low': 1, 'high': 3},

@@ -28,21 +28,23 @@ UPLOAD_SECONDS = 30  # a gs:// workdir's metrics files are at most this old
 
 
 def summary_writer_class():
-  """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet.
+  """tensorboardX's SummaryWriter, imported without torch and Google Cloud Storage's client where
+  they are not loaded yet.
 
   tensorboardX imports torch when it is installed (requirements-dev.txt, for the Hugging Face
-  interop) only to accept torch tensors; this module logs floats, and importing torch is slow. A
-  `None` entry in sys.modules makes `import torch` raise ImportError, which tensorboardX treats
-  as torch being absent; torch imports normally afterwards.
+  interop) only to accept torch tensors; this module logs floats, and importing torch is slow. It
+  imports google-cloud-storage (with requests, grpc, ...: ~0.4 s of CPU at every run's start) for
+  a gs:// writer of its own, which this module never uses: a gs:// workdir's event files are
+  written to a local mirror (above). A `None` entry in sys.modules makes an import raise
+  ImportError, which tensorboardX treats as the package being absent; each imports normally afterwards.
   """
-  if 'torch' in sys.modules:
-    from tensorboardX import SummaryWriter
-    return SummaryWriter
-  sys.modules['torch'] = None
+  absent = [name for name in ('torch', 'google.cloud.storage') if name not in sys.modules]
+  sys.modules.update(dict.fromkeys(absent))
   try:
     from tensorboardX import SummaryWriter
   finally:
-    del sys.modules['torch']
+    for name in absent:
+      del sys.modules[name]
   return SummaryWriter
 
 
