@@ -303,3 +303,45 @@ def slow_train_steps(monkeypatch, seconds: float) -> None:
     return slow
 
   monkeypatch.setattr(steps, 'jit_train_step', slowed_train_step)
+
+
+def compiled_call(model, *args):
+  """`model(*args)` compiled as one program (nnx.jit; one per model structure and argument shapes),
+  not op by op: run eagerly, a forward pass compiles each of its operations' new shapes on its own."""
+  return _compiled_call()(model, *args)
+
+
+def _compiled_call():
+  if not _COMPILED_CALL:
+    from flax import nnx
+    _COMPILED_CALL.append(nnx.jit(lambda model, *args: model(*args)))
+  return _COMPILED_CALL[0]
+
+
+_COMPILED_CALL = []
+
+
+def numpy_valued(abstract, seed: int = 0, scale: float = 0.1):
+  """A concrete copy of `abstract` (an nnx.eval_shape'd module) whose floating variables are N(0, scale)
+  draws of NumPy, integer ones zero and random keys made from `seed`: built without JAX's initialisers,
+  which compile a random program for each new parameter shape when run eagerly. For tests whose
+  assertions hold for any values (exports, imports, refusals)."""
+  import jax
+  from flax import nnx
+  rng = np.random.default_rng(seed)
+
+  def value(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(np.zeros((*x.shape, 2), np.uint32) + np.uint32(seed))
+    if jax.dtypes.issubdtype(x.dtype, np.floating):
+      return (scale * rng.standard_normal(x.shape)).astype(x.dtype)
+    return np.zeros(x.shape, x.dtype)
+  graphdef, state = nnx.split(abstract)
+  return nnx.merge(graphdef, jax.device_put(jax.tree.map(value, state)))
+
+
+def placed_like(x, value: np.ndarray):
+  """`value` (a NumPy array of `x`'s shape) on the devices of the jax.Array `x`: committed to its sharding
+  when `x` is, else uncommitted on the default device (as an array JAX made eagerly)."""
+  import jax
+  return jax.device_put(value, x.sharding) if x.committed else jax.device_put(value)

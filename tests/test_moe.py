@@ -37,6 +37,17 @@ def inputs(tokens=10, seed=1):
   return jax.random.normal(jax.random.key(seed), (2, tokens // 2, E))
 
 
+# A layer applied as one compiled program per configuration (its options are static), not op by op.
+forward = nnx.jit(lambda m, x: m(x))
+
+
+@nnx.jit
+def forward_recording(m, x):
+  """(m(x), its RouterStatistics): `moe.record_router_statistics` of a single layer, compiled."""
+  y, [(_, statistics)] = moe.record_router_statistics(m, m, x)
+  return y, statistics
+
+
 def reference(m: moe.MoEFeedForward, x, capacity: int | None = None):
   """The layer token by token in float64 numpy: softmax router, the k largest, each chosen expert's
   MLP times its weight. With `capacity`, an expert takes slots in priority order (all first choices
@@ -71,17 +82,17 @@ def test_grouped_matmul_moe_equals_a_per_token_loop_over_the_chosen_experts(gate
   m = layer(gated=gated, activation=activation, shared_experts=shared)
   x = inputs()
   out, dropped = reference(m, x)
-  expected = out.reshape(x.shape) + (np.asarray(m.shared(x)) if shared else 0.0)
+  expected = out.reshape(x.shape) + (np.asarray(forward(m.shared, x)) if shared else 0.0)
   assert dropped == []
-  assert_close(m(x), expected, terms=LAYER_TERMS)
+  assert_close(forward(m, x), expected, terms=LAYER_TERMS)
   m.capacity_factor = float(N)  # capacity T * k: no expert can be over it
-  assert_close(m(x), expected, terms=LAYER_TERMS)
+  assert_close(forward(m, x), expected, terms=LAYER_TERMS)
 
 
 def test_norm_topk_prob_off_keeps_the_softmax_weights():
   m = layer(norm_topk_prob=False, top_k=3)
   x = inputs()
-  assert_close(m(x), reference(m, x)[0].reshape(x.shape), terms=LAYER_TERMS)
+  assert_close(forward(m, x), reference(m, x)[0].reshape(x.shape), terms=LAYER_TERMS)
 
 
 def hand_routed_layer():
@@ -104,14 +115,13 @@ def test_the_capacity_path_drops_exactly_the_slots_a_hand_count_says():
   expected_drops = [(3, 0), (3, 1), (4, 1)]
   out, dropped = reference(m, x, capacity=3)
   assert sorted(dropped) == expected_drops
-  y, recorded = moe.record_router_statistics(m, m, x)
+  y, statistics = forward_recording(m, x)
   assert_close(y[0], out, terms=LAYER_TERMS)
   assert np.all(np.asarray(y)[0, 3] == 0)  # nothing but its residual
-  statistics = recorded[0][1]
   assert float(statistics.dropped) == 3
   np.testing.assert_array_equal(statistics.load, [5, 4, 2, 1])  # routed before any drop
   m.capacity_factor = 0.0  # dropless: the same routing, nothing dropped
-  assert_close(m(x)[0], reference(m, x)[0], terms=LAYER_TERMS)
+  assert_close(forward(m, x)[0], reference(m, x)[0], terms=LAYER_TERMS)
 
 
 def test_load_balancing_loss_is_the_switch_formula_on_a_hand_made_routing():
@@ -125,8 +135,8 @@ def test_load_balancing_loss_is_the_switch_formula_on_a_hand_made_routing():
   assert float(even) == pytest.approx(1.0)
   # The layer reports the same formula for its own routing; its gradient reaches the router only through P.
   m, x = layer(), inputs()
-  _, [(_, statistics)] = moe.record_router_statistics(m, m, x)
-  routing = moe.route(x.reshape(-1, E) @ m.router.kernel[...], 2)
+  _, statistics = forward_recording(m, x)
+  routing = jax.jit(moe.route, static_argnums=1)(x.reshape(-1, E) @ m.router.kernel[...], 2)
   counts = np.bincount(np.asarray(routing.experts).ravel(), minlength=N)
   expected = N * np.sum(counts / counts.sum() * np.asarray(routing.probs).mean(0))
   assert float(statistics.load_balancing_loss) == pytest.approx(expected, rel=1e-5)
@@ -140,11 +150,16 @@ def test_router_z_loss_by_hand():
 
 def test_the_loss_free_bias_moves_a_skewed_routers_load_towards_even():
   logits = jax.random.normal(jax.random.key(0), (512, N)) + jnp.asarray([1.5, 0.5, 0.0, 0.0])  # favours expert 0
+
+  @jax.jit  # one program for the 40 steps, not each op compiled on its own
+  def step(bias):
+    load = moe.expert_load(moe.route(logits, 2, load_bias=bias).experts, N)
+    return load.max() / load.mean(), moe.updated_load_bias(bias, load, 0.01)
+
   bias, shares = jnp.zeros(N), []
   for _ in range(40):
-    load = moe.expert_load(moe.route(logits, 2, load_bias=bias).experts, N)
-    shares.append(float(load.max() / load.mean()))
-    bias = moe.updated_load_bias(bias, load, 0.01)
+    share, bias = step(bias)
+    shares.append(float(share))
   assert shares[0] > 1.5 and shares[-1] < 1.15, shares
   # The update: + rate for the experts under the mean load, - rate over it.
   np.testing.assert_allclose(moe.updated_load_bias(jnp.zeros(3), jnp.asarray([5.0, 1.0, 3.0]), 0.1), [-0.1, 0.1, 0.0])
@@ -198,16 +213,23 @@ def tokens(batch=2, length=9, seed=0):
   return jnp.asarray(np.random.default_rng(seed).integers(0, CONFIG.vocab_size, (batch, length)), jnp.int32)
 
 
-@functools.cache
 def twin_moe_models(**overrides):
   """(unscanned, scanned) MoE GPTs holding the same parameters."""
-  config = GPT2Config(**{**CONFIG.__dict__, **overrides})
+  return _twin_moe_models(GPT2Config(**{**CONFIG.__dict__, **overrides}))
+
+
+@functools.cache  # by the config: twin_moe_models(mlp='gelu') is twin_moe_models()
+def _twin_moe_models(config: GPT2Config):
   scanned = GPT(GPT2Config(**{**config.__dict__, 'scan_layers': True}), rngs=nnx.Rngs(0))
-  plain = GPT(config, rngs=nnx.Rngs(1))
-  nnx.update(plain, nnx.filter_state(nnx.state(scanned, nnx.Param), lambda path, _: path[0] != 'blocks'))
-  for i, block in enumerate(plain.blocks):
-    nnx.update(block, jax.tree.map(lambda v: v[i], nnx.state(scanned.blocks, nnx.Param)))
-  return plain, scanned
+  # The unscanned model built abstractly (no second initialisation), then given the scanned one's
+  # variables: block i's are layer i of the stacked ones, the others the same.
+  graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
+  stacked = nnx.to_pure_dict(nnx.state(scanned))
+  layers = jax.jit(lambda blocks: [jax.tree.map(lambda v: v[i], blocks) for i in range(config.num_layers)])(
+      stacked['blocks'])
+  values = {**stacked, 'blocks': dict(enumerate(layers))}
+  nnx.replace_by_pure_dict(shapes, values)
+  return nnx.merge(graphdef, shapes), scanned
 
 
 def logits_and_statistics(model, x, remat=None):
@@ -306,7 +328,8 @@ def test_the_balancing_losses_join_the_minimised_loss_with_their_coefficients():
   from train.task import Prepared
   model_config = gpt_task.Task.resolve_model_config(config, 'cpu', vocab_size=37)
   task = gpt_task.Task(config, Prepared(None, model_config))
-  model = task.build_model(nnx.Rngs(0))
+  # Any weights do (the identity holds for all): built abstractly and valued by NumPy, no initialiser compiled.
+  model = support.numpy_valued(nnx.eval_shape(lambda: task.build_model(nnx.Rngs(0))))
   batch = {'tokens': np.asarray(tokens(batch=2, length=10))}
   compiled_loss = nnx.jit(task.loss, static_argnames='deterministic')  # one program each, not op by op
   loss, metrics = compiled_loss(model, batch, deterministic=False)
