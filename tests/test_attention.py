@@ -140,8 +140,10 @@ def test_implementations_agree_in_outputs_and_gradients():
     out, _ = attention.dot_product_attention(q, k, v, mask, implementation=impl)
     return jnp.sum(jnp.sin(out))
 
-  reference = jax.value_and_grad(loss, argnums=(1, 2, 3))('xla', q, k, v)
-  other = jax.value_and_grad(loss, argnums=(1, 2, 3))('jax_nn', q, k, v)
+  # Compiled (once per implementation): eagerly, each op of the forward and backward passes compiles on its own.
+  value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3)), static_argnums=0)
+  reference = value_and_grad('xla', q, k, v)
+  other = value_and_grad('jax_nn', q, k, v)
   # The loss sums 2 x 6 x 2 x 8 outputs; a gradient adds the backward's sums over queries and keys.
   assert_close(other[0], reference[0], terms=ATTENTION_TERMS + 2 * 6 * 2 * 8)
   for a, b in zip(reference[1], other[1]):
@@ -168,10 +170,12 @@ def test_multi_head_cache_matches_full_pass_and_records_weights():
   x = jax.random.normal(jax.random.key(0), (2, 5, 8))
   full, _ = layer(x, mask=attention.AttentionMask(causal=True))
   cache = layer.init_cache(2, 5)
+  # One compiled step for every position (eagerly, each op compiles on its own for each position).
+  step = nnx.jit(lambda layer, x, cache, t: layer(x, mask=attention.AttentionMask(causal=True, q_offset=t),
+                                                  cache=cache, cache_index=t))
   outs = []
   for t in range(5):
-    mask = attention.AttentionMask(causal=True, q_offset=t)
-    out, cache = layer(x[:, t:t + 1], mask=mask, cache=cache, cache_index=t)
+    out, cache = step(layer, x[:, t:t + 1], cache, jnp.asarray(t))
     outs.append(out)
   assert_close(jnp.concatenate(outs, 1), full, terms=3 * 8 + 4 + 2 * 5)  # projections, a head, 5 keys
   _, weights = attention.record_attention_weights(layer, layer, x)

@@ -1,4 +1,6 @@
 """The chunked cross-entropy equals the plain one: values, metrics and gradients."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,27 +14,43 @@ from train.losses import lm_loss
 pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
 
 
-@pytest.mark.parametrize('label_smoothing', [0.0, 0.1])
-@pytest.mark.parametrize('chunk', [4, 5, 1000])  # several chunks, a ragged last chunk, one chunk
-def test_chunked_cross_entropy_equals_the_plain_one(label_smoothing, chunk):
+@functools.cache
+def loss_inputs():
   keys = jax.random.split(jax.random.key(0), 4)
   hidden = jax.random.normal(keys[0], (3, 7, 16))
   table = jax.random.normal(keys[1], (50, 16))
   targets = jax.random.randint(keys[2], (3, 7), 0, 50)
   weights = (jax.random.uniform(keys[3], (3, 7)) > 0.3).astype(jnp.float32)
-  # Jitted, as training runs them (eagerly, every op would compile on its own).
-  plain = jax.jit(lambda h, w: lm_loss(h @ w.T, targets, weights, label_smoothing))
-  chunked = jax.jit(lambda h, w: chunked_lm_loss(h, w, targets, weights, vocab_size=50,
-                                                 label_smoothing=label_smoothing, chunk_tokens=chunk))
-  (loss, metrics), (loss_c, metrics_c) = plain(hidden, table), chunked(hidden, table)
+  return hidden, table, targets, weights
+
+
+def loss_and_gradients(loss_fn):
+  """loss_fn(hidden, table, targets, weights) -> (loss, metrics), as training and evaluation run it: one
+  compiled program (eagerly, every op would compile on its own) of the loss alone (evaluation's path)
+  and the gradients with respect to hidden and table (training's)."""
+  grad = jax.grad(lambda *args: loss_fn(*args)[0], argnums=(0, 1))
+  return jax.jit(lambda *args: (loss_fn(*args), grad(*args)))
+
+
+@functools.cache
+def plain_loss_and_gradients(label_smoothing):
+  """The plain cross-entropy's program, shared by the chunk sizes."""
+  return loss_and_gradients(lambda h, w, targets, weights: lm_loss(h @ w.T, targets, weights, label_smoothing))
+
+
+@pytest.mark.parametrize('label_smoothing', [0.0, 0.1])
+@pytest.mark.parametrize('chunk', [4, 5, 1000])  # several chunks, a ragged last chunk, one chunk
+def test_chunked_cross_entropy_equals_the_plain_one(label_smoothing, chunk):
+  chunked = loss_and_gradients(lambda h, w, targets, weights: chunked_lm_loss(
+      h, w, targets, weights, vocab_size=50, label_smoothing=label_smoothing, chunk_tokens=chunk))
+  ((loss, metrics), grads), ((loss_c, metrics_c), grads_c) = (plain_loss_and_gradients(label_smoothing)(*loss_inputs()),
+                                                              chunked(*loss_inputs()))
   terms = 16 + 50 + 21  # a logit's dot product, the normalizer over the vocabulary, the sum over 3 x 7 tokens
   assert_close(loss_c, loss, terms=terms)
   assert_close(metrics_c['loss'][0], metrics['loss'][0], terms=terms)
   for name in ('loss', 'accuracy'):  # the weight count, and the count of correct tokens: exact
     np.testing.assert_array_equal(metrics_c[name][1], metrics[name][1])
   np.testing.assert_array_equal(metrics_c['accuracy'][0], metrics['accuracy'][0])
-  grads = jax.jit(jax.grad(lambda h, w: plain(h, w)[0], argnums=(0, 1)))(hidden, table)
-  grads_c = jax.jit(jax.grad(lambda h, w: chunked(h, w)[0], argnums=(0, 1)))(hidden, table)
   for g, g_c in zip(grads, grads_c):
     assert_close(g_c, g, terms=terms)
 
@@ -46,12 +64,16 @@ def test_token_cross_entropy_equals_optax(label_smoothing):
   logits = 3 * jax.random.normal(keys[0], (4, 9, 50))
   targets = jax.random.randint(keys[1], (4, 9), 0, 50)
   labels = optax.smooth_labels(jax.nn.one_hot(targets, 50), label_smoothing)
-  expected = optax.softmax_cross_entropy(logits, labels)
-  loss, correct = token_cross_entropy(logits, targets, label_smoothing)
+  ours = lambda x: token_cross_entropy(x, targets, label_smoothing)
+  theirs = lambda x: optax.softmax_cross_entropy(x, labels)
+
+  @jax.jit  # one program: eagerly, each op of the four computations compiles on its own
+  def losses_and_gradients(x):
+    return ours(x), theirs(x), jax.grad(lambda x: ours(x)[0].sum())(x), jax.grad(lambda x: theirs(x).sum())(x)
+
+  (loss, correct), expected, grad, expected_grad = losses_and_gradients(logits)
   assert_close(loss, expected, terms=50)  # the normalizer and the smoothed labels' sum over 50 ids
   np.testing.assert_array_equal(correct, (jnp.argmax(logits, -1) == targets).astype(jnp.float32))
-  grad = jax.grad(lambda x: token_cross_entropy(x, targets, label_smoothing)[0].sum())(logits)
-  expected_grad = jax.grad(lambda x: optax.softmax_cross_entropy(x, labels).sum())(logits)
   assert_close(grad, expected_grad, terms=50)
 
 
@@ -72,14 +94,16 @@ def test_gpt_task_loss_is_the_same_chunked_or_not():
   from configs import gpt
   from data.tokenizers import CharTokenizer
   from train.task import task_without_data
-  losses = []
+  losses, model = [], None
   for chunk in (0, 24):
     config = gpt.get_config('tiny')
     config.train.loss_chunk_tokens = chunk
     task = task_without_data(config, CharTokenizer('abcdefghijklmnop'))
-    # Built and differentiated as compiled programs: run op by op, they compile ~240 tiny ones.
-    model = nnx.jit(lambda: task.build_model(nnx.Rngs(0)))()
+    # One model for both (the chunk size is the loss's): built eagerly, each parameter shape's initialiser
+    # compiles once (as one program, every parameter's random draw compiles again).
+    model = model or task.build_model(nnx.Rngs(0))
     batch = {k: jnp.asarray(v) for k, v in task.example_batch(4).items()}
+    # Differentiated as one compiled program: run op by op, it compiles ~240 tiny ones.
     loss_fn = lambda m: task.loss(m, batch, deterministic=True)[0]
     losses.append(nnx.jit(nnx.value_and_grad(loss_fn))(model))
   c = task.model_config  # the tiny GPT: 2 layers, width 32, 4 x 32 wide MLP, windows of 32, 4 rows

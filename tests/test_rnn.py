@@ -209,11 +209,13 @@ def test_trainer_step_carries_and_detaches_the_state():
   tokens = [rng.integers(4, task.tokenizer.vocab_size, (4, 6)).astype(np.int32) for _ in range(3)]
   resets = [np.ones(4, bool), np.zeros(4, bool), np.array([True, False, False, True])]
   reference = nnx.merge(graphdef, params, extra)
+  # The recomputed states: one compiled program (eagerly, each op compiles on its own), from zeros or a given state.
+  forward = nnx.jit(lambda model, tokens, start: model(tokens, start))
   expected = None
   for batch_tokens, reset in zip(tokens, resets):
     state, (scalars, _) = step(state, {'tokens': batch_tokens, 'reset': reset})
     start = None if expected is None else expected * (~reset)[:, None, None]
-    logits, expected = reference(jnp.asarray(batch_tokens[:, :-1]), start)
+    logits, expected = forward(reference, jnp.asarray(batch_tokens[:, :-1]), start)
     carried = nnx.merge(graphdef, state.params, state.extra).carried.get_value()
     # Three batches of 5 GRU steps (embed 16 + hidden 32 terms each) carried through; the loss adds
     # the output layer (32), the normalizer over the vocabulary and the mean over 4 x 5 tokens.
@@ -229,7 +231,7 @@ def test_trainer_step_carries_and_detaches_the_state():
     model.carried.set_value(start)
     return task.loss(model, batch, deterministic=False)[0]
   start = jnp.ones_like(carried)
-  state_grad = jax.grad(loss_from, argnums=1)(params, start)
+  state_grad = jax.jit(jax.grad(loss_from, argnums=1))(params, start)  # one program, not one per op
   np.testing.assert_array_equal(state_grad, 0.0)
 
 
@@ -256,11 +258,13 @@ def test_sampling_a_left_padded_prompt_ignores_the_padding():
   alone, _ = generate(model, jnp.asarray([prompts[1]]), jnp.ones((1, 2), bool), jax.random.key(0),
                       max_new_tokens=4, temperature=0.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0)
   np.testing.assert_array_equal(out[1], alone[0])
-  # Greedy continuation equals the argmax of the model run on the growing sequence.
+  # Greedy continuation equals the argmax of the model run on the growing sequence, right-padded to one length
+  # (the RNN reads left to right: what follows a position never changes its output), in one compiled program.
+  forward = nnx.jit(lambda model, tokens: model(tokens)[0])
   sequence = list(prompts[1])
   for _ in range(4):
-    logits, _ = model(jnp.asarray([sequence]))
-    sequence.append(int(jnp.argmax(logits[0, -1])))
+    logits = forward(model, jnp.asarray([sequence + [0] * (6 - len(sequence))]))
+    sequence.append(int(jnp.argmax(logits[0, len(sequence) - 1])))
   np.testing.assert_array_equal(alone[0], sequence[2:])
 
 

@@ -5,6 +5,7 @@ paper's parameter counts, and the model's own teacher-forced forward pass for ca
 masking and the scores that beam search reports.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,10 @@ from train.task import prepare_task
 pytestmark = pytest.mark.numerics  # parity, gradients, kernels: .ci/run reruns them with AVX2 only
 
 PAD, BOS, EOS = 0, 1, 2
+# LayerNorm's epsilon is Hugging Face Marian's (torch's default), so that the parity test below runs the
+# compiled forward pass the other tests share.
 TINY = TransformerConfig(vocab_size=19, width=32, num_heads=4, encoder_layers=2, decoder_layers=2, mlp_dim=48,
-                         dropout=0.0, max_len=32)
+                         dropout=0.0, max_len=32, layer_norm_epsilon=1e-5)
 # Encoder and decoder blocks (the decoder's cross-attention counted as a block of its own) over <= 24 tokens.
 TERMS = transformer_terms(TINY.encoder_layers + 2 * TINY.decoder_layers, TINY.width, TINY.mlp_dim, 24)
 
@@ -67,11 +70,17 @@ def test_padded_source_positions_change_no_logit():
   noise = jnp.asarray(np.random.default_rng(9).integers(3, TINY.vocab_size, source.shape), jnp.int32)
   changed = jnp.where(valid, source, noise)
   assert not np.array_equal(changed, source)
-  assert_close(forward(model, changed, target, source_lengths=valid.sum(1)), reference, terms=TERMS)
-  # Cross-attention alone: huge encoder states at padded positions must not leak either.
-  memory = nnx.jit(Transformer.encode)(model, source)
-  poisoned = jnp.where(valid[:, :, None], memory, 1e3 * jax.random.normal(jax.random.key(0), memory.shape))
-  assert_close(nnx.jit(Transformer.decode)(model, target, poisoned, valid.sum(1))[0], reference, terms=TERMS)
+  noise = 1e3 * jax.random.normal(jax.random.key(0), (*source.shape, TINY.width))
+
+  @nnx.jit  # one program for both checks: as separate ones, the encoder and the decoder compile twice
+  def padded_variants(model, source, changed, target, lengths, noise):
+    # Cross-attention alone: huge encoder states at padded positions must not leak either.
+    poisoned = jnp.where(valid[:, :, None], model.encode(source), noise)
+    return model(changed, target, source_lengths=lengths), model.decode(target, poisoned, lengths)[0]
+
+  given_lengths, poisoned_memory = padded_variants(model, source, changed, target, valid.sum(1), noise)
+  assert_close(given_lengths, reference, terms=TERMS)
+  assert_close(poisoned_memory, reference, terms=TERMS)
   # A real source token does matter (the checks above are not vacuous).
   flipped = source.at[:, 0].set(jnp.where(source[:, 0] == 5, 6, 5))
   assert np.abs(np.asarray(forward(model, flipped, target) - reference)).max() > 1e-3
@@ -101,14 +110,16 @@ def test_the_pictures_batched_padded_weights_are_each_sentences_own():
   from models.attention import record_attention_weights
   from train.tasks.transformer import decoder_attention_weights
   model = tiny(2)
-  # A full row and a padded one (source and target): each unpadded forward runs op by op, compiling every op.
+  # A full row and a padded one (source and target).
   source, target = batch(2, rows=2, source_len=7, target_len=9)
   lengths = [9, 4]
   target = target.at[1, 4:].set(PAD)
   padded = decoder_attention_weights(model, source, target)
+  # Each sentence's own forward, unpadded, recorded as its own program (eagerly every op would compile on its own).
+  recorded = nnx.jit(lambda model, source, target: record_attention_weights(model, lambda: model(source, target))[1])
   for row, length in enumerate(lengths):
     real = int((source[row] != PAD).sum())
-    _, own = record_attention_weights(model, lambda: model(source[row:row + 1, :real], target[row:row + 1, :length]))
+    own = recorded(model, source[row:row + 1, :real], target[row:row + 1, :length])
     assert set(own) == set(padded)
     for name in ('decoder_blocks/1/cross_attention', 'decoder_blocks/1/self_attention'):
       columns = real if 'cross' in name else length
@@ -117,10 +128,13 @@ def test_the_pictures_batched_padded_weights_are_each_sentences_own():
 
 
 def test_dropout_is_active_only_in_training():
-  model = tiny(4, dropout=0.3)
+  # One block a side: each dropout's random masks make the training pass's program several times larger.
+  model = tiny(4, dropout=0.3, encoder_layers=1, decoder_layers=1)
   source, target = batch(4)
-  np.testing.assert_array_equal(model(source, target), model(source, target))
-  assert np.abs(np.asarray(model(source, target, deterministic=False) - model(source, target))).max() > 1e-3
+  # Jitted: run eagerly, the training pass compiles each of its ~60 ops (dropout's included) on its own.
+  training = nnx.jit(functools.partial(Transformer.__call__, deterministic=False))
+  np.testing.assert_array_equal(forward(model, source, target), forward(model, source, target))
+  assert np.abs(np.asarray(training(model, source, target) - forward(model, source, target))).max() > 1e-3
 
 
 def expected_parameters(vocab, width, mlp, layers, shared=True):
@@ -192,8 +206,8 @@ def test_translate_beam_scores_are_exact_and_beat_greedy():
 def test_logits_match_hugging_face_marian():
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
-  config = dataclasses.replace(TINY, layer_norm_epsilon=1e-5)
-  model = Transformer(config, rngs=nnx.Rngs(6))
+  config = TINY
+  model = tiny(6)
   hf_config = transformers.MarianConfig(
       vocab_size=config.vocab_size, d_model=config.width, encoder_layers=2, decoder_layers=2,
       encoder_attention_heads=config.num_heads, decoder_attention_heads=config.num_heads,
@@ -203,7 +217,7 @@ def test_logits_match_hugging_face_marian():
   hf = transformers.MarianMTModel(hf_config).eval()
   load_into_marian(model, hf, torch)
   source, target = batch(6)
-  ours = model(source, target)
+  ours = forward(model, source, target)
   with torch.no_grad():
     theirs = hf(input_ids=torch.tensor(np.asarray(source)), attention_mask=torch.tensor(np.asarray(source != PAD)),
                 decoder_input_ids=torch.tensor(np.asarray(target))).logits.numpy()
@@ -328,14 +342,17 @@ def test_loss_is_label_smoothed_cross_entropy_over_real_target_tokens(tmp_path):
   config = tiny_config(tmp_path)
   config.data.packing = False  # one pair per row; packed rows have their own test
   task = prepare_task(config, str(tmp_path / 'run'))
-  model = nnx.jit(task.build_model)(nnx.Rngs(0))  # jitted: one compilation, not one per op
+  # Built eagerly: one compilation per parameter shape (as one program, every parameter's random draw compiles).
+  model = task.build_model(nnx.Rngs(0))
   batch = {k: jnp.asarray(v) for k, v in task.example_batch(3).items()}
   target_out = np.array(batch['target_out'])
   target_out[0, 5:] = task.tokenizer.pad_id  # ragged real lengths
   target_out[2, 1:] = task.tokenizer.pad_id
   batch['target_out'] = jnp.asarray(target_out)
-  loss, metrics = nnx.jit(lambda m, b: task.loss(m, b, deterministic=True))(model, batch)
-  logits = np.asarray(forward(model, batch['source'], batch['target_in']), np.float64)
+  # The loss and the logits as one program (one compilation of the model's forward pass, not two).
+  (loss, metrics), logits = nnx.jit(lambda m, b: (task.loss(m, b, deterministic=True),
+                                                  m(b['source'], b['target_in'])))(model, batch)
+  logits = np.asarray(logits, np.float64)
   logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
       logits.max(-1, keepdims=True)
   eps, vocab = config.train.label_smoothing, logits.shape[-1]
