@@ -20,7 +20,7 @@ import os
 import pickle
 import shutil
 import tempfile
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -120,10 +120,31 @@ def _check_covers(params: dict, names: list[TensorName]) -> None:
                      f'named more than once or not by every expert {sorted(map(str, uneven))[:3]}.')
 
 
+def built_without_parameters(build: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
+  """`build(rngs)` with its parameters left abstract (shapes and dtypes), for an importer whose table
+  names every one of them to fill them all (`load_tensors`); its other variables (the dropout streams'
+  keys and counts, an MoE layer's load bias) are what `build(rngs)` makes, and `rngs` advances alike.
+  The build is traced and compiled without the parameters' initialisers: no random draw of weights
+  that the checkpoint replaces, which would cost the model's size in memory once more (a Mixtral
+  8x7B: 187 GB in float32) and the time to draw it (eagerly, a compilation per parameter shape)."""
+  abstract = {}
+
+  def variables(rngs):
+    graphdef, params, rest = nnx.split(build(rngs), nnx.Param, ...)
+    abstract['graphdef'] = graphdef
+    abstract['params'] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return rest
+  rest = nnx.jit(variables)(rngs)
+  # The parameters' Variables made again out here: those of the trace belong to it (nnx refuses their update).
+  params = jax.tree.map(lambda x: x, abstract['params'])
+  return nnx.merge(abstract['graphdef'], params, rest)
+
+
 def load_tensors(module: nnx.Module, tensors: dict[str, np.ndarray], names: list[TensorName], hf_dir: str
                  ) -> set[str]:
-  """Copy HF `tensors` (read from `hf_dir`) into every parameter of `module` in place; returns the
-  HF names used. HFImportError for a tensor missing or of another shape than config.json implies."""
+  """Copy HF `tensors` (read from `hf_dir`) into every parameter of `module` in place (which may hold
+  them abstract: `built_without_parameters`); returns the HF names used. HFImportError for a tensor
+  missing or of another shape than config.json implies."""
   state = nnx.state(module, nnx.Param)
   params = nnx.to_pure_dict(state)
   _check_covers(params, names)

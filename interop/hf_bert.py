@@ -26,10 +26,11 @@ import tokenizers
 from flax import nnx
 
 from data.tokenizers import HFTokenizer, configure_wordpiece
-from interop.common import (HFImportError, TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names,
-                            load_tensors, numpy_params, output_directory, read_hf_config, read_json, read_tensors,
-                            reading_tokenizer, refuse_options_without_counterpart, reject_unused, to_hf_tensors,
-                            write_json, write_safetensors, write_tokenizer)
+from interop.common import (HFImportError, TensorName, built_without_parameters, fields_from_hf, fields_to_hf,
+                            layer_norm_names, linear_names, load_tensors, numpy_params, output_directory,
+                            read_hf_config, read_json, read_tensors, reading_tokenizer,
+                            refuse_options_without_counterpart, reject_unused, to_hf_tensors, write_json,
+                            write_safetensors, write_tokenizer)
 from models.bert import BertClassifier, BertConfig, BertEncoder, BertForPretraining
 
 # HF `hidden_act` -> models.layers.ACTIVATIONS key, and back.
@@ -174,12 +175,14 @@ def import_bert(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', 
   """
   config = bert_config_from_hf(hf_dir, dtype, attention, vocab_multiple)
   weights = read_weights(hf_dir)
-  model = BertForPretraining(config, rngs=rngs or nnx.Rngs(0))
   heads = has_pretraining_heads(weights)
-  if heads:
+  build = lambda rngs: BertForPretraining(config, rngs=rngs)
+  if heads:  # every parameter read from the checkpoint: none initialised first
+    model = built_without_parameters(build, rngs or nnx.Rngs(0))
     names = encoder_tensor_names(config, path=('encoder',)) + pretraining_head_names(config)
     used = load_tensors(model, weights, names, hf_dir)
   else:
+    model = build(rngs or nnx.Rngs(0))
     used = load_tensors(model.encoder, weights, encoder_tensor_names(config), hf_dir)
   reject_unused(sorted(k for k in weights if k not in used and not k.endswith(_IGNORED_SUFFIXES)
                        and not k.startswith('classifier.')), hf_dir)

@@ -18,10 +18,10 @@ from flax import nnx
 from tokenizers import decoders, pre_tokenizers
 
 from data.tokenizers import HFTokenizer
-from interop.common import (HFImportError, TensorName, fields_from_hf, fields_to_hf, layer_norm_names, linear_names,
-                            load_tensors, output_directory, read_hf_config, read_tensors, reading_tokenizer,
-                            refuse_options_without_counterpart, reject_unused, to_hf_tensors, unscanned_params,
-                            write_json, write_safetensors, write_tokenizer)
+from interop.common import (HFImportError, TensorName, built_without_parameters, fields_from_hf, fields_to_hf,
+                            layer_norm_names, linear_names, load_tensors, output_directory, read_hf_config,
+                            read_tensors, reading_tokenizer, refuse_options_without_counterpart, reject_unused,
+                            to_hf_tensors, unscanned_params, write_json, write_safetensors, write_tokenizer)
 from models.gpt import GPT, GPT2Config
 
 # (config.json key, GPT2Config field, value when the key is missing: None = required).
@@ -105,7 +105,7 @@ def import_gpt2(hf_dir: str, *, dtype: str = 'float32', attention: str = 'xla', 
   """
   config = gpt2_config_from_hf(hf_dir, dtype, attention, vocab_multiple)
   tensors = {k.removeprefix('transformer.'): v for k, v in read_tensors(hf_dir).items()}
-  model = GPT(config, rngs=rngs or nnx.Rngs(0))
+  model = built_without_parameters(lambda rngs: GPT(config, rngs=rngs), rngs or nnx.Rngs(0))
   used = load_tensors(model, tensors, tensor_names(config), hf_dir)
   reject_unused(sorted(k for k in tensors if k not in used and k not in _IGNORED and not k.endswith(_IGNORED_SUFFIXES)),
                 hf_dir)

@@ -26,10 +26,10 @@ from typing import Callable, NamedTuple
 from flax import nnx
 
 from data.tokenizers import HFTokenizer
-from interop.common import (HFExportError, HFImportError, ParamPath, TensorName, fields_from_hf, fields_to_hf,
-                            linear_names, load_tensors, output_directory, read_hf_config, read_tensors,
-                            refuse_options_without_counterpart, reject_unused, to_hf_tensors, unscanned_params,
-                            write_json, write_safetensors, write_tokenizer)
+from interop.common import (HFExportError, HFImportError, ParamPath, TensorName, built_without_parameters,
+                            fields_from_hf, fields_to_hf, linear_names, load_tensors, output_directory,
+                            read_hf_config, read_tensors, refuse_options_without_counterpart, reject_unused,
+                            to_hf_tensors, unscanned_params, write_json, write_safetensors, write_tokenizer)
 from interop.hf_gpt2 import OPTIONS_WITHOUT_HF, read_hf_tokenizer
 from models.gpt import GPT, GPT2Config
 
@@ -147,7 +147,7 @@ def import_decoder(hf_dir: str, config: GPT2Config, names: list[TensorName], *, 
   directory's tokenizer (or None); a tensor the model has no place for is an error (rotary
   inverse-frequency buffers some old checkpoints store are recomputed, not read)."""
   tensors = read_tensors(hf_dir)
-  model = GPT(config, rngs=rngs or nnx.Rngs(0))
+  model = built_without_parameters(lambda rngs: GPT(config, rngs=rngs), rngs or nnx.Rngs(0))
   used = load_tensors(model, tensors, names, hf_dir)
   ignored = ('.rotary_emb.inv_freq',) + (('lm_head.weight',) if config.tie_embeddings else ())
   reject_unused(sorted(k for k in tensors if k not in used and not k.endswith(ignored)), hf_dir)
