@@ -80,9 +80,9 @@ def randomize(model, seed=0, scale=0.1):
   near their init, where a tensor written under the wrong name could go unnoticed."""
   state = nnx.state(model, nnx.Param)
   leaves, treedef = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  nnx.update(model, jax.tree.unflatten(
-      treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+  rng = np.random.default_rng(seed)  # NumPy's draws: no random program compiled for each parameter shape
+  nnx.update(model, jax.tree.unflatten(treedef, [
+      support.placed_like(x, np.asarray(x) + (scale * rng.standard_normal(x.shape)).astype(x.dtype)) for x in leaves]))
 
 
 def shard_over_devices(model):
@@ -115,7 +115,7 @@ def test_launch_export_gpt2_loads_in_transformers_with_the_same_logits(gpt_run, 
   assert set(encoded) == {'input_ids', 'attention_mask'}  # GPT-2 would embed token_type_ids
   with torch.no_grad():
     theirs = model(**encoded).logits.numpy()
-  ours, _ = run.model(jnp.asarray(encoded['input_ids'].numpy()))
+  ours, _ = support.compiled_call(run.model, jnp.asarray(encoded['input_ids'].numpy()))
   assert run.model.token_embedding.embedding.shape[0] == 384  # 300 ids padded to a multiple of 128
   assert_close('GPT-2 logits (trained run, via launch.py)', support.real_logits(ours, 300), theirs, GPT_TERMS)
   assert model.config.n_positions == run.model.config.max_len and model.config.n_layer == 2
@@ -142,8 +142,9 @@ def test_scanned_sharded_gpt_exports_one_layer_per_block(corpus, tmp_path):
   tokens = np.random.default_rng(0).integers(0, run.model.config.vocab_size, (2, 24))
   with torch.no_grad():
     theirs = model(torch.tensor(tokens)).logits.numpy()
-  assert_close('GPT-2 logits (scan_layers, FSDP-sharded)',
-               support.real_logits(run.model(jnp.asarray(tokens))[0], run.model.config.vocab_size), theirs, GPT_TERMS)
+  ours = support.compiled_call(run.model, jnp.asarray(tokens))[0]
+  assert_close('GPT-2 logits (scan_layers, FSDP-sharded)', support.real_logits(ours, run.model.config.vocab_size), theirs,
+               GPT_TERMS)
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
   text = 'alpha beta.\n  gamma?'  # '?' is not in the corpus: <unk>
   ids = run.tokenizer.encode(text)
@@ -177,7 +178,7 @@ def test_bert_pretraining_run_exports_to_automodel_and_bert_for_pretraining(bert
     assert (encoded['input_ids'], encoded['token_type_ids']) == run.tokenizer.encode_pair(a, b)
   encoded, (tokens, segments, valid) = bert_inputs(tokenizer, PAIRS)
   assert not bool(valid.all())  # padding is part of what is compared
-  ours = nnx.jit(lambda m, *args: m(*args))(run.model, tokens, segments, valid)
+  ours = support.compiled_call(run.model, tokens, segments, valid)
   with torch.no_grad():
     encoder = transformers.AutoModel.from_pretrained(out).eval()(**encoded)
     pretraining = transformers.BertForPreTraining.from_pretrained(out).eval()(**encoded)
@@ -211,8 +212,8 @@ def test_bert_classifier_run_exports_with_label_names(tmp_path):
   encoded, (tokens, segments, valid) = bert_inputs(tokenizer, PAIRS)
   with torch.no_grad():
     theirs = model(**encoded).logits.numpy()
-  assert_close('BERT classifier logits (BertForSequenceClassification)', run.model(tokens, segments, valid), theirs,
-               BERT_TERMS)
+  assert_close('BERT classifier logits (BertForSequenceClassification)',
+               support.compiled_call(run.model, tokens, segments, valid), theirs, BERT_TERMS)
 
 
 def random_hf(cls, config, seed=0):

@@ -34,18 +34,21 @@ def hf_dirs(tmp_path_factory):
   from models.bert import BertConfig, BertForPretraining
   from models.gpt import GPT, GPT2Config
   root = tmp_path_factory.mktemp('hf')
+  # Any weights do: the models are built abstractly and valued by NumPy (no initialiser compiled).
+  gpt = lambda config: support.numpy_valued(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
   bpe = train_bpe([WORDS] * 4, vocab_size=300)
   sizes = dict(vocab_size=bpe.vocab_size, max_len=16, num_layers=1, num_heads=2, width=8)
-  export_gpt2(GPT(GPT2Config(**sizes), rngs=nnx.Rngs(0)), bpe, str(root / 'gpt2'))
-  export_llama(GPT(GPT2Config(**sizes, **LLAMA_STEPS, use_bias=False), rngs=nnx.Rngs(0)), bpe, str(root / 'llama'))
+  export_gpt2(gpt(GPT2Config(**sizes)), bpe, str(root / 'gpt2'))
+  export_llama(gpt(GPT2Config(**sizes, **LLAMA_STEPS, use_bias=False)), bpe, str(root / 'llama'))
   experts = dict(sizes, **LLAMA_STEPS, use_bias=False, moe_experts=3, moe_hidden=4)
-  export_moe(GPT(GPT2Config(**experts), rngs=nnx.Rngs(0)), bpe, str(root / 'mixtral'))
+  export_moe(gpt(GPT2Config(**experts)), bpe, str(root / 'mixtral'))
   # Experts in block 1 of 2 (decoder_sparse_step=2), QK-norm.
   qwen3_moe = GPT2Config(**{**experts, 'num_layers': 2}, moe_every=2, qk_norm=True)
-  export_moe(GPT(qwen3_moe, rngs=nnx.Rngs(0)), bpe, str(root / 'qwen3_moe'))
+  export_moe(gpt(qwen3_moe), bpe, str(root / 'qwen3_moe'))
   wordpiece = train_wordpiece([WORDS] * 4, vocab_size=100)
   bert = BertConfig(vocab_size=wordpiece.vocab_size, max_len=16, num_layers=1, num_heads=2, width=8, mlp_dim=16)
-  export_bert(BertForPretraining(bert, rngs=nnx.Rngs(0)), wordpiece, str(root / 'bert'))
+  export_bert(support.numpy_valued(nnx.eval_shape(lambda: BertForPretraining(bert, rngs=nnx.Rngs(0)))), wordpiece,
+              str(root / 'bert'))
   return {name: str(root / name) for name in ('gpt2', 'llama', 'mixtral', 'qwen3_moe', 'bert')}
 
 

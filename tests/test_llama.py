@@ -60,8 +60,10 @@ def test_rope_frequencies_are_transformers_and_the_rotation_matches_numpy():
   assert_close(ours, theirs.numpy(), terms=1)  # a float32 pow and a blend: torch and NumPy within an ulp or two
   # GPT-2 with only positions=rope: attention of block 0 against NumPy, with each feature pair
   # (x_i, x_{i + D/2}) a complex number turned by e^{i * position * inv_freq_i}.
-  model = GPT(GPT2Config(vocab_size=37, max_len=48, num_layers=1, num_heads=2, width=16, dropout=0.0,
-                         positions='rope'), rngs=nnx.Rngs(0))
+  # Any weights do (built abstractly, valued by NumPy: no random program compiled for each parameter shape).
+  model = support.numpy_valued(nnx.eval_shape(lambda: GPT(GPT2Config(
+      vocab_size=37, max_len=48, num_layers=1, num_heads=2, width=16, dropout=0.0, positions='rope'),
+      rngs=nnx.Rngs(0))))
   assert not hasattr(model, 'position_embedding')
   layer = model.blocks[0].self_attention
   x = np.random.default_rng(0).normal(size=(1, 7, 16)).astype(np.float32)
@@ -92,11 +94,13 @@ def test_grouped_query_attention_equals_attention_over_repeated_heads_on_each_pa
   q = jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(2, 9, 2, 8)), jnp.float32) for _ in range(2))
   mask = attention.AttentionMask(causal=True, q_offset=4, key_lengths=jnp.array([9, 7]))
-  repeated, weights = attention.dot_product_attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), mask)
+  # Compiled: one program per path, not each op on its own.
+  attend = jax.jit(attention.dot_product_attention, static_argnames='implementation')
+  repeated, weights = attend(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), mask)
   for implementation in ('xla', 'jax_nn'):
-    out, _ = attention.dot_product_attention(q, k, v, mask, implementation=implementation)
+    out, _ = attend(q, k, v, mask, implementation=implementation)
     assert_close(out, repeated, terms=8 + 2 * 9, err_msg=implementation)  # a head's dot product, 9 keys
-  _, grouped_weights = attention.dot_product_attention(q, k, v, mask)
+  _, grouped_weights = attend(q, k, v, mask)
   assert_close(grouped_weights, weights, terms=8 + 9)  # the einsum path's [B, H, Lq, Lk]
 
 
@@ -138,8 +142,8 @@ def test_stacked_projection_gradients_equal_autodiff_of_the_einsum():
   x, kernels = jax.random.normal(keys[0], (3, 5, 8)), jax.random.normal(keys[1], (8, 2, 6))
   cotangent = jax.random.normal(keys[2], (3, 5, 2, 6))
   loss = lambda project: lambda x, w: jnp.sum(project(x, w) * cotangent)
-  ours = jax.grad(loss(stacked_projection), (0, 1))(x, kernels)
-  autodiff = jax.grad(loss(lambda x, w: jnp.einsum('...e,ecf->...cf', x, w)), (0, 1))(x, kernels)
+  ours = jax.jit(jax.grad(loss(stacked_projection), (0, 1)))(x, kernels)  # compiled: one program, not op by op
+  autodiff = jax.jit(jax.grad(loss(lambda x, w: jnp.einsum('...e,ecf->...cf', x, w)), (0, 1)))(x, kernels)
   for a, b in zip(ours, autodiff):
     assert_close(a, b, terms=3 * 5)  # the kernels' gradient sums over 3 x 5 positions
 

@@ -39,6 +39,15 @@ def offline(monkeypatch):
   monkeypatch.setenv('HF_HUB_OFFLINE', '1')
 
 
+@pytest.fixture(autouse=True)
+def without_environment_report(monkeypatch):
+  """lm_eval.simple_evaluate adds a report of the environment to its results (torch's collect_env: a
+  `python -m pip list` and a dozen more subprocesses, ~0.6 s of CPU per call), which no test here reads:
+  in this process it is left out (a launch.py process still writes it)."""
+  from lm_eval import evaluator
+  monkeypatch.setattr(evaluator, 'add_env_info', lambda results: None)
+
+
 def task_texts() -> list[str]:
   from evals import harness
   return [open(os.path.join(harness.TASKS_DIR, f'{name}.jsonl')).read() for name in TASKS]
@@ -119,6 +128,20 @@ def scored(request, scoring):
   return scoring(request.param)
 
 
+@pytest.fixture(scope='module')
+def hf_backend():
+  """exported HF directory -> the harness's hf backend on it (`lm_eval --model hf`, one request at a time,
+  float32 on the CPU), loaded once."""
+  from lm_eval.models.huggingface import HFLM
+  loaded = {}
+
+  def backend(exported):
+    if exported not in loaded:
+      loaded[exported] = HFLM(pretrained=exported, device='cpu', dtype='float32', batch_size=1)
+    return loaded[exported]
+  return backend
+
+
 @pytest.mark.numerics
 def test_loglikelihoods_match_the_hf_backend_request_by_request(scored):
   run, _, ours, theirs = scored
@@ -159,15 +182,13 @@ def direct_requests(kind: str, arguments: list[tuple]) -> list:
 
 
 @pytest.mark.numerics
-def test_stop_strings_cut_generations_as_in_the_hf_backend(scored):
+def test_stop_strings_cut_generations_as_in_the_hf_backend(scored, hf_backend):
   """A stop string taken from the middle of a generation cuts it there in both backends (a batch of
   two prompts of different lengths, left-padded here)."""
-  from lm_eval.models.huggingface import HFLM
-
   from evals import harness
   run, exported, _, _ = scored
   ours = harness.RunLM(run=run, batch_size=2)
-  theirs = HFLM(pretrained=exported, device='cpu', dtype='float32', batch_size=1)
+  theirs = hf_backend(exported)
   prompt = 'def fibonacci(n):\n    a, b = 0, 1\n'
   free = {'until': [], 'max_gen_toks': 10, 'do_sample': False}
   [generated] = ours.generate_until(direct_requests('generate_until', [(prompt, free)]))
@@ -181,15 +202,13 @@ def test_stop_strings_cut_generations_as_in_the_hf_backend(scored):
 
 
 @pytest.mark.numerics
-def test_the_greedy_continuation_is_greedy_in_both_backends(scored):
+def test_the_greedy_continuation_is_greedy_in_both_backends(scored, hf_backend):
   """is_greedy of the tokens transformers' greedy search continues a context with: True here and in
   the hf backend; with its last token changed: False in both."""
-  from lm_eval.models.huggingface import HFLM
-
   from evals import harness
   run, exported, _, _ = scored
   ours = harness.RunLM(run=run, batch_size=2)
-  theirs = HFLM(pretrained=exported, device='cpu', dtype='float32', batch_size=1)
+  theirs = hf_backend(exported)
   context = ours.tok_encode('def add(a, b):\n')
   mask = torch.ones((1, len(context)), dtype=torch.long)
   with torch.no_grad():

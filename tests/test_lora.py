@@ -57,9 +57,9 @@ def randomize_adapters(model, seed=1, scale=0.3):
   """Adapters far from their start (B = 0), so that a misplaced A or B changes the logits."""
   state = nnx.state(model, nnx.LoRAParam)
   leaves, treedef = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  nnx.update(model, jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape, x.dtype)
-                                                 for x, k in zip(leaves, keys)]))
+  rng = np.random.default_rng(seed)  # NumPy's draws: no random program compiled for each adapter shape
+  nnx.update(model, jax.tree.unflatten(treedef, [
+      support.placed_like(x, (scale * rng.standard_normal(x.shape)).astype(x.dtype)) for x in leaves]))
 
 
 def peft_logits(base_dir, adapter_dir, tokens):
@@ -275,7 +275,8 @@ def test_a_bert_classifier_trains_adapters_and_its_new_head_and_exports_both_way
   assert all(np.abs(np.asarray(layer.lora.lora_b[...])).max() > 0 for layer in lora.adapted(run.model).values())
   tokens = np.random.default_rng(0).integers(104, run.model_config.vocab_size, (2, 12))  # words, no specials
   segments, valid = np.zeros_like(tokens), np.ones(tokens.shape, bool)
-  logits = lambda: np.asarray(run.model(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid)))
+  logits = lambda: np.asarray(support.compiled_call(run.model, jnp.asarray(tokens), jnp.asarray(segments),
+                                                     jnp.asarray(valid)))
   # Adapters far from their start, so that a misplaced A or B shows; the head stays as trained.
   trained = logits()
   randomize_adapters(run.model)
@@ -321,7 +322,7 @@ def test_a_bert_pretraining_model_with_adapters_on_every_projection_loads_in_pef
   rng = np.random.default_rng(0)
   tokens = rng.integers(104, hf.config.vocab_size, (2, 12))
   segments, valid = (np.arange(12) >= 6).astype(np.int64)[None].repeat(2, 0), np.ones(tokens.shape, bool)
-  out = model(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
+  out = support.compiled_call(model, jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(valid))
   ours = np.concatenate([support.real_logits(out.mlm_logits, hf.config.vocab_size).reshape(2, -1),
                          np.asarray(out.nsp_logits)], axis=-1)
 
@@ -363,7 +364,7 @@ def test_a_gpt2_lora_run_exports_a_peft_adapter_and_a_merged_model_with_its_logi
   assert summary['modules'] == 4
   run.export_hf(merged_dir)
   tokens = np.random.default_rng(0).integers(0, 300, (2, 24))
-  ours = support.real_logits(run.model(jnp.asarray(tokens))[0], 300)
+  ours = support.real_logits(support.compiled_call(run.model, jnp.asarray(tokens))[0], 300)
   base_logits = hf_logits(base_dir, tokens)
   assert np.abs(base_logits - ours).max() > 1e-2  # the adapters matter
   assert within_1e4('GPT-2 LoRA run, PEFT adapter on the base export', peft_logits(base_dir, adapter_dir, tokens), ours)
@@ -383,15 +384,16 @@ def test_a_scanned_llama_with_adapters_on_every_projection_loads_in_peft(tmp_pat
   base_dir, adapter_dir = str(tmp_path / 'base'), str(tmp_path / 'adapter')
   export_llama(model, bpe, base_dir)
   tokens = np.random.default_rng(0).integers(0, bpe.vocab_size, (2, 20))
-  before = support.real_logits(model(jnp.asarray(tokens))[0], bpe.vocab_size)
+  before = support.real_logits(support.compiled_call(model, jnp.asarray(tokens))[0], bpe.vocab_size)
   assert lora.add_adapters(model, tuple(lora.ALIASES), rank=2, alpha=3.0, dropout=0.0, rngs=nnx.Rngs(1)) == [
       f'blocks/{name}' for name in ('mlp/down', 'mlp/gate', 'mlp/up', 'self_attention/key', 'self_attention/out',
                                     'self_attention/query', 'self_attention/value')]
   assert model.blocks.mlp.gate.lora.lora_a.shape == (2, 32, 2)  # one adapter per layer, stacked
-  np.testing.assert_array_equal(support.real_logits(model(jnp.asarray(tokens))[0], bpe.vocab_size), before)
+  np.testing.assert_array_equal(support.real_logits(support.compiled_call(model, jnp.asarray(tokens))[0],
+                                                    bpe.vocab_size), before)
   randomize_adapters(model)
   export_gpt_adapter(model, adapter_dir, rank=2, alpha=3.0, dropout=0.0)
-  ours = support.real_logits(model(jnp.asarray(tokens))[0], bpe.vocab_size)
+  ours = support.real_logits(support.compiled_call(model, jnp.asarray(tokens))[0], bpe.vocab_size)
   assert np.abs(hf_logits(base_dir, tokens) - ours).max() > 1e-2
   assert within_1e4('scanned Llama-style GPT, PEFT adapter on the base export',
                     peft_logits(base_dir, adapter_dir, tokens), ours)
