@@ -87,12 +87,17 @@ def test_eos_stops_a_row_and_pads_after_it():
 def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
   logits = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
   keys = jax.random.split(jax.random.key(0), 2000)
-  draw = lambda **kw: np.asarray(jax.vmap(lambda k: decoding.sample_logits(logits, k, **kw)[0])(keys[:400]))
-  assert set(draw(top_k=2)) == {1, 3}
+  draw = lambda keys, **kw: jax.vmap(lambda k: decoding.sample_logits(logits, k, **kw)[0])(keys)
+
+  @jax.jit  # the four samplers as one program: eagerly, each op of each compiles on its own
+  def draws(keys):
+    return draw(keys[:400], top_k=2), draw(keys[:400], top_p=0.8), draw(keys[:400], temperature=0.0), draw(keys)
+
+  top_k, top_p, greedy, samples = (np.asarray(x) for x in draws(keys))
+  assert set(top_k) == {1, 3}
   # Nucleus 0.8: 0.4 + 0.3 = 0.7 < 0.8, so the next token (0.15) completes it.
-  assert set(draw(top_p=0.8)) == {1, 3, 4}
-  assert set(draw(temperature=0.0)) == {1}
-  samples = np.asarray(jax.vmap(lambda k: decoding.sample_logits(logits, k)[0])(keys))
+  assert set(top_p) == {1, 3, 4}
+  assert set(greedy) == {1}
   # Sampling noise, not rounding: 2,000 draws put each frequency within ~4 standard errors
   # (sqrt(p (1 - p) / 2000) <= 0.011) of its probability.
   np.testing.assert_allclose(np.bincount(samples, minlength=5) / len(keys), [0.05, 0.4, 0.1, 0.3, 0.15], atol=0.04)
@@ -128,7 +133,7 @@ def test_hf_gpt2_import_matches_transformers_logits(hf_gpt2_dir, tmp_path):
   tokens = np.random.default_rng(0).integers(0, hf_model.config.vocab_size, (2, 20))
   with torch.no_grad():
     expected = hf_model(torch.tensor(tokens)).logits.numpy()
-  logits, _ = run.model(jnp.asarray(tokens))
+  logits, _ = support.compiled_call(run.model, jnp.asarray(tokens))
   assert_close(support.real_logits(logits, hf_model.config.vocab_size), expected, terms=transformer_terms(2, 32, 128, 20))
   from transformers import PreTrainedTokenizerFast
   hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(directory, 'tokenizer.json'))
