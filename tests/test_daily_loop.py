@@ -45,13 +45,20 @@ def logged(workdir, key, step):
   return next(m[key] for m in metrics(workdir) if m['step'] == step and key in m)
 
 
-def test_early_stopping_ends_the_run_and_the_final_evaluation_scores_the_best_checkpoint(corpus, tmp_path):
-  workdir = str(tmp_path / 'run')
+@pytest.fixture(scope='module')
+def early_stopped_run(corpus, tmp_path_factory):
+  """(workdir, results) of a run stopped early at step 15, its best checkpoint step 5's: the early stopping test's,
+  and the run the predict test decodes from (what it checks holds for any trained run)."""
+  workdir = str(tmp_path_factory.mktemp('early_stopped') / 'run')
   # best_mode=max on a falling eval loss: the first evaluation (step 5) stays the best. eval_steps=0:
   # every evaluation scores the whole split (56 windows: 7 batches of 8).
   config = tiny(corpus, **{'train.steps': 40, 'train.eval_every': 5, 'train.checkpoint_every': 100,
                            'train.best_mode': 'max', 'train.early_stopping_patience': 2, 'train.eval_steps': 0})
-  results = train_and_evaluate(config, workdir)
+  return workdir, train_and_evaluate(config, workdir)
+
+
+def test_early_stopping_ends_the_run_and_the_final_evaluation_scores_the_best_checkpoint(early_stopped_run):
+  workdir, results = early_stopped_run
   assert results['step'] == 15 and 'early stopping' in results['stopped'], results
   assert results['final_eval_step'] == 5
   assert sorted(ckpt.Checkpointer(workdir, read_only=True).manager.all_steps()) == [5, 10, 15]
@@ -272,9 +279,8 @@ def test_wandb_offline_run_holds_the_logged_metrics(corpus, tmp_path, monkeypatc
     assert_close(history[step][key], logged(workdir, key, step), terms=1)  # the same number, as W&B stores it
 
 
-def test_predict_says_when_an_input_is_cut_to_the_window(corpus, tmp_path):
-  workdir = str(tmp_path / 'run')
-  train_and_evaluate(tiny(corpus, **{'train.steps': 2}), workdir)
+def test_predict_says_when_an_input_is_cut_to_the_window(early_stopped_run, tmp_path):
+  workdir, _ = early_stopped_run  # predicting writes nothing into the run
   lines = tmp_path / 'lines.txt'
   lines.write_text('alpha beta\n' + 'gamma ' * 2000 + '\n')
   output = tmp_path / 'new' / 'folder' / 'outputs.jsonl'  # its directory is made before the decoding

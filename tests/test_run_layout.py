@@ -1,6 +1,7 @@
 """One-way data flow: `Task.prepare` never writes into the config, runs save what was built
 (model.json) beside what was asked (config.json), and runs saved in older layouts (before
 model.json existed, or in its older schemas) still reload, evaluate and predict."""
+import contextlib
 import json
 import os
 import shutil
@@ -67,6 +68,23 @@ def test_prepare_never_writes_into_the_config(spec, tmp_path):
   assert prepared.model_config.__dataclass_params__.frozen
 
 
+@contextlib.contextmanager
+def restores_recorded():
+  """A list that gets what each `restored_setup` that evaluate_run (--mode=eval) calls returns: (setup, state,
+  step). A test checks the setup and state it evaluated instead of restoring the run a second time."""
+  from train import trainer
+  real, restores = trainer.restored_setup, []
+
+  def recorded(*args, **kwargs):
+    restores.append(real(*args, **kwargs))
+    return restores[-1]
+  trainer.restored_setup = recorded
+  try:
+    yield restores
+  finally:
+    trainer.restored_setup = real
+
+
 def legacy_copy(name, tmp_path):
   workdir = str(tmp_path / name)
   shutil.copytree(os.path.join(FIXTURES, name), workdir)
@@ -99,8 +117,9 @@ def test_a_gpt_run_saved_before_model_json_reloads_evaluates_and_predicts(tmp_pa
   # training's evaluations did. The stdlib's split is ~100k windows (~15 s here): a small held-out
   # corpus in its place, `--mode=eval --config.data.eval_source=...` (at least 3 batches of 8 windows).
   held_out = {'data.eval_source': support.write_corpus(str(tmp_path / 'eval'), files=1, lines=40)}
-  results = evaluate_run(workdir, held_out)
-  held_out_setup, held_out_state, _ = restored_setup(workdir, held_out)
+  with restores_recorded() as restores:  # the setup and state --mode=eval restored: restored once, not twice
+    results = evaluate_run(workdir, held_out)
+  [(held_out_setup, held_out_state, _)] = restores
   with use_mesh(held_out_setup.mesh):
     two_batches = evaluate_loss(held_out_setup, held_out_state, held_out_setup.config.train.eval_steps)
     every_window = evaluate_loss(held_out_setup, held_out_state)
@@ -161,10 +180,11 @@ def test_a_restored_run_evaluates_to_the_last_digit_as_after_training(spec, tmp_
                        eval_source=support.write_corpus(str(tmp_path / 'eval'), files=1))
   workdir = str(tmp_path / 'run')
   trained = train_and_evaluate(config, workdir)
-  setup, _, _ = restored_setup(workdir)
+  with restores_recorded() as restores:
+    restored = evaluate_run(workdir)
+  [(setup, _, _)] = restores  # the task --mode=eval built
   with pytest.raises(AttributeError, match='is a value'):
     setup.task.prepared = None
-  restored = evaluate_run(workdir)
   numbers = lambda results: {k: v for k, v in results.items()
                              if isinstance(v, float) and k.startswith(('eval/', 'test/'))}
   assert numbers(trained) and numbers(restored) == numbers(trained)

@@ -27,7 +27,7 @@ ONE_BLOCK = {'model.num_layers': 1}
 STEP_TERMS = transformer_terms(1, 32, 4 * 32, 32, vocab=32, positions=8 * 32)
 # The runs compared across meshes and across a SIGTERM: dropout makes the PRNG streams part of every match
 # (threefry draws the same bits under any sharding), and a constant rate after the warmup keeps the train
-# step independent of train.steps: the SIGTERM test's three launches run the one-device run's programs.
+# step independent of train.steps (the runs share their programs).
 COMPARED = {**ONE_BLOCK, 'model.dropout': 0.1, 'train.schedule': 'constant'}
 
 
@@ -112,35 +112,34 @@ def test_run_trained_on_eight_devices_reloads_on_one(fsdp_run, tmp_path):
   assert predicted['step'] == 20 and len(continuation) > 0
 
 
-def test_sigterm_saves_exits_zero_and_resumes_to_identical_results(corpus, tmp_path):
-  # 40 steps: the signal is sent at step 10, ~30 steps before the end, and the resume passes an evaluation and a
-  # checkpoint (step 20) before the last step's; dropout (COMPARED) makes the PRNG state part of the match.
-  overrides = {'data.source': corpus, 'mesh.data': 1, 'train.steps': 40, 'train.eval_every': 20,
-               'train.checkpoint_every': 20, 'train.log_every': 1, **COMPARED}
+def test_sigterm_saves_exits_zero_and_resumes_to_identical_results(single_device_run, corpus, tmp_path):
+  # The uninterrupted run is single_device_run (20 steps, evaluations and checkpoints at steps 10 and 20), launched
+  # as these are. The signal is sent at step 3, well before step 10, so that the resume passes an evaluation and
+  # a checkpoint (step 10) before the last step's; dropout (COMPARED) makes the PRNG state part of the match.
+  straight_dir, straight = single_device_run
+  overrides = {'data.source': corpus, 'mesh.data': 1, 'train.log_every': 1, **COMPARED}
   args = ['--config=configs/gpt.py:tiny', *support.override_args(overrides)]
-  straight = support.launch(args + [f'--workdir={tmp_path}/straight'], devices=1)
-  assert straight.returncode == 0, straight.stderr[-3000:]
 
   workdir = f'{tmp_path}/interrupted'
   process = support.launch(args + [f'--workdir={workdir}'], devices=1, background=True, start_new_session=True)
   metrics_file = os.path.join(workdir, 'metrics.jsonl')
   deadline = time.time() + 240
   while time.time() < deadline:
-    if os.path.exists(metrics_file) and any(json.loads(l)['step'] >= 10 for l in open(metrics_file)):
+    if os.path.exists(metrics_file) and any(json.loads(l)['step'] >= 3 for l in open(metrics_file)):
       break
     time.sleep(0.05)
   process.send_signal(signal.SIGTERM)
   stdout, stderr = process.communicate(timeout=240)
   assert process.returncode == 0, stderr[-3000:]
   stopped_at = ckpt.Checkpointer(workdir, read_only=True).latest_step()
-  assert 10 <= stopped_at < 40, stopped_at
+  assert 3 <= stopped_at < 20, stopped_at
   assert 'SIGTERM' in stdout + stderr
 
   resumed = support.launch(args + [f'--workdir={workdir}'], devices=1)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f'Resumed from the checkpoint at step {stopped_at}' in resumed.stdout + resumed.stderr
-  assert support.last_json(resumed.stdout)['eval/loss'] == support.last_json(straight.stdout)['eval/loss']
-  a, b = load_run(f'{tmp_path}/straight'), load_run(workdir)
+  assert support.last_json(resumed.stdout)['eval/loss'] == straight['eval/loss']
+  a, b = load_run(straight_dir), load_run(workdir)
   from flax import nnx
   for x, y in zip(jax.tree.leaves(nnx.state(a.model)), jax.tree.leaves(nnx.state(b.model))):
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
