@@ -7,8 +7,8 @@ import os
 
 import jax
 import numpy as np
+import optax
 import pytest
-from flax import nnx
 
 import support
 from numerics import assert_close, assert_trees_close, transformer_terms
@@ -24,6 +24,9 @@ WIDTH, EXPERT_WIDTH, EXPERTS, TOP_K = 32, 80, 8, 2  # [N, E, H] experts large en
 MOE = {'model.moe_experts': EXPERTS, 'model.moe_top_k': TOP_K, 'model.moe_hidden': EXPERT_WIDTH,
        'model.mlp': 'swiglu', 'model.dropout': 0.0}
 EXPERT_PARALLEL = {'mesh.data': 2, 'mesh.expert': 4}
+# fsdp and tensor beside the expert axis: the experts' matrices gathered over fsdp into the exchange, the
+# tokens' copies on the tensor axis computing alike.
+BESIDE_FSDP_AND_TENSOR = {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 2, 'mesh.tensor': 2}
 ONE_DEVICE = {'mesh.data': 1}
 STEPS = 3
 # The character vocabulary of `corpus` (4 specials, 20 letters, space, '.', newline), and STEPS steps in
@@ -50,26 +53,30 @@ def batches(config, count: int) -> list[dict[str, np.ndarray]]:
 
 def train_steps(config, devices) -> tuple[dict, list[dict[str, float]]]:
   """The trainer's compiled step run on `batches` over `config.mesh` on `devices`, from the seed's
-  initialisation: (the gradients of the first batch's loss at that initialisation, as numpy; each
-  step's loss and gradient norm)."""
+  initialisation: (the gradients the first step computed, as numpy; each step's loss and gradient norm)."""
   task = bench.bench_task(config)
   mesh = sharding.make_mesh(config.mesh, devices)
   tx, _ = make_optimizer(config.train)
   spec = state_lib.state_spec(task.build_model, mesh, state_lib.resolve_rng_impl(config.rng_impl), tx)
   state = state_lib.init_state(spec, task.build_model, tx, config.seed)
-
-  def loss(params, extra, batch):
-    return task.loss(nnx.merge(spec.graphdef, params, extra, copy=True), batch, deterministic=False)[0]
-
   scalars = []
   with sharding.use_mesh(mesh):
-    inputs = [sharding.global_batch(batch, mesh) for batch in batches(config, STEPS)]
-    gradients = jax.device_get(jax.jit(jax.grad(loss))(state.params, state.extra, inputs[0]))
     step = jit_train_step(task, spec, tx, config.train.grad_accum)
-    for batch in inputs:
-      state, (values, _) = step(state, batch)
+    for batch in batches(config, STEPS):
+      state, (values, _) = step(state, sharding.global_batch(batch, mesh))
       scalars.append({name: float(values[name]) for name in ('loss', 'grad_norm')})
+      if len(scalars) == 1:  # read before the next step, which is given (donated) this state
+        gradients = first_gradients(state.opt_state, config.train, scalars[0]['grad_norm'])
   return gradients, scalars
+
+
+def first_gradients(opt_state, train_config, grad_norm: float) -> dict:
+  """The gradients of the first step, read from AdamW's first moment after it (no program of their own):
+  mu = (1 - b1) g, of g clipped to norm train.grad_clip (optax.clip_by_global_norm divides by the norm)."""
+  adam, = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+           if isinstance(s, optax.ScaleByAdamState)]
+  unclipped = max(1.0, grad_norm / train_config.grad_clip) if train_config.grad_clip else 1.0
+  return jax.tree.map(lambda mu: np.asarray(mu, np.float64) / (1 - train_config.b1) * unclipped, jax.device_get(adam.mu))
 
 
 def test_routing_splits_by_batch_and_chooses_as_top_k():
@@ -93,9 +100,7 @@ def one_device():
   return train_steps(moe_config(ONE_DEVICE), jax.devices()[:1])
 
 
-# (data 2, expert 4); and fsdp and tensor beside the expert axis: the experts' matrices gathered over
-# fsdp into the exchange, the tokens' copies on the tensor axis computing alike.
-@pytest.mark.parametrize('mesh', [EXPERT_PARALLEL, {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 2, 'mesh.tensor': 2}],
+@pytest.mark.parametrize('mesh', [EXPERT_PARALLEL, BESIDE_FSDP_AND_TENSOR],
                          ids=['data=2,expert=4', 'fsdp=2,expert=2,tensor=2'])
 def test_three_steps_on_an_expert_parallel_mesh_equal_one_device(one_device, mesh):
   # The experts' outputs start small beside the residual stream (GPT-2's initialisation), so the
@@ -148,10 +153,12 @@ def train_losses(workdir: str) -> dict[int, float]:
 def test_a_run_saved_on_data_2_expert_4_resumes_on_another_mesh(corpus, tmp_path, capsys):
   straight = str(tmp_path / 'straight')
   train_and_evaluate(run_config(corpus, EXPERT_PARALLEL), straight)
-  # fsdp=2 x expert=4: each expert's matrices split in two as well, on other devices.
+  # fsdp=2 x expert=2 x tensor=2: each device holds another half of the experts, each expert's matrices
+  # split in two as well. The mesh of test_three_steps_on_an_expert_parallel_mesh_equal_one_device's
+  # second case: its programs come from the persistent compilation cache.
   resumed = support.copy_run_back_to(straight, 2, str(tmp_path / 'resumed'))
   capsys.readouterr()
-  results = train_and_evaluate(run_config(corpus, {'mesh.data': 1, 'mesh.fsdp': 2, 'mesh.expert': 4}), resumed)
+  results = train_and_evaluate(run_config(corpus, BESIDE_FSDP_AND_TENSOR), resumed)
   assert 'Resumed from the checkpoint at step 2' in capsys.readouterr().out
   assert results['step'] == 3
   assert_close(train_losses(resumed)[3], train_losses(straight)[3], terms=3 * STEP_TERMS)

@@ -4,6 +4,7 @@ References: Hugging Face's MarianMT (the same post-LN encoder-decoder) for the l
 paper's parameter counts, and the model's own teacher-forced forward pass for cached decoding,
 masking and the scores that beam search reports.
 """
+import copy
 import dataclasses
 import functools
 
@@ -175,7 +176,9 @@ def log_softmax_forward(model, source, target_in):
 def teacher_forced_logprob(model, source, tokens):
   """Per row: sum of log p(token) over the tokens up to EOS, from one uncached forward pass."""
   rows = [row + [EOS] for row in decoding.strip(tokens, EOS)]
-  target_in = np.full((len(rows), max(map(len, rows))), PAD, np.int32)
+  # As wide as the decoded [B, T_max] (+ 1), not the longest row: greedy and beam outputs share one
+  # program (the decoder is causal: columns after a row's end change none of its log-probabilities).
+  target_in = np.full((len(rows), np.shape(tokens)[1] + 1), PAD, np.int32)
   for r, row in enumerate(rows):
     target_in[r, :len(row)] = [BOS] + row[:-1]
   logprobs = np.asarray(log_softmax_forward(model, source, jnp.asarray(target_in)))
@@ -400,7 +403,11 @@ def test_packed_training_resumes_bit_exactly_and_reports_real_tokens(trained, tm
   from train import trainer
   config, straight, _ = trained
   resumed = support.copy_run_back_to(straight, 2, str(tmp_path / 'resumed'))  # the packer's position too
-  trainer.train_and_evaluate(config, resumed)
+  # Its final evaluation scores and decodes one example (the parameters are what is compared; the
+  # straight run's evaluation is read by test_train_evaluate_predict_on_a_tsv_corpus).
+  resumed_config = copy.deepcopy(config)
+  resumed_config.train.update(final_eval_examples=1, final_decode_examples=1)
+  trainer.train_and_evaluate(resumed_config, resumed)
   a, b = (nnx.state(load_run(workdir).model, nnx.Param) for workdir in (straight, resumed))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
