@@ -246,6 +246,13 @@ def imported_run(hf_llama, tmp_path_factory):
   return workdir
 
 
+@pytest.fixture(scope='module')
+def loaded_run(imported_run):
+  """`load_run(imported_run)`, reloaded once for the tests that read it (none changes its model)."""
+  from train.rundir import load_run
+  return load_run(imported_run)
+
+
 def test_import_with_another_family_config_is_a_one_line_error(hf_llama, tmp_path):
   directory, _ = hf_llama
   result = support.launch(['--config=configs/bert.py:tiny', '--mode=import_hf', f'--hf_dir={directory}',
@@ -257,10 +264,9 @@ def test_import_with_another_family_config_is_a_one_line_error(hf_llama, tmp_pat
   assert not os.path.exists(tmp_path / 'run')
 
 
-def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_llama, imported_run):
-  from train.rundir import load_run
+def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_llama, loaded_run):
   _, hf_model = hf_llama
-  run = load_run(imported_run)
+  run = loaded_run
   assert run.config.family == 'gpt' and run.model.config.kv_heads == 2 and not run.model.config.tie_embeddings
   # config.json describes the checkpoint (not the `llama` preset the import started from).
   assert (run.config.model.num_kv_heads, run.config.model.width, run.config.model.rope_scaling) == (2, 32, 'llama3')
@@ -281,13 +287,11 @@ def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_lla
   np.testing.assert_array_equal(out, expected)
 
 
-def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, imported_run, tmp_path):
+def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, loaded_run, tmp_path):
   from safetensors import safe_open
-
-  from train.rundir import load_run
   directory, hf_model = hf_llama
   out = str(tmp_path / 'hf')
-  assert load_run(imported_run).export_hf(out)['architecture'] == 'LlamaForCausalLM'
+  assert loaded_run.export_hf(out)['architecture'] == 'LlamaForCausalLM'
   tensors = []
   for source in (directory, out):
     with safe_open(os.path.join(source, 'model.safetensors'), 'np') as f:
