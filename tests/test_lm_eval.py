@@ -222,7 +222,7 @@ def test_the_greedy_continuation_is_greedy_in_both_backends(scored, hf_backend):
 
 
 @pytest.mark.numerics
-def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(scored):
+def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(scored, hf_backend):
   """40 requests of 40 lengths (up to past the window) in batches of 4: one program per length
   bucket (16, 32 positions) and one for a partial batch at most; each score is that of the request
   alone, unpadded, in transformers."""
@@ -235,7 +235,7 @@ def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(sc
   before = compilation.compiled('token_scores')
   scores = lm._loglikelihood_tokens(requests)
   assert compilation.compiled('token_scores') - before <= 3
-  reference = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+  reference = hf_backend(exported).model.eval()  # the exported directory in transformers, loaded once
   for (_, context, continuation), (logprob, greedy) in zip(requests, scores):
     window = (context + continuation)[-(MAX_LEN + 1):]
     with torch.no_grad():
