@@ -91,11 +91,17 @@ def imported_run(hf_moe, tmp_path_factory):
   return workdir
 
 
-def test_imported_moe_matches_transformers_logits_and_greedy_generation(hf_moe, imported_run):
-  from models.gpt import generate
+@pytest.fixture(scope='module')
+def loaded_run(imported_run):
+  """`load_run(imported_run)`, reloaded once for the tests that read it (none changes its model)."""
   from train.rundir import load_run
+  return load_run(imported_run)
+
+
+def test_imported_moe_matches_transformers_logits_and_greedy_generation(hf_moe, loaded_run):
+  from models.gpt import generate
   model_type, _, hf_model = hf_moe
-  run = load_run(imported_run)
+  run = loaded_run
   assert run.config.family == 'gpt'
   assert {key: run.config.model[key] for key in FIELDS[model_type]} == FIELDS[model_type]
   vocab = hf_model.config.vocab_size
@@ -115,13 +121,11 @@ def test_imported_moe_matches_transformers_logits_and_greedy_generation(hf_moe, 
   np.testing.assert_array_equal(out, expected)
 
 
-def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_moe, imported_run, tmp_path):
+def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_moe, loaded_run, tmp_path):
   from safetensors import safe_open
-
-  from train.rundir import load_run
   model_type, directory, hf_model = hf_moe
   out = str(tmp_path / 'hf')
-  summary = load_run(imported_run).export_hf(out)
+  summary = loaded_run.export_hf(out)
   assert summary['architecture'] == ARCHITECTURES[model_type]
   assert summary['parameters'] == sum(p.numel() for p in hf_model.parameters())
   tensors = []

@@ -44,11 +44,16 @@ def max_difference(ours, theirs) -> float:
   return float(np.max(np.abs(np.asarray(ours, np.float64) - np.asarray(theirs, np.float64))))
 
 
+def tiny_llama_config(**overrides) -> GPT2Config:
+  return GPT2Config(**{**dict(vocab_size=37, max_len=48, num_layers=2, num_heads=4, num_kv_heads=2, width=32,
+                              mlp_hidden=40, dropout=0.0, rope_scaling='llama3', rope_original_max_len=16,
+                              rope_theta=500000.0), **LLAMA_STEPS, **overrides})
+
+
 def tiny_llama(seed=0, **overrides):
-  config = GPT2Config(**{**dict(vocab_size=37, max_len=48, num_layers=2, num_heads=4, num_kv_heads=2, width=32,
-                                mlp_hidden=40, dropout=0.0, rope_scaling='llama3', rope_original_max_len=16,
-                                rope_theta=500000.0), **LLAMA_STEPS, **overrides})
-  return GPT(config, rngs=nnx.Rngs(seed))
+  """The tiny Llama-style GPT with any weights (the tests here hold for every value): built abstractly and
+  valued by NumPy from `seed`, no random program compiled for each parameter shape."""
+  return support.numpy_valued(nnx.eval_shape(lambda: GPT(tiny_llama_config(**overrides), rngs=nnx.Rngs(seed))), seed)
 
 
 # ------------------------------------------------------------------------------------ each step alone
@@ -201,7 +206,8 @@ def test_bad_llama_options_are_one_line_config_errors(override, message):
 def test_tensor_parallelism_splits_key_value_projections_by_whole_heads():
   from train import sharding
   mesh = sharding.make_mesh({'data': 1, 'fsdp': 2, 'tensor': 4})
-  counts = sharding.kv_head_counts(nnx.eval_shape(lambda: tiny_llama(width=256, num_kv_heads=2)))
+  counts = sharding.kv_head_counts(nnx.eval_shape(lambda: GPT(tiny_llama_config(width=256, num_kv_heads=2),
+                                                                 rngs=nnx.Rngs(0))))
   assert counts == {'blocks/0/self_attention': 2, 'blocks/1/self_attention': 2}
   spec = lambda path, heads: sharding.partition_spec(path, (256, 128), mesh, heads)
   assert spec('params/blocks/0/self_attention/key/kernel', counts) == P('fsdp', None)  # 2 heads over 4: whole
@@ -240,6 +246,13 @@ def imported_run(hf_llama, tmp_path_factory):
   return workdir
 
 
+@pytest.fixture(scope='module')
+def loaded_run(imported_run):
+  """`load_run(imported_run)`, reloaded once for the tests that read it (none changes its model)."""
+  from train.rundir import load_run
+  return load_run(imported_run)
+
+
 def test_import_with_another_family_config_is_a_one_line_error(hf_llama, tmp_path):
   directory, _ = hf_llama
   result = support.launch(['--config=configs/bert.py:tiny', '--mode=import_hf', f'--hf_dir={directory}',
@@ -251,10 +264,9 @@ def test_import_with_another_family_config_is_a_one_line_error(hf_llama, tmp_pat
   assert not os.path.exists(tmp_path / 'run')
 
 
-def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_llama, imported_run):
-  from train.rundir import load_run
+def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_llama, loaded_run):
   _, hf_model = hf_llama
-  run = load_run(imported_run)
+  run = loaded_run
   assert run.config.family == 'gpt' and run.model.config.kv_heads == 2 and not run.model.config.tie_embeddings
   # config.json describes the checkpoint (not the `llama` preset the import started from).
   assert (run.config.model.num_kv_heads, run.config.model.width, run.config.model.rope_scaling) == (2, 32, 'llama3')
@@ -275,13 +287,11 @@ def test_imported_llama_matches_transformers_logits_and_greedy_generation(hf_lla
   np.testing.assert_array_equal(out, expected)
 
 
-def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, imported_run, tmp_path):
+def test_import_then_export_is_the_identity_and_loads_in_transformers(hf_llama, loaded_run, tmp_path):
   from safetensors import safe_open
-
-  from train.rundir import load_run
   directory, hf_model = hf_llama
   out = str(tmp_path / 'hf')
-  assert load_run(imported_run).export_hf(out)['architecture'] == 'LlamaForCausalLM'
+  assert loaded_run.export_hf(out)['architecture'] == 'LlamaForCausalLM'
   tensors = []
   for source in (directory, out):
     with safe_open(os.path.join(source, 'model.safetensors'), 'np') as f:

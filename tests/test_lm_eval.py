@@ -222,7 +222,7 @@ def test_the_greedy_continuation_is_greedy_in_both_backends(scored, hf_backend):
 
 
 @pytest.mark.numerics
-def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(scored):
+def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(scored, hf_backend):
   """40 requests of 40 lengths (up to past the window) in batches of 4: one program per length
   bucket (16, 32 positions) and one for a partial batch at most; each score is that of the request
   alone, unpadded, in transformers."""
@@ -235,7 +235,7 @@ def test_many_request_lengths_compile_a_few_programs_with_the_unpadded_scores(sc
   before = compilation.compiled('token_scores')
   scores = lm._loglikelihood_tokens(requests)
   assert compilation.compiled('token_scores') - before <= 3
-  reference = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+  reference = hf_backend(exported).model.eval()  # the exported directory in transformers, loaded once
   for (_, context, continuation), (logprob, greedy) in zip(requests, scores):
     window = (context + continuation)[-(MAX_LEN + 1):]
     with torch.no_grad():
@@ -344,12 +344,13 @@ def task_corpus(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def trained_with_tasks(tmp_path_factory, task_corpus):
-  """A tiny GPT trained 20 steps, evaluated every 5 and scoring the tasks every 10, whose best
+  """A tiny GPT trained 4 steps, evaluated every step and scoring the tasks (and saving) every 2, whose best
   checkpoint is the one of the worst bits per byte (best_mode=max: not the last step, as a rule):
   (its workdir, its result line, {evaluated step: the tasks/... it logged})."""
   workdir = str(tmp_path_factory.mktemp('tasks') / 'run')
-  config = with_tasks(task_corpus, **{'train.steps': 20, 'train.best_metric': SCORED, 'train.best_mode': 'max',
-                                      'train.target': f'{SCORED}<=1e9'})
+  config = with_tasks(task_corpus, **{'train.steps': 4, 'train.eval_every': 1, 'train.eval_tasks_every': 2,
+                                      'train.checkpoint_every': 2, 'train.log_every': 1, 'train.best_metric': SCORED,
+                                      'train.best_mode': 'max', 'train.target': f'{SCORED}<=1e9'})
   with pytest.MonkeyPatch.context() as patch:
     patch.setenv('HF_DATASETS_OFFLINE', '1')
     results = train_with_tasks(config, workdir)
@@ -368,13 +369,13 @@ def test_tasks_scored_during_training_equal_lm_eval_of_the_same_checkpoint(train
   from evals import runner
   from evals.during_training import task_metrics
   workdir, results, scored = trained_with_tasks
-  assert sorted(scored) == [5, 10, 15, 20] and not scored[5] and not scored[15]
-  assert sorted(scored[10]) == sorted(scored[20]) == LOGGED
-  assert results['final_eval_step'] == max((10, 20), key=lambda step: scored[step][SCORED])
-  assert (results['target/met'], results['target/step']) == (True, 10)
+  assert sorted(scored) == [1, 2, 3, 4] and not scored[1] and not scored[3]
+  assert sorted(scored[2]) == sorted(scored[4]) == LOGGED
+  assert results['final_eval_step'] == max((2, 4), key=lambda step: scored[step][SCORED])
+  assert (results['target/met'], results['target/step']) == (True, 2)
   separate = runner.evaluate_run(workdir, TRAINING_TASKS.split(','), limit=3, batch_size=2,
                                  config_overrides={'train.final_eval_from': 'last'})
-  assert separate['step'] == 20
+  assert separate['step'] == 4
   assert separate['results']['python_choice']['sample_len'] == 3
   logged = task_metrics(separate['results'])
   assert sorted(logged) == LOGGED
@@ -385,9 +386,9 @@ def test_tasks_scored_during_training_equal_lm_eval_of_the_same_checkpoint(train
   # checked request by request against the hf backend above).
   accuracies = [name for name in LOGGED if name.startswith('tasks/python_choice/')]
   continuous = [name for name in LOGGED if name not in accuracies]
-  np.testing.assert_allclose([scored[20][name] for name in continuous], [logged[name] for name in continuous],
+  np.testing.assert_allclose([scored[4][name] for name in continuous], [logged[name] for name in continuous],
                              rtol=1e-5)
-  np.testing.assert_allclose([scored[20][name] for name in accuracies], [logged[name] for name in accuracies],
+  np.testing.assert_allclose([scored[4][name] for name in accuracies], [logged[name] for name in accuracies],
                              atol=1 / 3 + 1e-9)
 
 

@@ -142,14 +142,28 @@ def lora_run(corpus, base_run, tmp_path_factory):
   return workdir
 
 
-def test_gpt_fine_tuning_starts_from_its_base_run_model_tokenizer_and_weights(corpus, base_run, tmp_path):
-  from train import state as state_lib
+@pytest.fixture(scope='module')
+def loaded_base(base_run):
+  """`load_run(base_run)`, reloaded once for the tests that read it (none changes it)."""
   from train.rundir import load_run
+  return load_run(base_run)
+
+
+@pytest.fixture(scope='module')
+def loaded_lora(lora_run):
+  """`load_run(lora_run)` (its base weights rebuilt from the base run: an initialiser compiled), reloaded once;
+  a test that changes its model changes a clone (`nnx.clone`)."""
+  from train.rundir import load_run
+  return load_run(lora_run)
+
+
+def test_gpt_fine_tuning_starts_from_its_base_run_model_tokenizer_and_weights(corpus, base_run, loaded_base, tmp_path):
+  from train import state as state_lib
   from train.trainer import fresh_state, setup_run
   # Full fine-tuning (no lora_rank) asking for another width: the base run's model is what it gets.
   config = support.tiny_gpt_config(corpus, **{**BASE, 'init_from': base_run, 'model.width': 64})
   setup = setup_run(config, str(tmp_path / 'run'))
-  base = load_run(base_run)
+  base = loaded_base
   assert setup.task.model_config == base.model_config and setup.task.tokenizer.vocab_size == 300
   with open(os.path.join(base_run, 'tokenizer.json')) as f, open(tmp_path / 'run' / 'tokenizer.json') as g:
     assert f.read() == g.read()
@@ -159,9 +173,8 @@ def test_gpt_fine_tuning_starts_from_its_base_run_model_tokenizer_and_weights(co
     assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
-def test_the_base_weights_stay_bit_equal_while_the_adapters_train(base_run, lora_run):
-  from train.rundir import load_run
-  model, base = load_run(lora_run).model, load_run(base_run).model
+def test_the_base_weights_stay_bit_equal_while_the_adapters_train(base_run, lora_run, loaded_base, loaded_lora):
+  model, base = loaded_lora.model, loaded_base.model
   frozen, original = nnx.state(model, lora.BASE), nnx.state(base, nnx.Param)
   assert paths(frozen) == paths(original)
   for x, y in zip(jax.tree.leaves(frozen), jax.tree.leaves(original), strict=True):
@@ -231,15 +244,17 @@ def test_adapters_are_replicated_until_large_then_split_over_fsdp_like_their_pro
 
 @pytest.fixture(scope='module')
 def bert_base(hf_bert_dir, tmp_path_factory):
-  """(workdir, HF directory): a BERT pretraining run imported from `hf_bert_dir`, the base of the BERT LoRA
-  runs, and its export (a BertForPreTraining)."""
+  """(workdir, HF directory, run): a BERT pretraining run imported from `hf_bert_dir`, the base of the BERT LoRA
+  runs, its export (a BertForPreTraining) and the run reloaded (once: a test that changes its model changes a
+  clone)."""
   from train.rundir import load_run
   from train.trainer import import_hf_run
   root = tmp_path_factory.mktemp('bert')
   workdir, hf_dir = str(root / 'imported'), str(root / 'hf')
   import_hf_run(bert_config(task='pretrain'), hf_bert_dir[0], workdir)
-  load_run(workdir).export_hf(hf_dir)
-  return workdir, hf_dir
+  run = load_run(workdir)
+  run.export_hf(hf_dir)
+  return workdir, hf_dir, run
 
 
 def bert_classifier_config(source, tmp_path, **overrides):
@@ -262,13 +277,13 @@ def peft_classifier_logits(base_dir, adapter_dir, tokens, segments, valid):
 def test_a_bert_classifier_trains_adapters_and_its_new_head_and_exports_both_ways(bert_base, tmp_path):
   from train.rundir import load_run
   from train.trainer import train_and_evaluate
-  (source, base_dir), workdir = bert_base, str(tmp_path / 'lora')
+  (source, base_dir, base), workdir = bert_base, str(tmp_path / 'lora')
   train_and_evaluate(bert_classifier_config(source, tmp_path), workdir)
   params = paths(saved(workdir, 2)['model']['params'])
   assert {p for p in params if '/lora/' not in p} == {'classifier/kernel', 'classifier/bias'}
   assert len(params) == 2 + 2 * 2 * 3  # the head, and A and B of q and v in each of the 3 blocks
   run = load_run(workdir)
-  encoder, original = run.model.encoder, load_run(source).model.encoder
+  encoder, original = run.model.encoder, base.model.encoder
   for x, y in zip(jax.tree.leaves(nnx.state(encoder, lora.BASE)), jax.tree.leaves(nnx.state(original, nnx.Param)),
                   strict=True):
     assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
@@ -302,9 +317,8 @@ def test_a_bert_classifier_trains_adapters_and_its_new_head_and_exports_both_way
 
 def test_a_bert_pretraining_model_with_adapters_on_every_projection_loads_in_peft(bert_base, tmp_path):
   from interop.peft import export_bert_adapter
-  from train.rundir import load_run
-  source, base_dir = bert_base
-  model = load_run(source).model
+  _, base_dir, base = bert_base
+  model = nnx.clone(base.model)
   assert lora.add_adapters(model, ('q', 'k', 'v', 'o', 'up', 'down'), rank=2, alpha=3.0, dropout=0.0,
                            rngs=nnx.Rngs(1)) == sorted(f'encoder/blocks/{i}/{name}' for i in range(3) for name in (
                                'mlp/down', 'mlp/up', 'self_attention/key', 'self_attention/out',
@@ -348,11 +362,11 @@ def test_a_lora_target_on_the_head_a_classifier_trains_in_full_stops_before_anyt
 
 
 # ------------------------------------------------------------------------------------ Hugging Face and PEFT
-def test_a_gpt2_lora_run_exports_a_peft_adapter_and_a_merged_model_with_its_logits(base_run, lora_run, tmp_path):
-  from train.rundir import load_run
+def test_a_gpt2_lora_run_exports_a_peft_adapter_and_a_merged_model_with_its_logits(loaded_base, loaded_lora, tmp_path):
+  import dataclasses
   base_dir, adapter_dir, merged_dir = (str(tmp_path / name) for name in ('base', 'adapter', 'merged'))
-  load_run(base_run).export_hf(base_dir)
-  run = load_run(lora_run)
+  loaded_base.export_hf(base_dir)
+  run = dataclasses.replace(loaded_lora, model=nnx.clone(loaded_lora.model))  # the fixture's model left as reloaded
   randomize_adapters(run.model)
   summary = run.export_hf(adapter_dir, adapter=True)
   assert sorted(os.listdir(adapter_dir)) == ['adapter_config.json', 'adapter_model.safetensors']
@@ -380,7 +394,8 @@ def test_a_scanned_llama_with_adapters_on_every_projection_loads_in_peft(tmp_pat
   config = GPT2Config(vocab_size=bpe.vocab_size, max_len=48, num_layers=2, num_heads=4, num_kv_heads=2, width=32,
                       mlp_hidden=40, dropout=0.0, positions='rope', norm='rmsnorm', mlp='swiglu', use_bias=False,
                       tie_embeddings=False, scan_layers=True)
-  model = GPT(config, rngs=nnx.Rngs(0))
+  # Any base weights do (built abstractly, valued by NumPy: no random program compiled for each parameter shape).
+  model = support.numpy_valued(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
   base_dir, adapter_dir = str(tmp_path / 'base'), str(tmp_path / 'adapter')
   export_llama(model, bpe, base_dir)
   tokens = np.random.default_rng(0).integers(0, bpe.vocab_size, (2, 20))
