@@ -276,6 +276,7 @@ def test_wandb_offline_run_holds_the_logged_metrics(corpus, tmp_path, monkeypatc
   [log] = glob.glob(f'{workdir}/wandb/offline-run-*/run-*.wandb')
   history = wandb_history(log)
   for step, key in ((2, 'train/loss'), (4, 'train/loss'), (4, 'eval/loss')):
+    assert step in history, f'step {step} is not in the W&B log {log}: its history holds steps {sorted(history)}'
     assert_close(history[step][key], logged(workdir, key, step), terms=1)  # the same number, as W&B stores it
 
 
