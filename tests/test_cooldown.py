@@ -220,7 +220,10 @@ def test_a_resume_mid_cooldown_on_the_real_clock_ends_cooled_down_within_the_bud
   assert 'Resumed in the wall-clock cooldown' in out
   assert 'the wall-clock cooldown ended' in again.get('stopped', ''), again
   assert again['train/compiles'] == 1  # re-planning writes values into the optimizer state
-  assert saved_progress(workdir, again['step'])['seconds'] <= 60 * minutes  # the stop's evaluation and save included
+  # The stop's evaluation and save included. Tolerance 1 s, as tests/test_budget.py's real-clock run has one: the step
+  # in flight when the budget less its reserve runs out (0.2 s of waiting and the step), and the closing work's
+  # variation from its timing while the suite's other workers share the cores (18.3 s of the 18 s seen once in .ci/run).
+  assert saved_progress(workdir, again['step'])['seconds'] <= 60 * minutes + 1.0
   lr = {m['step']: m['train/lr'] for m in logged(workdir) if 'train/lr' in m}
   assert_close(lr[again['step']], config.train.lr * END_FRACTION, terms=1)
   cooldown = [lr[s] for s in sorted(lr) if s > config.train.warmup_steps]
