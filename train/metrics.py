@@ -33,7 +33,7 @@ def summary_writer_class():
 
   tensorboardX imports torch when it is installed (requirements-dev.txt, for the Hugging Face
   interop) only to accept torch tensors; this module logs floats, and importing torch is slow. It
-  imports google-cloud-storage (with requests, grpc, ...: ~0.4 s of CPU at every run's start) for
+  imports google-cloud-storage (with requests, grpc, ...: slow to import, at every run's start) for
   a gs:// writer of its own, which this module never uses: a gs:// workdir's event files are
   written to a local mirror (above). A `None` entry in sys.modules makes an import raise
   ImportError, which tensorboardX treats as the package being absent; each imports normally afterwards.
