@@ -187,6 +187,20 @@ def test_the_base_weights_stay_bit_equal_while_the_adapters_train(base_run, lora
     assert json.load(f)['base'] == {'workdir': os.path.abspath(base_run), 'step': 2}
 
 
+def test_a_reload_copies_the_base_weights_without_drawing_them(lora_run, loaded_base, monkeypatch):
+  """Every frozen weight of a LoRA GPT is its base run's: reloading it runs no initialiser (which would draw,
+  hold and throw away a second copy of the model), and gives them bit for bit."""
+  from train import state
+  from train.rundir import load_run
+
+  def initialiser(*args, **kwargs):
+    raise AssertionError('the LoRA run was reloaded through an initialiser')
+  monkeypatch.setattr(state, 'init_state', initialiser)
+  frozen = nnx.state(load_run(lora_run).model, lora.BASE)
+  for x, y in zip(jax.tree.leaves(frozen), jax.tree.leaves(nnx.state(loaded_base.model, nnx.Param)), strict=True):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
 def test_the_checkpoint_and_optimizer_state_hold_the_adapters_alone(base_run, lora_run):
   last = saved(lora_run, 4)
   params = last['model']['params']

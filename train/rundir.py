@@ -395,10 +395,16 @@ def load_run(workdir: str, step: int | None = None, config_overrides: dict | Non
 
 def base_weights(spec: state.StateSpec, task: Task, config, base: dict) -> nnx.State:
   """The frozen weights of a LoRA run (`spec`'s `frozen` part): its base run's, at the checkpoint
-  `base` ({'workdir', 'step'}) names, copied into a model initialised from `config.seed` as at the
-  start of its training (train/trainer.py `fresh_state`)."""
-  spec = dataclasses.replace(spec, abstract=dataclasses.replace(spec.abstract, opt_state=None),  # no optimizer
-                             shardings=dataclasses.replace(spec.shardings, opt_state=None))
-  initial = state.init_state(spec, lora.model_builder(task, config.train), None, config.seed)
+  `base` ({'workdir', 'step'}) names, copied by `Task.init_from` into a model whose parameters are
+  abstract: no initialiser compiles, runs or holds a second copy of the weights. A LoRA run has no
+  frozen weight its base run lacks (a BERT's positions are its base run's: train/tasks/bert.py)."""
   source = load_run(base['workdir'], base['step']).model
-  return state.copied_from(spec, initial, lambda model: task.init_from(model, source)).frozen
+  model = nnx.merge(spec.graphdef, spec.abstract.params, spec.abstract.frozen, spec.abstract.extra)
+  task.init_from(model, source)
+  _, frozen, _ = state.split_model(model, spec.trainable)
+  missing = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(frozen)
+             if not isinstance(x, jax.Array)]
+  if missing:
+    raise RuntimeError(f'{task.__class__.__name__}.init_from left frozen weights of the LoRA run without a value '
+                       f'from its base run {base["workdir"]}: {", ".join(missing[:5])}.')
+  return jax.device_put(frozen, spec.shardings.frozen)

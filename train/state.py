@@ -83,12 +83,13 @@ def split_model(model: nnx.Module, trainable=nnx.Param) -> tuple[nnx.State, nnx.
   return params, frozen, extra
 
 
-def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rng_impl: str, trainable):
+def _init_fn(build_model, tx: optax.GradientTransformation | None, seed: int, rng_impl: str, trainable,
+             frozen: bool = True):
   def init() -> TrainState:
     model = _build_traced(build_model, make_rngs(seed, rng_impl))
-    params, frozen, extra = split_model(model, trainable)
+    params, frozen_params, extra = split_model(model, trainable)
     return TrainState(params=params, extra=extra, opt_state=None if tx is None else tx.init(params),
-                      step=jnp.zeros((), jnp.int32), frozen=frozen)
+                      step=jnp.zeros((), jnp.int32), frozen=frozen_params if frozen else nnx.State({}))
   return init
 
 
@@ -122,15 +123,20 @@ def describe_sizes(spec: StateSpec) -> str:
           f'({mib(frozen)}), optimizer state {optimizer[0]:,} values ({mib(optimizer)}).')
 
 
-def jit_initialiser(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int):
+def jit_initialiser(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int,
+                    frozen: bool = True):
   """() -> TrainState: the jitted initialiser that `init_state` calls, each array born with its sharding."""
-  return jax.jit(_init_fn(build_model, tx, seed, spec.rng_impl, spec.trainable), out_shardings=spec.shardings)
+  shardings = spec.shardings if frozen else dataclasses.replace(spec.shardings, frozen=nnx.State({}))
+  return jax.jit(_init_fn(build_model, tx, seed, spec.rng_impl, spec.trainable, frozen), out_shardings=shardings)
 
 
-def init_state(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int) -> TrainState:
-  """A freshly initialised state, created sharded on `spec.mesh` (parameters from `seed`, dropout from seed + 1)."""
+def init_state(spec: StateSpec, build_model, tx: optax.GradientTransformation | None, seed: int,
+               frozen: bool = True) -> TrainState:
+  """A freshly initialised state, created sharded on `spec.mesh` (parameters from `seed`, dropout from
+  seed + 1). `frozen` False: without the frozen parameters (an empty `frozen`), which are then never
+  drawn (a LoRA run copies its base run's: train/rundir.py `base_weights`); the others are as with them."""
   with jax.set_mesh(spec.mesh):
-    return jit_initialiser(spec, build_model, tx, seed)()
+    return jit_initialiser(spec, build_model, tx, seed, frozen)()
 
 
 def step_array(spec: StateSpec, step: int) -> jax.Array:

@@ -124,8 +124,12 @@ def setup_run(config, workdir: str, model_config=None, rng_impl: str | None = No
 
 def fresh_state(setup: Setup) -> TrainState:
   """A freshly initialised sharded state (parameters from `config.seed`, or copied from
-  `config.init_from`'s run when fine-tuning)."""
+  `config.init_from`'s run when fine-tuning; a LoRA run's frozen weights are its base run's, never drawn)."""
   config = setup.config
+  if setup.base is not None:  # LoRA: the adapters (and new heads) from config.seed, the rest the base run's, frozen
+    state = state_lib.init_state(setup.spec, lora.model_builder(setup.task, config.train), setup.tx, config.seed,
+                                 frozen=False)
+    return dataclasses.replace(state, frozen=base_weights(setup))
   state = state_lib.init_state(setup.spec, lora.model_builder(setup.task, config.train), setup.tx, config.seed)
   if config.init_from:
     state = _init_from(setup, state, config.init_from)
@@ -148,10 +152,8 @@ def eval_metric_names(setup: Setup, batch) -> list[str]:
 
 
 def _init_from(setup: Setup, state: TrainState, source_workdir: str) -> TrainState:
-  """Fine-tuning: the task copies what it wants from another run's model (a LoRA run: from its base
-  run's checkpoint, into its frozen parameters); the optimizer starts fresh."""
-  base = setup.base or {'workdir': source_workdir, 'step': None}
-  source = rundir.load_run(base['workdir'], base['step']).model
+  """Fine-tuning: the task copies what it wants from another run's model; the optimizer starts fresh."""
+  source = rundir.load_run(source_workdir).model
   state = state_lib.copied_from(setup.spec, state, lambda model: setup.task.init_from(model, source))
   opt_state = jax.jit(setup.tx.init, out_shardings=setup.spec.shardings.opt_state)(state.params)
   return dataclasses.replace(state, opt_state=opt_state)
