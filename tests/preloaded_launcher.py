@@ -21,6 +21,7 @@ on stdin (stdin: a file to read, or null for /dev/null; new_session: the child c
 Popen(start_new_session=True) does); replies {id, pid} when the child starts and {id, returncode}
 (negative: killed by that signal) when it ends, on stdout.
 """
+import gc
 import json
 import os
 import runpy
@@ -98,6 +99,7 @@ if __name__ == '__main__':
   import huge_pages
   huge_pages.restart_with_huge_pages()  # as launch.py does, so that the forked children's malloc is a launch's
   preload()
+  gc.freeze()  # the imports stay out of the children's full garbage collections (and their pages shared)
   child_request = serve()
   if child_request is not None:
     run_launch(child_request)  # its SystemExit (or its return) ends the child like launch.py's process
