@@ -134,11 +134,20 @@ def lora_config(corpus, base_run, **overrides):
   return support.tiny_gpt_config(corpus, **{**LORA, 'init_from': base_run, **overrides})
 
 
+# The states the LoRA run's training initialised (state.init_state's results), recorded by `lora_run`.
+LORA_RUN_INITIALISED = []
+
+
 @pytest.fixture(scope='module')
 def lora_run(corpus, base_run, tmp_path_factory):
+  from train import state
   from train.trainer import train_and_evaluate
   workdir = str(tmp_path_factory.mktemp('lora') / 'run')
-  train_and_evaluate(lora_config(corpus, base_run), workdir)
+  init_state = state.init_state
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(state, 'init_state', lambda *args, **kwargs: LORA_RUN_INITIALISED.append(
+        init_state(*args, **kwargs)) or LORA_RUN_INITIALISED[-1])
+    train_and_evaluate(lora_config(corpus, base_run), workdir)
   return workdir
 
 
@@ -151,7 +160,7 @@ def loaded_base(base_run):
 
 @pytest.fixture(scope='module')
 def loaded_lora(lora_run):
-  """`load_run(lora_run)` (its base weights rebuilt from the base run: an initialiser compiled), reloaded once;
+  """`load_run(lora_run)` (its base weights copied from the base run), reloaded once;
   a test that changes its model changes a clone (`nnx.clone`)."""
   from train.rundir import load_run
   return load_run(lora_run)
@@ -188,8 +197,12 @@ def test_the_base_weights_stay_bit_equal_while_the_adapters_train(base_run, lora
 
 
 def test_a_reload_copies_the_base_weights_without_drawing_them(lora_run, loaded_base, monkeypatch):
-  """Every frozen weight of a LoRA GPT is its base run's: reloading it runs no initialiser (which would draw,
-  hold and throw away a second copy of the model), and gives them bit for bit."""
+  """Every frozen weight of a LoRA GPT is its base run's: its training's initialiser drew none of them
+  (only the adapters), and reloading it runs no initialiser (which would draw, hold and throw away a second
+  copy of the model) and gives them bit for bit."""
+  [initialised] = LORA_RUN_INITIALISED
+  assert jax.tree.leaves(initialised.frozen) == []
+  assert paths(initialised.params) and all('/lora/' in path for path in paths(initialised.params))
   from train import state
   from train.rundir import load_run
 
