@@ -99,7 +99,10 @@ PRESETS |= {
 PRESETS |= {
     # `default` with 8 experts, top-2, 510 wide: per token 2 x (2 x 256 x 510) + the 256 x 8 router =
     # 524,288 MLP weights per block, as many as the dense default's 2 x 256 x 1,024.
-    'moe': dict(PRESETS['default'], model=dict(PRESETS['default']['model'], moe_experts=8, moe_hidden=510)),
+    # Balanced by the auxiliary loss and DeepSeek-V3's loss-free bias together (train.moe_aux_loss,
+    # model.moe_router_bias).
+    'moe': dict(PRESETS['default'], model=dict(PRESETS['default']['model'], moe_experts=8, moe_hidden=510,
+                                               moe_router_bias=True)),
     'mixtral-8x7b': dict(model=dict(LLAMA, num_layers=32, num_heads=32, num_kv_heads=8, width=4096, moe_experts=8,
                                     moe_hidden=14336, max_len=32768, rope_theta=1e6, tie_embeddings=False),
                          data=dict(vocab_size=32000, seq_len=4096)),

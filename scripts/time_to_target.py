@@ -76,7 +76,7 @@ BASELINES = {
         'model.token_dropout': 0.0,
     },
     # The dense decoder a mixture-of-experts preset is built on (configs/gpt.py:moe is `default` with experts).
-    'gpt-dense': {'model.moe_experts': 0, 'model.moe_hidden': 0},
+    'gpt-dense': {'model.moe_experts': 0, 'model.moe_hidden': 0, 'model.moe_router_bias': False},
 }
 GETTEXT_DIR = '/tmp/gettext'  # scripts/make_gettext_corpus.py's output
 CLOCK_SCHEDULES = ('constant', 'rsqrt', 'wsd')  # schedules that need no step count: they run on the clock
