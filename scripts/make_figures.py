@@ -10,6 +10,8 @@ Writes, each from the files named:
   token_cache_rss.png             measurements/token_cache_rss.csv
   speed_tables.png                measurements/speed_raw.jsonl (the lines speed_raw_provenance.csv dates),
                                   measurements/speed_xeon.csv
+  gpt_moe_expert_load.png         measurements/moe_expert_load.csv: the latest measurement's rows (each logged
+                                  step of one MoE run), drawn by train/pictures.py as the run draws it
   transformer_attention.png       measurements/transformer_attention.json (scripts/attention_map.py's record
                                   of a main-job run): its cross-attention heads, drawn by train/pictures.py
 
@@ -36,6 +38,7 @@ import textwrap
 import warnings
 
 import matplotlib
+import numpy as np
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
@@ -306,7 +309,24 @@ def transformer_attention(out_dir: str) -> None:
   save(figure, out_dir, 'transformer_attention.png')
 
 
+def gpt_moe_expert_load(out_dir: str) -> None:
+  """Each MoE block's most and least loaded expert at every logged step of the latest measured run."""
+  rows = read_csv('moe_expert_load.csv')
+  latest = [row for row in rows if (row['date'], row['commit']) == (rows[-1]['date'], rows[-1]['commit'])]
+  steps = sorted({int(row['step']) for row in latest})
+  blocks = sorted({int(row['block']) for row in latest})
+  load = {(int(row['step']), int(row['block'])): row for row in latest}
+  grid = {kind: np.array([[float(load[step, block][kind]) for step in steps] for block in blocks])
+          for kind in ('max_load', 'min_load')}
+  first = latest[0]
+  figure = pictures.expert_load_figure(steps, blocks, grid['max_load'], grid['min_load'], textwrap.fill(
+      f"Expert load of {first['preset']} ({first['balancing']}; {first['date']}, {first['commit']}, "
+      f"{first['machine']})", 90, break_on_hyphens=False))
+  save(figure, out_dir, 'gpt_moe_expert_load.png')
+
+
 FIGURES = (gpt_time_to_target, gpt_learning_curves, token_cache_rss, speed_tables, transformer_attention,
+           gpt_moe_expert_load,
            *(functools.partial(study_figures, name) for name in STUDIES))
 
 

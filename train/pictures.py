@@ -80,17 +80,17 @@ def attention_figure(panels: Sequence[Sequence[Panel]], title: str = ''):
   return figure
 
 
-def plot_expert_load(path: str, steps: Sequence[int], blocks: Sequence[int], max_load: np.ndarray,
-                     min_load: np.ndarray, title: str = '') -> str:
-  """Save two heatmaps over [MoE blocks, logged steps] to `path` (PNG): each block's most and least
-  loaded expert, as a multiple of an even share (1 = every expert equally loaded); return the path.
-  max_load, min_load: [len(blocks), len(steps)]."""
+def expert_load_figure(steps: Sequence[int], blocks: Sequence[int], max_load: np.ndarray, min_load: np.ndarray,
+                       title: str = ''):
+  """Two heatmaps over [MoE blocks, logged steps]: each block's most and least loaded expert, as a
+  multiple of an even share (1 = every expert equally loaded). max_load, min_load: [len(blocks), len(steps)].
+  Returns the matplotlib figure (the caller saves and closes it)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   figure, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.12 * len(steps) + 3), 2 * (1.0 + 0.3 * len(blocks)) + 0.6),
                               squeeze=False)
-  every = max(1, len(steps) // 12)  # at most ~12 step labels
+  every = -(-len(steps) // 12)  # at most 12 step labels
   for ax, values, name, cmap in ((axes[0][0], max_load, 'most loaded expert', 'magma'),
                                  (axes[1][0], min_load, 'least loaded expert', 'viridis')):
     image = ax.imshow(np.asarray(values, np.float32), cmap=cmap, aspect='auto', interpolation='nearest')
@@ -102,6 +102,14 @@ def plot_expert_load(path: str, steps: Sequence[int], blocks: Sequence[int], max
   if title:
     figure.suptitle(title, fontsize=10)
   figure.tight_layout()
+  return figure
+
+
+def plot_expert_load(path: str, steps: Sequence[int], blocks: Sequence[int], max_load: np.ndarray,
+                     min_load: np.ndarray, title: str = '') -> str:
+  """Save `expert_load_figure` to `path` (PNG); return the path."""
+  import matplotlib.pyplot as plt
+  figure = expert_load_figure(steps, blocks, max_load, min_load, title)
   storage.save_png(figure, path, dpi=90)
   plt.close(figure)
   return path
