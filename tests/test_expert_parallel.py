@@ -21,8 +21,9 @@ from train.trainer import train_and_evaluate
 pytestmark = pytest.mark.numerics  # parity: .ci/run reruns them with AVX2 only
 
 WIDTH, EXPERT_WIDTH, EXPERTS, TOP_K = 32, 80, 8, 2  # [N, E, H] experts large enough to shard (MIN_SHARDED_SIZE)
+# With the loss-free bias, as the `moe` preset balances (a rate that moves the choice within the steps).
 MOE = {'model.moe_experts': EXPERTS, 'model.moe_top_k': TOP_K, 'model.moe_hidden': EXPERT_WIDTH,
-       'model.mlp': 'swiglu', 'model.dropout': 0.0}
+       'model.mlp': 'swiglu', 'model.dropout': 0.0, 'model.moe_router_bias': True, 'train.moe_bias_rate': 0.01}
 EXPERT_PARALLEL = {'mesh.data': 2, 'mesh.expert': 4}
 # fsdp and tensor beside the expert axis: the experts' matrices gathered over fsdp into the exchange, the
 # tokens' copies on the tensor axis computing alike.
